@@ -1,0 +1,75 @@
+"""The per-step batch description that layers and kernels read.
+
+The ModelRunner knows, for every forward pass, how the flat batch of tokens splits into
+sequences and where each token's K/V lives in the paged cache. Passing that through every
+``forward`` signature would clutter every module of the model, so (like vLLM and nano-vllm)
+we keep it in one module-level object:
+
+    ModelRunner.run()                  Attention.forward()          ParallelLMHead.forward()
+        with forward_context(...):  ->     ctx = get_context()  ->     ctx.is_prefill?
+            model(input_ids, positions)    store K/V at ctx.slot_mapping, attend ...
+
+The cost is implicit global state: a layer called outside ``forward_context`` sees the
+empty default context, and two engines in one process must not run a forward at the same
+time. ``forward_context`` always resets the context, even when the forward raises, so a
+failed step cannot leak its batch into the next one.
+
+Shapes (N = tokens in the step, B = sequences in the step):
+
+    prefill   cu_seqlens_q   [B+1] int32  start of each sequence's *new* tokens in the flat batch
+              cu_seqlens_k   [B+1] int32  start of each sequence's *whole* context (cached + new)
+              max_seqlen_q / max_seqlen_k  Python ints, known on the host (no device sync)
+              slot_mapping   [N]   int32  cache slot (block_id * block_size + offset) per new token
+              block_tables   [B, max_blocks] int32, -1 padded; only set when a prefix is cached
+    decode    slot_mapping   [B]   int32  slot of the one new token per sequence (-1 = padding)
+              context_lens   [B]   int32  tokens of context including the new one
+              block_tables   [B, max_blocks] int32, -1 padded
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    is_prefill: bool = False
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(**fields: object) -> None:
+    """Replace the context with a fresh one holding ``fields`` (unknown names raise TypeError)."""
+    global _CONTEXT
+    _CONTEXT = Context(**fields)  # type: ignore[arg-type]
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = Context()
+
+
+@contextmanager
+def forward_context(**fields: object) -> Iterator[Context]:
+    """Set the context for one forward pass and always clear it afterwards."""
+    set_context(**fields)
+    try:
+        yield _CONTEXT
+    finally:
+        reset_context()
