@@ -1,0 +1,189 @@
+"""Config: the one place where every engine setting is named.
+
+Every module reads its settings as attributes of one ``Config`` object (``config.block_size``),
+never from a string-keyed dict. A typo in a dict key (``config["max_num_seqs"]``) fails only
+when that line finally runs -- the MinivLLM article found exactly that bug hiding the whole
+CUDA-graph path. A typo in an attribute name fails at once, and a typo in a *keyword* given to
+``Config`` is caught here, with the closest valid name in the message:
+
+    >>> Config(max_num_seqs=8)
+    ConfigError: Config has no field 'max_num_seqs'; did you mean 'max_num_sequences'? ...
+
+Values are checked in ``__post_init__`` so a bad setting fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class ConfigError(TypeError, ValueError):
+    """An unknown Config field.
+
+    It is a TypeError because that is what Python raises for an unexpected keyword argument
+    (so ``except TypeError`` around ``Config(**kwargs)`` keeps working), and a ValueError
+    because a bad key in a dict (``Config.from_dict``) is a bad value.
+    """
+
+
+@dataclass
+class Config:
+    model: str | None = None
+    """Hub id, local checkpoint folder, or ``.gguf`` file; None picks the bundled default model.
+    It is the one thing that decides the architecture and the weights."""
+
+    max_num_sequences: int = 256
+    """Most sequences alive (running) at once. Bounds every batch, and is the largest batch size
+    a decode CUDA graph is captured for. One name, read by the scheduler and the runner alike."""
+
+    max_num_batched_tokens: int = 16384
+    """Most prompt tokens in one prefill step. Bounds activation memory of a prefill, so the
+    runner's warm-up uses the same number to measure peak memory before sizing the KV cache."""
+
+    max_model_length: int = 4096
+    """Longest sequence (prompt + completion). A sequence reaching it finishes; a longer prompt
+    is rejected. Also sizes the block tables of the decode CUDA graphs."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (the 'page' of PagedAttention). Small blocks waste less memory
+    at the end of each sequence and share prefixes at a finer grain; large blocks mean shorter
+    block tables. Only full blocks can be shared by prefix caching."""
+
+    num_kvcache_blocks: int = -1
+    """Blocks in the KV cache; -1 = as many as fit in gpu_memory_utilization after the model
+    and a warm-up. The runner writes the number it chose back here before the scheduler starts."""
+
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU memory the engine may use in total (weights + activations + KV cache)
+    when num_kvcache_blocks is -1."""
+
+    tensor_parallel_size: int = 1
+    """GPUs (processes) one model is split over. Must divide the number of attention heads."""
+
+    enforce_eager: bool = False
+    """True = never capture/replay CUDA graphs (slower decode, easier debugging). CPU runs are
+    always eager."""
+
+    dtype: str = "auto"
+    """Weight/activation dtype: "auto" (the checkpoint's, float32 on CPU), "float16", "bfloat16"
+    or "float32"."""
+
+    device: str = "auto"
+    """"auto" (CUDA when available, else CPU), "cuda" or "cpu"."""
+
+    eos: int | tuple[int, ...] | None = None
+    """End-of-sequence token id(s). None = read them from the checkpoint's tokenizer/generation
+    config; -1 = no eos (generate until max_tokens / max_model_length)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the K/V of full blocks whose tokens (and whole prefix) match an earlier or
+    concurrent request. False = every prompt is computed from scratch."""
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            if not isinstance(self.model, (str, os.PathLike)):
+                raise ValueError(f"Config.model must be a str path/hub id or None, "
+                                 f"got {type(self.model).__name__} {self.model!r}")
+            self.model = os.fspath(self.model)
+        _check_int("max_num_sequences", self.max_num_sequences, minimum=1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        _check_int("max_model_length", self.max_model_length, minimum=1)
+        _check_int("block_size", self.block_size, minimum=1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if not (_is_int(self.num_kvcache_blocks)
+                and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)):
+            raise ValueError(f"Config.num_kvcache_blocks must be -1 (size from memory) or an "
+                             f"int >= 1, got {self.num_kvcache_blocks!r}")
+        g = self.gpu_memory_utilization
+        if not (_is_real(g) and math.isfinite(g) and 0.0 < g <= 1.0):
+            raise ValueError(f"Config.gpu_memory_utilization must be a number in (0, 1], "
+                             f"got {g!r}")
+        _check_bool("enforce_eager", self.enforce_eager)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"Config.device must be one of {DEVICES}, got {self.device!r}")
+        self.eos = _normalize_eos(self.eos)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+        """Build a Config from a mapping (e.g. parsed JSON); unknown keys raise ConfigError."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"Config.from_dict expects a mapping, got {type(d).__name__}")
+        _check_field_names(d.keys())
+        return cls(**d)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+# --------------------------------------------------------------------------- unknown keys
+def _check_field_names(names: Iterable[object]) -> None:
+    valid = Config.field_names()
+    for name in names:
+        if name in valid:
+            continue
+        if not isinstance(name, str):
+            raise ConfigError(f"Config field names must be strings, got {name!r}; "
+                              f"valid fields: {', '.join(valid)}")
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"Config has no field '{name}'; {hint}valid fields: {', '.join(valid)}")
+
+
+# The dataclass writes __init__ for us; wrap it so unknown keywords get the helpful error
+# above instead of Python's bare "unexpected keyword argument".
+_dataclass_init = Config.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _checked_init(self: Config, *args: Any, **kwargs: Any) -> None:
+    _check_field_names(kwargs.keys())
+    _dataclass_init(self, *args, **kwargs)
+
+
+Config.__init__ = _checked_init  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- value checks
+def _is_int(x: object) -> bool:
+    # bool is a subclass of int; True as a block size is a bug, not a 1.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not (_is_int(value) and value >= minimum):  # type: ignore[operator]
+        raise ValueError(f"Config.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"Config.{name} must be True or False, got {value!r}")
+
+
+def _normalize_eos(eos: object) -> int | tuple[int, ...] | None:
+    if eos is None:
+        return None
+    if _is_int(eos):
+        if eos == -1 or eos >= 0:  # type: ignore[operator]
+            return eos  # type: ignore[return-value]
+    elif isinstance(eos, (tuple, list)) and eos and all(_is_int(t) and t >= 0 for t in eos):
+        return tuple(eos)  # a JSON list becomes the tuple the rest of the code expects
+    raise ValueError(f"Config.eos must be None (from the checkpoint), -1 (no eos), a token id "
+                     f">= 0, or a non-empty tuple of token ids >= 0, got {eos!r}")

@@ -1,0 +1,249 @@
+"""BlockManager: the KV cache's bookkeeping (which block belongs to whom), not its contents.
+
+The GPU holds one big K/V tensor cut into ``num_blocks`` blocks of ``block_size`` tokens.
+This class decides which physical blocks a sequence uses (its ``block_table``) and how many
+sequences share each block (``ref_count``). It never touches tensor memory: the ModelRunner
+turns block tables into slot numbers and ``store_kvcache`` writes the values.
+
+Prefix caching. A *full* block is identified by a hash chained over everything before it:
+
+    tokens   [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9]
+    hash     h0 = H(-, b0)  h1 = H(h0, b1)   -1 (partial: no hash, never shared)
+
+so equal hashes mean equal blocks *at the same position after the same prefix* (up to a
+2^-64 collision in the chain; the block's own tokens are compared exactly). A new sequence
+walks its blocks in order and reuses every block found in ``hash_to_block_id`` until the
+first miss; it then only computes the rest.
+
+Free blocks keep their hash and tokens. A sequence that finished leaves its full blocks
+findable: the next request with the same prefix "revives" them, until the block is needed as
+a fresh block for someone else. ``free_block_ids`` is ordered as an LRU list:
+
+    free_block_ids:  [ partial/unhashed ... | hashed, least recently freed ... most recent ]
+                       ^ popleft() hands these out first            deallocate appends here ^
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as SequenceOf
+
+import numpy as np
+import xxhash
+
+from myvllm.engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id: int = block_id
+        self.ref_count: int = 0    # block tables that hold this block (0 = free)
+        self.hash: int = -1        # chained hash of a full block; -1 = not full / not hashed
+        self.token_ids: list[int] = []  # the tokens of a hashed block, to confirm a hash hit
+
+    def update(self, hash: int, token_ids: list[int]) -> None:
+        self.hash = hash
+        self.token_ids = list(token_ids)
+
+    def reset(self) -> None:
+        # reset() runs only when a block is handed out as a fresh block, and being handed out
+        # IS the first reference: the sequence receiving it will call deallocate() once for
+        # it. Starting at 0 would make that deallocate drive the count to -1; the block
+        # would never reach 0 again, never return to the free list, and leak for good.
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref_count={self.ref_count}, hash={self.hash})"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, "
+                             f"got num_blocks={num_blocks}, block_size={block_size}")
+        self.block_size: int = block_size
+        self.enable_prefix_caching: bool = enable_prefix_caching
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
+        # hash of a full block -> the block that holds it (free or in use)
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+
+    # ------------------------------------------------------------------ hashing
+    @staticmethod
+    def compute_hash(token_ids: SequenceOf[int], prefix: int = -1) -> int:
+        """xxhash64 over the previous block's hash (if any) then the tokens as little-endian
+        int64. Chaining makes a block's hash depend on the whole prefix, not just its own
+        tokens: the same 16 tokens after different prompts have different K/V."""
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+        return h.intdigest()  # unsigned 64-bit: never -1
+
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Hash every block of ``seq`` and find the leading run of cache hits.
+
+        Returns (hashes, hits): hashes[i] is block i's chained hash (-1 when partial or prefix
+        caching is off); hits are the block ids serving blocks 0..len(hits)-1.
+        """
+        hashes: list[int] = []
+        hits: list[int] = []
+        hit_set: set[int] = set()
+        h = -1
+        missed = not self.enable_prefix_caching
+        for i in range(seq.num_blocks):
+            token_ids = seq.block(i)
+            full = len(token_ids) == self.block_size
+            h = self.compute_hash(token_ids, h) if self.enable_prefix_caching and full else -1
+            hashes.append(h)
+            if missed:
+                # The runner can skip only a leading run of cached tokens (the prefill
+                # computes token_ids[num_cached_tokens:]), so after the first miss every
+                # later block is computed, even if an equal block happens to be cached.
+                continue
+            block_id = self.hash_to_block_id.get(h, -1) if h != -1 else -1
+            # A hit needs the hash AND the same tokens; a block already used by this sequence
+            # can't serve a second position (only possible through a hash collision).
+            if (block_id == -1 or self.blocks[block_id].token_ids != token_ids
+                    or block_id in hit_set):
+                missed = True
+            else:
+                hits.append(block_id)
+                hit_set.add(block_id)
+        if hits and len(hits) == seq.num_blocks:
+            # Fully cached: the runner must still compute at least the last token (its logits
+            # give the next token), so the last block is treated as a miss and recomputed in a
+            # fresh block. Recomputing inside the cached block instead would write into a block
+            # other sequences may be reading at that moment.
+            hits.pop()
+        return hashes, hits
+
+    # ------------------------------------------------------------------ block lifecycle
+    def _allocate_fresh_block(self) -> int:
+        """Hand out the least recently freed block, dropping whatever it cached."""
+        if not self.free_block_ids:
+            raise RuntimeError("no free KV-cache block: check can_allocate/can_append first")
+        block_id = self.free_block_ids.popleft()
+        block = self.blocks[block_id]
+        if block.ref_count != 0:
+            raise RuntimeError(f"free list holds block {block_id} with ref_count "
+                               f"{block.ref_count}: the ref counts are corrupt")
+        # Evict: remove the cache entry only if it still names this block (a later block with
+        # the same hash may have taken the entry over).
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.reset()
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _reuse_block(self, block_id: int) -> None:
+        """Take one more reference to a cached block; revive it if it was free."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            # Freed but still cached: take it out of the free list. deque.remove is O(n); vLLM
+            # uses a doubly linked free list to make this O(1). Fine at our scale.
+            self.free_block_ids.remove(block_id)
+            self.used_block_ids.add(block_id)
+        block.ref_count += 1
+
+    def _release_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} released more often than referenced")
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return  # another sequence still reads this block
+        self.used_block_ids.remove(block_id)
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            # Findable cached block: keep its hash and tokens, append at the MRU end.
+            self.free_block_ids.append(block_id)
+        else:
+            # Partial or no longer findable: no cache value, reuse it first.
+            self.free_block_ids.appendleft(block_id)
+
+    # ------------------------------------------------------------------ prefill
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Enough free blocks for every block of seq that is not shared with a running seq?"""
+        _, hits = self._match_prefix(seq)
+        shared = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        # Hits on *free* cached blocks still come out of the free list (revived).
+        return len(self.free_block_ids) >= seq.num_blocks - shared
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq a block table covering all its tokens, reusing cached prefix blocks.
+
+        Hits come first and misses after, so reviving hit blocks (out of the middle of the
+        free list) never races with popleft() handing the same block out as fresh.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
+        hashes, hits = self._match_prefix(seq)
+        shared = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        if len(self.free_block_ids) < seq.num_blocks - shared:
+            raise RuntimeError(f"cannot allocate {seq.num_blocks - shared} blocks for sequence "
+                               f"{seq.seq_id}: {len(self.free_block_ids)} free "
+                               "(call can_allocate first)")
+        for block_id in hits:
+            self._reuse_block(block_id)
+            seq.block_table.append(block_id)
+        for i in range(len(hits), seq.num_blocks):
+            block_id = self._allocate_fresh_block()
+            if hashes[i] != -1:
+                # Register now: the K/V of this block is written in this very prefill step,
+                # before any later step can read it through another block table. (Within the
+                # step, store_kvcache writes all new K/V before attention reads any.)
+                self.blocks[block_id].update(hashes[i], seq.block(i))
+                self.hash_to_block_id[hashes[i]] = block_id
+            seq.block_table.append(block_id)
+        seq.num_cached_tokens = len(hits) * self.block_size
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop seq's references. Blocks reaching 0 go back to the free list, still cached.
+
+        The walk is in reverse so that, among one sequence's blocks, the LAST block is freed
+        first and thus evicted first: a prefix's first blocks are the ones most likely to be
+        shared again (every longer prompt with that prefix needs them), so they live longest.
+        """
+        for block_id in reversed(seq.block_table):
+            self._release_block(block_id)
+        seq.block_table.clear()
+        # seq.num_cached_tokens is left as it was: for a finished sequence it still says how
+        # much of its (last) prefill came from the cache. Scheduler.preempt zeroes it, and
+        # allocate() always sets it again.
+
+    # ------------------------------------------------------------------ decode
+    # Both are called AFTER the new token was appended to seq (it is counted in num_tokens)
+    # but before its K/V is written. Its slot is position num_tokens - 1, in logical block
+    # (num_tokens - 1) // block_size. That block is new exactly when the table is one short:
+    #
+    #     len(seq.block_table) < seq.num_blocks
+    #
+    # For block_size > 1 this is the article's `num_tokens % block_size == 1`: the token is the
+    # first of a new block. At `num_tokens % block_size == 0` the token is the LAST slot of
+    # the block the sequence already holds -- no new block; the block just became full, so
+    # append() hashes it. The modulo form breaks for block_size == 1 (x % 1 is never 1, and
+    # every token needs a new block); the table-length form is right for every block size.
+    def can_append(self, seq: Sequence) -> bool:
+        needed = seq.num_blocks - len(seq.block_table)  # 0 or 1 in decode
+        return len(self.free_block_ids) >= needed
+
+    def append(self, seq: Sequence) -> None:
+        missing = seq.num_blocks - len(seq.block_table)
+        if missing > 1:
+            raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short; append() "
+                               "covers one new token per step")
+        if missing == 1:
+            seq.block_table.append(self._allocate_fresh_block())
+        if self.enable_prefix_caching and seq.num_tokens % self.block_size == 0:
+            # The last block is full once this step writes the new token's K/V: register it
+            # so later requests can share it (its K/V exists before any later step runs).
+            last = self.blocks[seq.block_table[-1]]
+            prefix = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
+            token_ids = seq.block(seq.num_blocks - 1)
+            h = self.compute_hash(token_ids, prefix)
+            last.update(h, token_ids)
+            self.hash_to_block_id[h] = last.block_id

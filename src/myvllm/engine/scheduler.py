@@ -1,0 +1,206 @@
+"""Scheduler: which sequences run in the next forward pass, and whether it is a prefill.
+
+Two queues, and four rules (the MinivLLM article's):
+
+    waiting  [s5 s6 s7]  --admit (prefill)-->  running  [s1 s2 s3 s4]
+             ^                                              |
+             +---- preempt: the TAIL of running goes back --+
+                   to the FRONT of waiting, blocks freed
+
+1. Prefill first. If any waiting sequence can be admitted, this step is a prefill of the
+   waiting head(s), and running sequences skip their decode step. Time-to-first-token is what
+   a user notices first, and one prefill step serves many tokens.
+2. Prefills are batched: admit from the head of waiting while the batch stays within
+   max_num_sequences, max_num_batched_tokens and the free blocks. FIFO: when the head does
+   not fit, nobody behind it jumps the queue (and the head is kept, never dropped).
+3. Preemption is by recompute and the victim is the tail of running (the latest admitted):
+   its blocks are freed and it is prefilled again later over prompt + completion so far.
+4. No progress is an error: if a step schedules nothing and preempts nothing while work
+   remains, every later step would do the same, so raise instead of spinning forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from myvllm.config import Config
+from myvllm.engine.block_manager import BlockManager
+from myvllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: Config) -> None:
+        if config.num_kvcache_blocks < 1:
+            raise ValueError(f"Scheduler needs config.num_kvcache_blocks >= 1, got "
+                             f"{config.num_kvcache_blocks}: the ModelRunner sizes the KV cache "
+                             "(-1 = from memory) before the scheduler is built")
+        self.max_num_sequences: int = config.max_num_sequences
+        self.max_num_batched_tokens: int = config.max_num_batched_tokens
+        self.max_model_length: int = config.max_model_length
+        self.block_size: int = config.block_size
+        eos = config.eos
+        if eos is None or eos == -1:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos, int):
+            self.eos_token_ids = frozenset((eos,))
+        else:
+            self.eos_token_ids = frozenset(eos)
+        self.block_manager: BlockManager = BlockManager(
+            config.num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    # ------------------------------------------------------------------ admission
+    def max_kv_tokens(self, seq: Sequence) -> int:
+        """Most tokens this sequence can ever need in the KV cache (and in one prefill).
+
+        A sequence is only scheduled while unfinished, i.e. with fewer than max_tokens
+        completion tokens and fewer than max_model_length tokens. The token sampled by its
+        last step is never written to the cache. So it needs room for its prompt, and for at
+        most min(prompt + max_tokens, max_model_length) - 1 tokens once it decodes (a
+        re-prefill after preemption covers the same tokens).
+        """
+        longest = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens,
+                      self.max_model_length)
+        return max(seq.num_prompt_tokens, longest - 1)
+
+    def check_sequence(self, seq: Sequence) -> None:
+        """Raise ValueError if seq could never run here; queue nothing."""
+        if seq.status != SequenceStatus.WAITING or seq.block_table or seq.num_completion_tokens:
+            raise ValueError(f"sequence {seq.seq_id} is not a new request "
+                             f"(status {seq.status.name}, {len(seq.block_table)} blocks, "
+                             f"{seq.num_completion_tokens} completion tokens)")
+        if seq.block_size != self.block_size:
+            raise ValueError(f"sequence {seq.seq_id} was built with block_size "
+                             f"{seq.block_size}, the KV cache uses {self.block_size}")
+        if seq.num_prompt_tokens == 0:
+            raise ValueError("empty prompt: a prompt needs at least one token")
+        if seq.num_prompt_tokens > self.max_model_length:
+            raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is longer than "
+                             f"max_model_length={self.max_model_length}")
+        need_tokens = self.max_kv_tokens(seq)
+        need_blocks = (need_tokens + self.block_size - 1) // self.block_size
+        total_blocks = len(self.block_manager.blocks)
+        if need_blocks > total_blocks:
+            raise ValueError(
+                f"sequence {seq.seq_id} can grow to {need_tokens} tokens = {need_blocks} blocks "
+                f"of {self.block_size}, but the whole KV cache has {total_blocks} blocks; "
+                "shorten the prompt or max_tokens, or give the cache more blocks")
+        if need_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"sequence {seq.seq_id} can grow to {need_tokens} tokens, more than "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: after a preemption it "
+                "could never be prefilled again; raise max_num_batched_tokens or shorten it")
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.check_sequence(seq)
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Pick the next batch. Never returns an empty batch while work remains."""
+        if self.is_finished():
+            return [], False
+
+        # Rule 1 + 2: prefill first, batched, FIFO.
+        batch: list[Sequence] = []
+        num_batched_tokens = 0
+        while self.waiting and len(self.running) < self.max_num_sequences:
+            seq = self.waiting[0]
+            if (num_batched_tokens + len(seq) > self.max_num_batched_tokens
+                    or not self.block_manager.can_allocate(seq)):
+                break  # the head stays at the head of waiting
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+            num_batched_tokens += len(seq)
+        if batch:
+            return batch, True
+
+        # Decode: one token for each running sequence, in running order.
+        preempted = False
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_sequences:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                # Rule 3: free blocks by sending the tail of running back to waiting.
+                preempted = True
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)  # nobody left to evict: seq itself waits
+                    break
+            else:
+                self.block_manager.append(seq)
+                scheduled.append(seq)
+        # The scheduled ones go back in front, in their order; any beyond max_num_sequences
+        # (possible only if the limit was lowered) keep their places behind them.
+        self.running.extendleft(reversed(scheduled))
+        if scheduled:
+            return scheduled, False
+
+        if not preempted:
+            # Rule 4.
+            bm = self.block_manager
+            raise RuntimeError(
+                f"Scheduler made no progress: {len(self.waiting)} waiting and "
+                f"{len(self.running)} running sequences, {len(bm.free_block_ids)} of "
+                f"{len(bm.blocks)} blocks free. Either a sequence cannot fit in the KV cache "
+                "(add_sequence should have rejected it), or blocks leaked because their "
+                "ref_count never returned to 0.")
+        # Everything running was preempted (only one sequence was left and it could not grow).
+        # Its blocks are free now, so try again: the next call prefills it or raises above.
+        return self.schedule()
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop seq's blocks and queue it at the FRONT of waiting.
+
+        No K/V is copied anywhere; a block shared with another sequence just loses one
+        reference and the other sequence keeps reading it unchanged.
+        """
+        if seq in self.running:  # the scheduler pops victims itself; direct callers may not
+            self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.num_cached_tokens = 0  # nothing of it is in the cache any more (for now)
+        seq.status = SequenceStatus.WAITING
+        seq.needs_prefill = True  # its next forward recomputes prompt + completion so far
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ after the forward
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Append each sequence's new token; finish and release the ones that stop.
+
+        Stops on eos (unless ignore_eos), on max_tokens completion tokens, or on reaching
+        max_model_length tokens. Returns the sequences that finished in this step.
+        """
+        if len(seqs) != len(token_ids):
+            raise ValueError(f"postprocess got {len(token_ids)} tokens for {len(seqs)} sequences")
+        finished: list[Sequence] = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.append_token(token_id)
+            params = seq.sampling_params
+            if ((not params.ignore_eos and token_id in self.eos_token_ids)
+                    or seq.num_completion_tokens >= params.max_tokens
+                    or seq.num_tokens >= self.max_model_length):
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop seq wherever it is (e.g. generate() interrupted); its blocks are released."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED

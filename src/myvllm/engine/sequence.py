@@ -1,0 +1,153 @@
+"""Sequence: one request's tokens, its place in the queues, and its block table.
+
+A sequence is the prompt followed by the tokens generated so far. Its K/V lives in the
+paged cache in blocks of ``block_size`` tokens; ``block_table[i]`` is the physical block that
+holds tokens ``i*block_size .. (i+1)*block_size - 1``:
+
+    block_size = 4, 10 tokens          t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .  .
+    block_table = [7, 2, 9]              block 7       block 2       block 9 (2 of 4 used)
+    num_blocks = ceil(10 / 4) = 3,  last_block_num_tokens = 2
+
+The Sequence only *describes* that layout; the BlockManager fills ``block_table`` and
+``num_cached_tokens`` and the ModelRunner turns them into slot numbers.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from enum import Enum, auto
+from itertools import count
+from typing import Any
+
+from myvllm.sampling_parameters import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()   # queued for a (re-)prefill; holds no blocks
+    RUNNING = auto()   # holds blocks; gets one token per decode step
+    FINISHED = auto()  # stopped (eos / max_tokens / max_model_length); blocks returned
+
+
+class Sequence:
+    # One counter for the process: seq_id orders outputs and keys per-request state
+    # (e.g. a seeded generator) in the runner.
+    _ids = count()
+
+    def __init__(self, token_ids: Iterable[int], block_size: int,
+                 sampling_params: SamplingParams | None = None) -> None:
+        if not (isinstance(block_size, int) and not isinstance(block_size, bool)
+                and block_size >= 1):
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        # A copy: the caller may reuse or mutate its list; our tokens must not change under us.
+        # operator.index accepts ints and numpy integers but rejects floats and strings.
+        tokens = [operator.index(t) for t in token_ids]
+        if any(t < 0 for t in tokens):
+            raise ValueError(f"token ids must be >= 0, got {min(tokens)}")
+        self.seq_id: int = next(Sequence._ids)
+        self.status: SequenceStatus = SequenceStatus.WAITING
+        self.block_size: int = block_size
+        self.token_ids: list[int] = tokens
+        self.last_token: int | None = tokens[-1] if tokens else None
+        self.num_tokens: int = len(tokens)
+        self.num_prompt_tokens: int = len(tokens)
+        # Leading tokens whose K/V came from the prefix cache at the last allocation; always a
+        # multiple of block_size. The runner computes only token_ids[num_cached_tokens:].
+        # 0 while waiting (again) after a preemption; kept after the sequence finishes.
+        self.num_cached_tokens: int = 0
+        self.block_table: list[int] = []
+        self.sampling_params: SamplingParams = (sampling_params if sampling_params is not None
+                                                else SamplingParams())
+        # True while the next forward for this sequence is a prefill (new, or re-queued after
+        # preemption); False once a token has been appended after that prefill. It only
+        # decides what __getstate__ ships to tensor-parallel workers.
+        self.needs_prefill: bool = True
+
+    # ------------------------------------------------------------------ token access
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, key: int | slice) -> Any:
+        return self.token_ids[key]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+        self.needs_prefill = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    # ------------------------------------------------------------------ block layout
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold num_tokens tokens: ceil(num_tokens / block_size)."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        """Tokens in the last block (1..block_size); the next token goes right after them."""
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block i (the last one may be partial)."""
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    # ------------------------------------------------------------------ pickling
+    # With tensor parallelism, rank 0 sends the batch's sequences to every worker each step
+    # (pickled through a pipe). Workers only build input_ids/positions/slot_mapping; they
+    # never sample, so they need neither the sampling params nor the status. What they need:
+    #
+    #   prefill: seq_id, num_tokens, num_prompt_tokens, num_cached_tokens, block_table and
+    #            ALL token_ids (the runner feeds token_ids[num_cached_tokens:])
+    #   decode:  the same counters and block_table, but only last_token (the one new token)
+    #
+    # Sending the whole token list every decode step would cost O(length) per sequence per
+    # step; sending one int keeps a step's message small. "Prefill" means needs_prefill, not
+    # just "no completion token yet": a sequence preempted after generating tokens is
+    # re-prefilled over prompt + completion, and its workers need all of those tokens.
+    #
+    # A worker-side copy is therefore partial: in a decode step it has no token_ids (reading
+    # them raises AttributeError instead of returning wrong data) and its sampling_params
+    # is None.
+    def __getstate__(self) -> tuple[Any, ...]:
+        tokens: list[int] | int | None = (self.token_ids if self.needs_prefill
+                                          else self.last_token)
+        return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
+                self.num_cached_tokens, self.block_table, self.needs_prefill, tokens)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
+         self.num_cached_tokens, self.block_table, self.needs_prefill, tokens) = state
+        self.status = SequenceStatus.RUNNING
+        self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
+        if self.needs_prefill:
+            self.token_ids = tokens
+            self.last_token = tokens[-1] if tokens else None
+        else:
+            self.last_token = tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+                f"num_tokens={self.num_tokens}, num_prompt_tokens={self.num_prompt_tokens}, "
+                f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})")

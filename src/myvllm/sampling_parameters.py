@@ -1,0 +1,60 @@
+"""SamplingParams: how one request turns logits into tokens, and when it stops."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """Divides the logits before softmax. 0 means greedy (argmax), the deterministic mode every
+    correctness test uses; larger values flatten the distribution."""
+
+    top_k: int = -1
+    """Sample only among the k most likely tokens; -1 = no limit."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p;
+    1.0 = no limit."""
+
+    max_tokens: int = 64
+    """Most completion tokens to generate."""
+
+    ignore_eos: bool = False
+    """Keep generating past the eos token (benchmarks use it to get fixed output lengths)."""
+
+    seed: int | None = None
+    """Per-request random seed, so a sampled (temperature > 0) request is reproducible no matter
+    which other requests share its batches. None = the engine's global random state."""
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 "
+                             f"(0 = greedy), got {t!r}")
+        k = self.top_k
+        if not (_is_int(k) and (k == -1 or k >= 1)):
+            raise ValueError(f"SamplingParams.top_k must be -1 (no limit) or an int >= 1, "
+                             f"got {k!r}")
+        p = self.top_p
+        if not (_is_real(p) and 0.0 < p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
+        if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, "
+                             f"got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be True or False, "
+                             f"got {self.ignore_eos!r}")
+        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+            raise ValueError(f"SamplingParams.seed must be None or an int >= 0, "
+                             f"got {self.seed!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

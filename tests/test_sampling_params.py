@@ -1,0 +1,40 @@
+"""SamplingParams validation: every bad value names its field and what is allowed."""
+
+import pytest
+
+from myvllm.sampling_parameters import SamplingParams
+
+
+def test_defaults() -> None:
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.ignore_eos, p.seed) == (
+        1.0, -1, 1.0, 64, False, None)
+
+
+def test_valid_edges() -> None:
+    p = SamplingParams(temperature=0, top_k=1, top_p=1e-6, max_tokens=1, ignore_eos=True, seed=0)
+    assert p.temperature == 0 and p.top_k == 1 and p.seed == 0
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("temperature", -0.1, ">= 0"),
+        ("temperature", float("nan"), ">= 0"),
+        ("temperature", float("inf"), ">= 0"),
+        ("temperature", "1", ">= 0"),
+        ("top_k", 0, "-1"),
+        ("top_k", -2, "-1"),
+        ("top_k", 1.5, "-1"),
+        ("top_p", 0.0, r"\(0, 1\]"),
+        ("top_p", 1.01, r"\(0, 1\]"),
+        ("max_tokens", 0, ">= 1"),
+        ("max_tokens", 3.0, ">= 1"),
+        ("ignore_eos", 1, "True or False"),
+        ("seed", -1, "None or an int >= 0"),
+        ("seed", 1.0, "None or an int >= 0"),
+    ],
+)
+def test_bad_values_raise_naming_field(field: str, value: object, allowed: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*{allowed}"):
+        SamplingParams(**{field: value})

@@ -1,0 +1,359 @@
+"""Scheduler: the article's four rules, its probes, and the MinivLLM test cases (fixed).
+
+No model here: tests call schedule() and postprocess() with made-up token ids, the way the
+LLMEngine does around ModelRunner.run().
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from myvllm.config import Config
+from myvllm.engine.scheduler import Scheduler
+from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.sampling_parameters import SamplingParams
+
+PREFIX = [10, 20, 30, 40, 50, 60, 70, 80]
+
+
+def make(num_blocks: int = 16, block_size: int = 4, **kw: object) -> Scheduler:
+    kw.setdefault("max_model_length", 256)
+    kw.setdefault("eos", -1)
+    return Scheduler(Config(num_kvcache_blocks=num_blocks, block_size=block_size, **kw))
+
+
+def seq(tokens: list[int], block_size: int = 4, max_tokens: int = 16, **kw: object) -> Sequence:
+    return Sequence(tokens, block_size, SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def ids(seqs: list[Sequence]) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+# ---------------------------------------------------------------- the article's probes
+def test_three_sequences_share_a_prefix() -> None:
+    sch = make()
+    a, b, c = (seq(PREFIX + [i]) for i in (1, 2, 3))
+    sch.add_sequence(a)
+    assert sch.schedule() == ([a], True)
+    sch.add_sequence(b)
+    sch.add_sequence(c)
+    assert sch.schedule() == ([b, c], True)
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1, 2], [0, 1, 3], [0, 1, 4])
+    refs = {i: sch.block_manager.blocks[i].ref_count for i in range(5)}
+    assert refs == {0: 3, 1: 3, 2: 1, 3: 1, 4: 1}
+    assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 8, 8)
+
+
+def test_prefix_served_from_cache_after_first_request_finished() -> None:
+    sch = make()
+    a = seq(PREFIX + [1], max_tokens=1)
+    sch.add_sequence(a)
+    batch, _ = sch.schedule()
+    sch.postprocess(batch, [99])
+    assert a.is_finished and sch.is_finished() and not sch.block_manager.used_block_ids
+    b = seq(PREFIX + [2])
+    sch.add_sequence(b)
+    assert sch.schedule() == ([b], True)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == [0, 1]
+
+
+def test_fully_cached_prompt_still_computes_a_token() -> None:
+    sch = make()
+    a = seq(PREFIX, max_tokens=1)
+    sch.add_sequence(a)
+    sch.postprocess(sch.schedule()[0], [5])
+    b = seq(PREFIX)
+    sch.add_sequence(b)
+    sch.schedule()
+    assert b.num_cached_tokens == 4 and len(b) - b.num_cached_tokens == 4
+
+
+def test_prefix_caching_disabled_by_config() -> None:
+    sch = make(enable_prefix_caching=False)
+    a, b = seq(PREFIX + [1]), seq(PREFIX + [2])
+    sch.add_sequence(a)
+    sch.add_sequence(b)
+    sch.schedule()
+    assert b.num_cached_tokens == 0 and b.block_table == [3, 4, 5]
+
+
+# ---------------------------------------------------------------- rule 1: prefill first
+def test_prefill_first_skips_running_decode() -> None:
+    sch = make()
+    a = seq([1, 2, 3])
+    sch.add_sequence(a)
+    assert sch.schedule() == ([a], True)
+    sch.postprocess([a], [4])
+    b = seq([5, 6])
+    sch.add_sequence(b)
+    batch, is_prefill = sch.schedule()
+    assert batch == [b] and is_prefill
+    assert a.num_tokens == 4 and a.status == SequenceStatus.RUNNING
+    sch.postprocess(batch, [7])
+    batch, is_prefill = sch.schedule()
+    assert batch == [a, b] and not is_prefill  # decode in running (admission) order
+
+
+# ---------------------------------------------------------------- rule 2: batched, FIFO
+def test_normal_path_batches_all_prefills_then_decodes() -> None:
+    sch = make()
+    seqs = [seq([i, i + 1, i + 2], max_tokens=2) for i in range(5)]
+    for s in seqs:
+        sch.add_sequence(s)
+    batch, is_prefill = sch.schedule()
+    assert batch == seqs and is_prefill and not sch.waiting
+    sch.postprocess(batch, [1] * 5)
+    batch, is_prefill = sch.schedule()
+    assert batch == seqs and not is_prefill
+    finished = sch.postprocess(batch, [2] * 5)
+    assert finished == seqs and all(s.completion_token_ids == [1, 2] for s in seqs)
+    assert sch.is_finished() and len(sch.block_manager.free_block_ids) == 16
+
+
+def test_token_budget_keeps_the_rest_waiting() -> None:
+    sch = make(max_num_batched_tokens=8)
+    seqs = [seq([1, 2, 3, 4, 5, 6 + i], max_tokens=2) for i in range(4)]
+    for s in seqs:
+        sch.add_sequence(s)
+    batch, is_prefill = sch.schedule()
+    assert batch == seqs[:1] and is_prefill
+    assert list(sch.waiting) == seqs[1:]  # kept, in order, nothing dropped
+    assert all(s.status == SequenceStatus.WAITING and not s.block_table for s in seqs[1:])
+
+
+def test_max_num_sequences_bounds_running() -> None:
+    sch = make(max_num_sequences=2)
+    seqs = [seq([i + 1]) for i in range(3)]
+    for s in seqs:
+        sch.add_sequence(s)
+    assert sch.schedule() == (seqs[:2], True)
+    sch.postprocess(seqs[:2], [0, 0])
+    assert sch.schedule() == (seqs[:2], False)
+    assert list(sch.waiting) == seqs[2:]
+
+
+def test_head_that_does_not_fit_blocks_the_queue() -> None:
+    sch = make(num_blocks=3)
+    big, small = seq(list(range(1, 10)), max_tokens=2), seq([1], max_tokens=2)
+    running = seq([5], max_tokens=8)
+    sch.add_sequence(running)
+    sch.schedule()
+    sch.postprocess([running], [6])
+    sch.add_sequence(big)  # needs 3 blocks, only 2 free
+    sch.add_sequence(small)
+    batch, is_prefill = sch.schedule()
+    assert batch == [running] and not is_prefill
+    assert list(sch.waiting) == [big, small]
+
+
+# ---------------------------------------------------------------- rule 3: preemption
+def test_tail_is_preempted_to_front_of_waiting() -> None:
+    """Block pool of 2, two sequences each filling one block of 4, both need a new block."""
+    sch = make(num_blocks=2, max_model_length=64)
+    a, b = seq([1, 2, 3, 4], max_tokens=4), seq([5, 6, 7, 8], max_tokens=4)
+    c = seq([9, 9, 9, 9], max_tokens=4)
+    sch.add_sequence(a)
+    sch.add_sequence(b)
+    batch, _ = sch.schedule()
+    assert batch == [a, b] and a.block_table == [0] and b.block_table == [1]
+    sch.postprocess(batch, [11, 12])  # 5 tokens each: both need a second block
+    sch.add_sequence(c)  # waits: no free block
+    batch, is_prefill = sch.schedule()
+    assert batch == [a] and not is_prefill
+    assert list(sch.running) == [a] and list(sch.waiting) == [b, c]
+    assert b.status == SequenceStatus.WAITING and b.block_table == []
+    assert b.num_cached_tokens == 0 and b.needs_prefill
+    assert b.completion_token_ids == [12]  # the preempted sequence keeps its tokens
+    assert a.block_table == [0, 1]
+
+
+def test_can_append_failure_keeps_every_sequence() -> None:
+    sch = make(num_blocks=4, max_model_length=64)
+    seqs = [seq([i] * 4, max_tokens=3) for i in range(1, 5)]
+    for s in seqs:
+        sch.add_sequence(s)
+    sch.postprocess(sch.schedule()[0], [0] * 4)
+    batch, _ = sch.schedule()
+    # each needs a block and none is free: the tail gives its block to the head, and so on
+    assert batch == seqs[:2] and list(sch.waiting) == [seqs[2], seqs[3]]  # order kept
+    everyone = list(sch.running) + list(sch.waiting)
+    assert sorted(ids(everyone)) == sorted(ids(seqs))
+
+
+def test_preempted_sequence_finishes_with_all_its_tokens() -> None:
+    sch = make(num_blocks=2, max_model_length=64)
+    a, b = seq([1, 2, 3, 4], max_tokens=4), seq([5, 6, 7, 8], max_tokens=4)
+    sch.add_sequence(a)
+    sch.add_sequence(b)
+    steps = 0
+    while not sch.is_finished():
+        batch, _ = sch.schedule()
+        sch.postprocess(batch, [100 + len(s) for s in batch])  # token = f(position)
+        steps += 1
+        assert steps < 50
+    for s in (a, b):
+        assert s.completion_token_ids == [104, 105, 106, 107]
+    assert len(sch.block_manager.free_block_ids) == 2
+
+
+def test_preempt_called_directly_removes_from_running() -> None:
+    sch = make()
+    a, b = seq(PREFIX + [1]), seq(PREFIX + [2])
+    sch.add_sequence(a)
+    sch.add_sequence(b)
+    sch.schedule()
+    assert b.num_cached_tokens == 8
+    sch.preempt(b)
+    assert list(sch.running) == [a] and list(sch.waiting) == [b]
+    assert b.block_table == [] and b.num_cached_tokens == 0
+    assert sch.block_manager.blocks[0].ref_count == 1  # a still holds the shared prefix
+
+
+def test_finished_sequence_keeps_its_cache_hit_count() -> None:
+    sch = make()
+    a, b = seq(PREFIX + [1], max_tokens=1), seq(PREFIX + [2], max_tokens=1)
+    sch.add_sequence(a)
+    sch.add_sequence(b)
+    batch, _ = sch.schedule()
+    assert sch.postprocess(batch, [5, 5]) == [a, b]
+    assert b.block_table == [] and b.num_cached_tokens == 8
+
+
+# ---------------------------------------------------------------- rule 4: no progress
+def test_no_progress_raises_with_counts() -> None:
+    sch = make(num_blocks=2)
+    leaked = sch.block_manager._allocate_fresh_block()  # a block nobody will ever free
+    assert leaked == 0
+    sch.add_sequence(seq([1] * 8, max_tokens=1))  # needs both blocks
+    with pytest.raises(RuntimeError, match=r"no progress: 1 waiting and 0 running .* 1 of 2 "
+                                           r"blocks free.*cannot fit.*ref_count"):
+        sch.schedule()
+
+
+def test_no_progress_when_the_only_running_sequence_cannot_grow() -> None:
+    sch = make(num_blocks=2)
+    a = seq([1, 2, 3, 4], max_tokens=4)
+    sch.add_sequence(a)
+    sch.schedule()
+    sch.block_manager._allocate_fresh_block()  # leak the last free block
+    sch.postprocess([a], [5])
+    with pytest.raises(RuntimeError, match="no progress"):
+        sch.schedule()  # a preempts itself, then cannot be prefilled again
+    assert list(sch.waiting) == [a]  # still not dropped
+
+
+def test_schedule_when_idle() -> None:
+    assert make().schedule() == ([], False)
+
+
+# ---------------------------------------------------------------- add_sequence
+@pytest.mark.parametrize("tokens, max_tokens, kw, message", [
+    ([], 4, {}, "empty prompt"),
+    (list(range(1, 18)), 4, {"max_model_length": 16}, "longer than max_model_length=16"),
+    (list(range(1, 9)), 2, {"num_blocks": 2}, r"3 blocks .* whole KV cache has 2 blocks"),
+    ([1], 16, {"num_blocks": 2}, r"16 tokens = 4 blocks"),
+    ([1, 2, 3], 8, {"max_num_batched_tokens": 8}, "max_num_batched_tokens=8"),
+])
+def test_add_sequence_rejects_before_queuing(tokens: list[int], max_tokens: int,
+                                             kw: dict, message: str) -> None:
+    sch = make(**kw)
+    with pytest.raises(ValueError, match=message):
+        sch.add_sequence(seq(tokens, max_tokens=max_tokens))
+    assert not sch.waiting
+
+
+def test_add_sequence_accepts_exact_fit_and_runs_it() -> None:
+    # prompt 4 + 5 tokens: the 9th token is never written to the cache, 8 tokens = 2 blocks
+    sch = make(num_blocks=2, max_num_batched_tokens=8)
+    s = seq([1, 2, 3, 4], max_tokens=5)
+    sch.add_sequence(s)
+    while not sch.is_finished():
+        sch.postprocess(sch.schedule()[0], [7])
+    assert s.completion_token_ids == [7] * 5
+
+
+def test_add_sequence_max_model_length_bounds_growth() -> None:
+    sch = make(num_blocks=2, max_model_length=9)
+    s = seq([1, 2, 3, 4], max_tokens=100)  # stops at 9 tokens: 8 in the cache
+    sch.add_sequence(s)
+    while not sch.is_finished():
+        sch.postprocess(sch.schedule()[0], [7])
+    assert len(s) == 9
+
+
+def test_add_sequence_rejects_block_size_mismatch_and_reuse() -> None:
+    sch = make(block_size=4)
+    with pytest.raises(ValueError, match="block_size 8"):
+        sch.add_sequence(seq([1], block_size=8))
+    s = seq([1])
+    sch.add_sequence(s)
+    sch.schedule()
+    with pytest.raises(ValueError, match="not a new request"):
+        sch.add_sequence(s)
+
+
+def test_scheduler_needs_sized_cache() -> None:
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):
+        Scheduler(Config())
+
+
+# ---------------------------------------------------------------- postprocess
+def test_finish_conditions() -> None:
+    sch = make(eos=(7, 8), max_model_length=6)
+    on_eos = seq([1])
+    ignore = seq([2], ignore_eos=True)
+    by_max = seq([3], max_tokens=1)
+    by_len = seq([1, 2, 3, 4, 5], max_tokens=10)
+    for s in (on_eos, ignore, by_max, by_len):
+        sch.add_sequence(s)
+    batch, _ = sch.schedule()
+    finished = sch.postprocess(batch, [8, 7, 1, 1])
+    assert finished == [on_eos, by_max, by_len]
+    assert list(sch.running) == [ignore] and ignore.status == SequenceStatus.RUNNING
+    for s in finished:
+        assert s.is_finished and s.block_table == []
+    assert on_eos.completion_token_ids == [8]
+
+
+def test_eos_minus_one_means_no_eos() -> None:
+    sch = make(eos=-1)
+    s = seq([1], max_tokens=2)
+    sch.add_sequence(s)
+    sch.postprocess(sch.schedule()[0], [-1 + 1])
+    assert not s.is_finished
+
+
+def test_postprocess_length_mismatch() -> None:
+    sch = make()
+    with pytest.raises(ValueError, match="2 tokens for 1 sequences"):
+        sch.postprocess([seq([1])], [1, 2])
+
+
+def test_abort_releases_blocks() -> None:
+    sch = make()
+    a, b = seq([1, 2, 3]), seq([4])
+    sch.add_sequence(a)
+    sch.schedule()
+    sch.add_sequence(b)
+    sch.abort(a)
+    sch.abort(b)
+    assert sch.is_finished() and not sch.block_manager.used_block_ids
+
+
+def test_block_size_one_end_to_end() -> None:
+    sch = make(num_blocks=6, block_size=1, max_model_length=64)
+    a = seq([1, 2], block_size=1, max_tokens=4)
+    b = seq([1, 2, 3], block_size=1, max_tokens=4)
+    sch.add_sequence(a)
+    sch.add_sequence(b)
+    steps = 0
+    while not sch.is_finished():
+        batch, _ = sch.schedule()
+        for s in batch:
+            assert len(s.block_table) == len(s)
+        sch.postprocess(batch, [50 + len(s) for s in batch])
+        steps += 1
+        assert steps < 100
+    assert a.completion_token_ids == [52, 53, 54, 55]
+    assert b.completion_token_ids == [53, 54, 55, 56]

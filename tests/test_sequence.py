@@ -1,0 +1,87 @@
+"""Sequence: token bookkeeping, block layout, and the small pickle sent to TP workers."""
+
+import pickle
+
+import pytest
+
+from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.sampling_parameters import SamplingParams
+
+
+def test_basic_fields_and_copy() -> None:
+    prompt = [5, 6, 7]
+    s = Sequence(prompt, 4)
+    prompt.append(99)  # the caller's list is not ours
+    assert s.token_ids == [5, 6, 7] and len(s) == 3 and s[1] == 6 and s[-1] == 7
+    assert s.status == SequenceStatus.WAITING and not s.is_finished
+    assert s.last_token == 7 and s.num_prompt_tokens == 3 and s.num_completion_tokens == 0
+    assert s.num_cached_tokens == 0 and s.block_table == []
+    assert s.sampling_params == SamplingParams()
+    s.append_token(8)
+    assert s.last_token == 8 and s.num_tokens == 4 and s.num_completion_tokens == 1
+    assert s.prompt_token_ids == [5, 6, 7] and s.completion_token_ids == [8]
+
+
+def test_seq_ids_are_unique_and_increasing() -> None:
+    a, b = Sequence([1], 4), Sequence([1], 4)
+    assert b.seq_id > a.seq_id
+
+
+@pytest.mark.parametrize("n, block_size, num_blocks, last", [
+    (1, 4, 1, 1), (4, 4, 1, 4), (5, 4, 2, 1), (10, 4, 3, 2), (3, 1, 3, 1), (16, 16, 1, 16)])
+def test_block_layout(n: int, block_size: int, num_blocks: int, last: int) -> None:
+    s = Sequence(list(range(n)), block_size)
+    assert s.num_blocks == num_blocks and s.last_block_num_tokens == last
+    assert s.block(num_blocks - 1) == list(range((num_blocks - 1) * block_size, n))
+    assert sum((s.block(i) for i in range(num_blocks)), []) == list(range(n))
+    with pytest.raises(IndexError):
+        s.block(num_blocks)
+
+
+def test_num_cached_blocks() -> None:
+    s = Sequence(list(range(10)), 4)
+    s.num_cached_tokens = 8
+    assert s.num_cached_blocks == 2
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        Sequence([1], 0)
+    with pytest.raises(TypeError):
+        Sequence([1.5], 4)
+    with pytest.raises(ValueError, match=">= 0"):
+        Sequence([3, -1], 4)
+
+
+def test_pickle_before_first_token_carries_all_tokens() -> None:
+    s = Sequence(list(range(9)), 4, SamplingParams(temperature=0.5))
+    s.block_table, s.num_cached_tokens = [3, 1, 2], 4
+    w = pickle.loads(pickle.dumps(s))
+    assert (w.seq_id, w.num_tokens, w.num_prompt_tokens, w.num_cached_tokens, w.block_table) == (
+        s.seq_id, 9, 9, 4, [3, 1, 2])
+    assert w.token_ids == s.token_ids and w.last_token == 8
+    assert w.token_ids[w.num_cached_tokens:] == [4, 5, 6, 7, 8]
+    assert w.num_blocks == 3 and w.num_cached_blocks == 1 and w.last_block_num_tokens == 1
+
+
+def test_pickle_in_decode_is_small_and_carries_last_token_only() -> None:
+    s = Sequence(list(range(2000)), 16)
+    s.block_table = list(range(126))
+    full = len(pickle.dumps(s))
+    s.append_token(7)
+    w = pickle.loads(pickle.dumps(s))
+    assert len(pickle.dumps(s)) < full / 10
+    assert w.last_token == 7 and len(w) == 2001 and w.num_prompt_tokens == 2000
+    assert w.block_table == s.block_table and w.last_block_num_tokens == 1
+    with pytest.raises(AttributeError):
+        w.token_ids  # noqa: B018 -- a worker must never read stale token ids
+
+
+def test_pickle_after_preemption_carries_all_tokens_again() -> None:
+    # A preempted sequence is re-prefilled over prompt + completion: workers need them all.
+    s = Sequence([1, 2, 3], 4)
+    s.append_token(4)
+    s.append_token(5)
+    s.needs_prefill = True  # what Scheduler.preempt does
+    w = pickle.loads(pickle.dumps(s))
+    assert w.token_ids == [1, 2, 3, 4, 5] and w.num_prompt_tokens == 3
