@@ -1,0 +1,233 @@
+"""End-to-end offline throughput: myvllm against HF transformers on the nano-vllm workload.
+
+Workload (nano-vllm's bench.py): 256 sequences, prompt token ids random in [0, 10000) with
+lengths uniform in 100..1024, max_tokens uniform in 100..1024, ignore_eos, temperature 0.6,
+Python's random seeded with 0. Throughput = requested completion tokens / wall time.
+
+Weights: real Qwen3-0.6B weights cannot be fetched on our machines, so by default the
+benchmark builds the real architecture from configs/Qwen3-0.6B/config.json (the hub's
+config.json) with random weights, saves it as safetensors, and both engines load that
+checkpoint. Speed does not depend on the weights' values. --model points at a real
+checkpoint instead.
+
+Order of work: correctness first (greedy tokens of myvllm vs transformers on the same
+checkpoint; a mismatch means no timing is printed for myvllm), then throughput, then
+batch-1 decode latency (context 128, CUDA graphs), then a PNG plot.
+
+HF transformers runs a subset (--hf-num-seqs, default 64) in static batches: it has no
+continuous batching, so a batch runs until its longest request is done. Its tok/s counts
+only the tokens that were asked for, like myvllm's.
+
+--quick: a tiny random Qwen3 on the CPU, a handful of short sequences (CI smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+
+QWEN3_CONFIG = REPO / "configs" / "Qwen3-0.6B" / "config.json"
+
+
+def build_random_checkpoint(config_path: Path | None, out_dir: Path, device: str,
+                            quick: bool) -> Path:
+    """Random weights of the architecture in config_path (or a tiny Qwen3), as safetensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+
+    if quick:
+        hf_config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16,
+                                max_position_embeddings=1024, tie_word_embeddings=True)
+        hf_config.architectures = ["Qwen3ForCausalLM"]
+    else:
+        assert config_path is not None
+        hf_config = AutoConfig.from_pretrained(config_path.parent)
+    torch.manual_seed(0)
+    dtype = torch.float32 if quick else torch.bfloat16
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_workload(num_seqs: int, min_len: int, max_input: int, max_output: int,
+                  vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(min_len, max_input))]
+               for _ in range(num_seqs)]
+    max_tokens = [rng.randint(min_len, max_output) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def hf_generate(model, prompts: list[list[int]], max_new: int, greedy: bool,
+                pad_id: int) -> list[list[int]]:
+    """Left-padded static batch, exactly max_new new tokens per row (eos ignored)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                         min_new_tokens=max_new, do_sample=not greedy,
+                         temperature=None if greedy else 0.6, top_p=None, top_k=None,
+                         pad_token_id=pad_id, eos_token_id=None)
+    return out[:, width:].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
+    parser.add_argument("--model", help="a real checkpoint dir instead of random weights")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--hf-num-seqs", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
+    parser.add_argument("--json", help="write the results here as JSON")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from myvllm import LLM, SamplingParams
+
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    if args.quick:
+        args.num_seqs, args.max_input_len, args.max_output_len = 6, 24, 24
+        args.hf_num_seqs, args.hf_batch_size, min_len = 3, 3, 8
+    else:
+        min_len = 100
+    results: dict[str, object] = {"device": torch.cuda.get_device_name() if device == "cuda"
+                                  else "cpu", "torch": torch.__version__}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model) if args.model else build_random_checkpoint(
+            QWEN3_CONFIG, Path(tmp), device, args.quick)
+        dtype = torch.float32 if args.quick else torch.bfloat16
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        vocab = min(hf.config.vocab_size, 10000)
+        llm = LLM(str(path), enforce_eager=args.enforce_eager,
+                  max_model_length=args.max_input_len + args.max_output_len,
+                  max_num_sequences=256 if not args.quick else 8,
+                  max_num_batched_tokens=16384 if not args.quick else 512)
+
+        # 1. Correctness: greedy tokens against transformers on the same checkpoint.
+        check_prompts, _ = make_workload(4, 16, 32, 16, vocab)
+        n_check = 8
+        ours = [o["token_ids"] for o in llm.generate(
+            check_prompts, SamplingParams(temperature=0.0, max_tokens=n_check, ignore_eos=True),
+            use_tqdm=False)]
+        theirs = [hf_generate(hf, [p], n_check, greedy=True, pad_id=0)[0] for p in check_prompts]
+        agree = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
+        first_ok = all(x[0] == y[0] for x, y in zip(ours, theirs))
+        # bf16 random-weight logits are close to ties, so later tokens may drift; the first
+        # token of every prompt and most of the rest must agree.
+        correct = first_ok and agree >= 0.75 * n_check * len(check_prompts)
+        print(f"correctness: greedy tokens equal to transformers: {agree}/"
+              f"{n_check * len(check_prompts)}, first tokens all equal: {first_ok} -> "
+              f"{'OK' if correct else 'NO'}")
+        results["correct"] = correct
+
+        # 2. Throughput.
+        prompts, max_tokens = make_workload(args.num_seqs, min_len, args.max_input_len,
+                                            args.max_output_len, vocab)
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+                  for n in max_tokens]
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        ours_tps = sum(max_tokens) / elapsed
+        if correct:
+            print(f"myvllm:       {sum(max_tokens)} tokens in {elapsed:.2f} s = "
+                  f"{ours_tps:,.0f} output tok/s ({args.num_seqs} sequences)")
+        else:
+            print("myvllm:       throughput not reported: the correctness check failed")
+        results["myvllm_tok_s"] = ours_tps if correct else None
+
+        hf_tps = None
+        if not args.skip_hf:
+            subset = list(range(min(args.hf_num_seqs, args.num_seqs)))
+            start = time.perf_counter()
+            for b in range(0, len(subset), args.hf_batch_size):
+                batch = subset[b:b + args.hf_batch_size]
+                hf_generate(hf, [prompts[i] for i in batch], max(max_tokens[i] for i in batch),
+                            greedy=False, pad_id=0)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            hf_elapsed = time.perf_counter() - start
+            hf_tokens = sum(max_tokens[i] for i in subset)
+            hf_tps = hf_tokens / hf_elapsed
+            print(f"transformers: {hf_tokens} tokens in {hf_elapsed:.2f} s = {hf_tps:,.0f} "
+                  f"output tok/s (first {len(subset)} sequences, static batches of "
+                  f"{args.hf_batch_size})")
+            if correct:
+                print(f"ratio:        {ours_tps / hf_tps:.1f}x")
+        results["hf_tok_s"] = hf_tps
+
+        # 3. Batch-1 decode latency at context 128.
+        prompt = prompts[0][:128]
+        timings = {}
+        for n in (1, 129):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            llm.generate([prompt], sp, use_tqdm=False)  # warm
+            start = time.perf_counter()
+            llm.generate([prompt], sp, use_tqdm=False)
+            timings[n] = time.perf_counter() - start
+        ms_per_token = (timings[129] - timings[1]) / 128 * 1e3
+        print(f"batch-1 decode: {ms_per_token:.3f} ms/token (context 128, "
+              f"{'eager' if llm.model_runner.enforce_eager else 'CUDA graphs'})")
+        results["batch1_ms_per_token"] = ms_per_token
+        if device == "cuda":
+            results["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            print(f"peak memory: {results['peak_memory_gib']:.1f} GiB "
+                  "(includes the KV cache, sized to gpu_memory_utilization)")
+        llm.exit()
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if not args.quick:
+        plot(results, Path(args.plot))
+
+
+def plot(results: dict[str, object], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot (uv sync --extra bench)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, values = [], []
+    for name, key in (("myvllm", "myvllm_tok_s"), ("HF transformers", "hf_tok_s")):
+        if isinstance(results.get(key), float):
+            names.append(name)
+            values.append(results[key])
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(names, values, color=["tab:blue", "tab:gray"][: len(names)])
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"Qwen3-0.6B shapes, {results['device']}")
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The command line behind main.py and main_llama32.py (one implementation, two defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "List three prime numbers.",
+    "Write one sentence about the sea.",
+]
+
+
+def parse_args(default_model: str, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Generate chat completions with myvllm. When the model is neither on disk "
+                    "nor in the local Hugging Face cache and the hub cannot be reached, the "
+                    "bundled SmolLM2-135M-Instruct (GGUF) runs instead.")
+    parser.add_argument("--model", default=default_model,
+                        help="hub id, local checkpoint dir or .gguf file (default: %(default)s)")
+    parser.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
+                        help="a user message (repeat for several; default: three examples)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (always the case on a CPU)")
+    return parser.parse_args(argv)
+
+
+def run_demo(default_model: str, argv: list[str] | None = None) -> None:
+    args = parse_args(default_model, argv)
+    from myvllm import LLM, SamplingParams
+    from myvllm.utils.loader import ModelNotFoundError, resolve_model_path
+
+    model: str | None = args.model
+    try:
+        resolve_model_path(model)
+    except ModelNotFoundError:
+        print(f"{model} is not in the local cache and the hub cannot be reached: "
+              "running the bundled SmolLM2-135M-Instruct instead.")
+        model = None
+
+    llm = LLM(model, tensor_parallel_size=args.tensor_parallel_size,
+              enforce_eager=args.enforce_eager)
+    prompts = args.prompts or DEFAULT_PROMPTS
+    chats = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True, enable_thinking=False)
+        for p in prompts
+    ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    outputs = llm.generate(chats, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs):
+        print(f"\nPrompt: {prompt!r}\nCompletion: {out['text']!r}")
+    num_tokens = sum(len(out["token_ids"]) for out in outputs)
+    print(f"\n{len(outputs)} prompts, {num_tokens} completion tokens in {elapsed:.2f} s "
+          f"({num_tokens / elapsed:.1f} tok/s) on {llm.model_runner.device.type}")
+    llm.exit()

@@ -1,0 +1,263 @@
+"""Step 6: the LLMEngine ties tokenizer, scheduler and model runner together.
+
+    generate(prompts)
+      -> validate every prompt, then add_request() each: Sequence -> scheduler.waiting
+      -> while not scheduler.is_finished(): step()
+             seqs, is_prefill = scheduler.schedule()
+             token_ids = model_runner.run(seqs, is_prefill)   (and every TP worker)
+             scheduler.postprocess(seqs, token_ids)
+      -> outputs in input order: text, token_ids, num_cached_tokens
+
+The ModelRunner is created before the Scheduler because only the runner can tell how many
+KV-cache blocks fit in memory, and the scheduler's BlockManager is built with that count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from myvllm.config import Config
+from myvllm.engine.model_runner import ModelRunner, resolve_device
+from myvllm.engine.scheduler import Scheduler
+from myvllm.engine.sequence import Sequence
+from myvllm.engine.tp_workers import WorkerPool, init_distributed, pick_init_method
+from myvllm.models import get_model_class
+from myvllm.sampling_parameters import SamplingParams
+from myvllm.utils.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
+
+logger = logging.getLogger("myvllm")
+
+Prompt = str | list[int]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_if_any(model_path: str) -> Any:
+    """The checkpoint's tokenizer, or None for a weights-only checkpoint (token-id prompts).
+
+    Random-weight checkpoints built for tests and benchmarks carry no tokenizer; they are
+    driven with token ids, and their outputs have text None.
+    """
+    path = Path(model_path)
+    if path.suffix == ".gguf" or any((path / name).is_file() for name in TOKENIZER_FILES):
+        return load_tokenizer(model_path)
+    return None
+
+
+def _shutdown(pool: WorkerPool | None, owns_process_group: bool) -> None:
+    """Release workers and the process group; safe to call twice (finalize + exit)."""
+    if pool is not None:
+        pool.shutdown()
+    if owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class LLMEngine:
+    def __init__(self, model: Config | str | None = None, **kwargs: Any) -> None:
+        if isinstance(model, Config):
+            config = dataclasses.replace(model, **kwargs) if kwargs else model
+        else:
+            config = Config.from_dict({"model": model, **kwargs})
+        self.model_path = resolve_model_path(config.model)
+        hf_config = load_hf_config(self.model_path)
+        get_model_class(getattr(hf_config, "architectures", None) or [])  # unknown -> error now
+        self._check_tensor_parallel(config, hf_config)
+        self.tokenizer = _tokenizer_if_any(self.model_path)
+        eos = config.eos
+        if eos is None:  # -1 when the checkpoint names no eos: stop on max_tokens only
+            eos = eos_token_ids(self.model_path, hf_config, self.tokenizer) or -1
+        max_len = min(config.max_model_length, hf_config.max_position_embeddings)
+        config = dataclasses.replace(config, eos=eos, max_model_length=max_len)
+        self.vocab_size: int = hf_config.vocab_size
+
+        use_cuda = resolve_device(config).type == "cuda"
+        if not use_cuda and not config.enforce_eager:
+            logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
+        self._pool: WorkerPool | None = None
+        owns_group = config.tensor_parallel_size > 1
+        try:
+            if owns_group:
+                init_method = pick_init_method()
+                self._pool = WorkerPool(config, self.model_path, init_method, use_cuda)
+                self._pool.wait_for("alive")
+                init_distributed(config, 0, init_method, use_cuda)
+            self.model_runner = ModelRunner(config, 0, self.model_path, hf_config)
+            if self._pool is not None:
+                self._pool.wait_for("ready")
+            num_blocks = self._call("initialize_cache")
+        except BaseException:
+            _shutdown(self._pool, owns_group)
+            raise
+        self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks)
+        self.scheduler = Scheduler(self.config)
+        # num_cached_tokens of each sequence at its first prefill (a preempted sequence is
+        # recomputed later and may then hit its own freed blocks: that is not a prompt hit).
+        self._first_cached: dict[int, int] = {}
+        # Runs on exit(), on garbage collection, and at interpreter exit, whichever is first.
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, owns_group)
+
+    @staticmethod
+    def _check_tensor_parallel(config: Config, hf_config: Any) -> None:
+        tp = config.tensor_parallel_size
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", heads)
+        if heads % tp or kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide both num_attention_heads={heads} and "
+                f"num_key_value_heads={kv_heads} (each rank keeps whole heads)."
+            )
+        if tp > 1 and resolve_device(config).type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} "
+                             "CUDA devices are visible.")
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run a ModelRunner method on every rank (workers first, they block on NCCL/gloo)."""
+        if self._pool is not None:
+            if self._pool.closed:
+                raise RuntimeError("This engine was shut down (exit() or an earlier failure).")
+            self._pool.send(method, *args)
+        return getattr(self.model_runner, method)(*args)
+
+    def exit(self) -> None:
+        """Stop the worker processes and release the process group (idempotent)."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------ requests
+    def _make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got "
+                            f"{type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_path} has no tokenizer: pass prompts as lists "
+                                 "of token ids.")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size}).")
+        else:
+            raise TypeError("a prompt must be a str or a list of int token ids, got "
+                            f"{type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("empty prompt: a prompt needs at least one token.")
+        return Sequence(token_ids, self.config.block_size, sampling_params)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
+        """Queue one prompt; bad input raises here, before anything is queued."""
+        seq = self._make_sequence(prompt, sampling_params)
+        self.scheduler.add_sequence(seq)
+        return seq.seq_id
+
+    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
+        """One scheduler step. Returns (finished (seq_id, completion ids), tokens computed).
+
+        The token count is positive for a prefill step (prompt tokens computed) and
+        negative for a decode step (one per sequence), so callers can tell them apart.
+        """
+        seqs, is_prefill = self.scheduler.schedule()
+        for seq in seqs:
+            self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
+        token_ids = self._call("run", seqs, is_prefill)
+        self.scheduler.postprocess(seqs, token_ids)
+        finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
+        if finished:
+            self.model_runner.release_generators([seq_id for seq_id, _ in finished])
+        if is_prefill:
+            num_tokens = sum(len(seq) - 1 - seq.num_cached_tokens for seq in seqs)
+        else:
+            num_tokens = -len(seqs)
+        return finished, num_tokens
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Generate completions for all prompts; outputs come back in input order."""
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list (of strings or token-id lists), "
+                            "not a single string.")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for "
+                             f"{len(prompts)} prompts; pass one, or one per prompt.")
+        # Validate everything before queuing anything: one bad prompt must not leave the
+        # others half-submitted.
+        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.scheduler.check_sequence(seq)
+        for seq in seqs:
+            self.scheduler.add_sequence(seq)
+
+        outputs: dict[int, list[int]] = {}
+        progress = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
+                        disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        try:
+            while not self.is_finished():
+                start = time.perf_counter()
+                finished, num_tokens = self.step()
+                elapsed = time.perf_counter() - start
+                if num_tokens > 0:
+                    prefill_tps = num_tokens / elapsed
+                else:
+                    decode_tps = -num_tokens / elapsed
+                progress.set_postfix(prefill=f"{prefill_tps:.0f}tok/s",
+                                     decode=f"{decode_tps:.0f}tok/s")
+                for seq_id, token_ids in finished:
+                    outputs[seq_id] = token_ids
+                    progress.update(1)
+        except BaseException:
+            self._abort(seqs)
+            raise
+        finally:
+            progress.close()
+        return [
+            {
+                "text": self._decode(outputs[seq.seq_id]),
+                "token_ids": outputs[seq.seq_id],
+                "num_cached_tokens": self._first_cached.pop(seq.seq_id, 0),
+            }
+            for seq in seqs
+        ]
+
+    def _decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _abort(self, seqs: list[Sequence]) -> None:
+        """After an error or Ctrl-C mid-generate: drop this call's sequences.
+
+        With one rank the engine stays usable. With tensor parallelism the ranks may have
+        been interrupted in different places (one inside a collective, one not), so the
+        workers are stopped and the engine refuses further work.
+        """
+        for seq in seqs:
+            self.scheduler.abort(seq)
+            self._first_cached.pop(seq.seq_id, None)
+        self.model_runner.release_generators([seq.seq_id for seq in seqs])
+        if self._pool is not None:
+            self.exit()

@@ -1,0 +1,394 @@
+"""Step 4: the ModelRunner turns a scheduled batch into tensors, runs the model, samples.
+
+One ModelRunner lives in every tensor-parallel rank. Rank 0 (inside the LLMEngine) also
+samples; ranks 1..N-1 run in worker processes and only compute their shard of every layer
+(see engine/tp_workers.py for how they receive their commands).
+
+What happens to one step:
+
+    scheduler.schedule() -> (seqs, is_prefill)
+    ModelRunner.run(seqs, is_prefill)
+        prepare_prefill / prepare_decode   host lists -> pinned tensors -> device (non_blocking)
+        with forward_context(...):          layers read cu_seqlens, slot_mapping, block_tables
+            run_model                       eager, or replay of a captured CUDA graph (decode)
+        prepare_sample + Sampler            rank 0 only
+    -> one new token id per sequence
+
+The paged KV cache is one tensor per K and V, shaped
+(num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim); every Attention
+module gets a view of its layer. A token's slot is block_id * block_size + offset:
+
+    block_table of a sequence = [7, 2, 9], block_size 4, 10 tokens
+    token:   0  1  2  3 | 4  5  6  7 | 8  9
+    slot:   28 29 30 31 | 8  9 10 11 |36 37
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from myvllm.config import Config
+from myvllm.engine.sequence import Sequence
+from myvllm.layers.attention import Attention
+from myvllm.layers.sampler import Sampler
+from myvllm.models import get_model_class
+from myvllm.utils.context import forward_context
+from myvllm.utils.distributed import get_tp_size
+from myvllm.utils.loader import load_hf_config, load_model
+
+logger = logging.getLogger("myvllm")
+
+# Used when the KV cache is sized on a CPU: there is no "GPU memory" to take a fraction of,
+# so we cap the cache at this many bytes (and at what max_num_sequences full-length
+# sequences could ever need).
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def resolve_device(config: Config) -> torch.device:
+    if config.device == "cpu":
+        return torch.device("cpu")
+    if config.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("Config.device='cuda' but torch sees no CUDA device.")
+        return torch.device("cuda")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        # bf16 is what the checkpoints are trained in; on a CPU fp32 is both faster and exact.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
+
+
+def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:
+    """[1, 2, 4, 8] + range(16, max+1, 16), capped at max_num_sequences (SPEC D1)."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_num_sequences]
+    sizes += list(range(16, max_num_sequences + 1, 16))
+    if max_num_sequences not in sizes and max_num_sequences > 8:
+        sizes.append(max_num_sequences)  # so every batch up to the maximum has a graph
+    return sizes
+
+
+@dataclass
+class StepInputs:
+    """What prepare_prefill / prepare_decode hand to run_model."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    context: dict[str, object]
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int, model_path: str,
+                 hf_config: Any | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.block_size = config.block_size
+        self.device = resolve_device(config)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config, self.device)
+        # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
+        self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
+        self.pin_memory = self.device.type == "cuda"
+
+        # Rank 0 gets the config the engine already parsed (a GGUF parse takes seconds).
+        self.hf_config = hf_config if hf_config is not None else load_hf_config(model_path)
+        model_class = get_model_class(getattr(self.hf_config, "architectures", None) or [])
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(self.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, model_path)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # Per-request seeded generators (rank 0 samples, so only rank 0 fills this).
+        self.generators: dict[int, torch.Generator] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_vars: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ start-up
+    def initialize_cache(self) -> int:
+        """Warm up, size and allocate the KV cache, capture graphs; returns the block count.
+
+        Collective under tensor parallelism: every rank must call it (engine/tp_workers.py).
+        """
+        if self.device.type == "cuda":  # on a CPU there is no peak to measure
+            self.warmup_model()
+        num_blocks = self.allocate_kv_cache()
+        if not self.enforce_eager:
+            self.capture_cudagraph()
+        return num_blocks
+
+    @torch.inference_mode()
+    def warmup_model(self) -> None:
+        """Run the largest prefill the scheduler may send, so the peak memory is measured.
+
+        One name, max_num_batched_tokens, bounds both the scheduler's prefill batches and
+        this warm-up (the original read a misspelled second key here).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        max_len = self.config.max_model_length
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len,
+                              self.config.max_num_sequences))
+        seqs = [Sequence([0] * max_len, self.block_size) for _ in range(num_seqs)]
+        # No KV cache exists yet: prefill attends over the fresh K/V and writes nothing.
+        self.run_prefill_without_cache(seqs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run_prefill_without_cache(self, seqs: list[Sequence]) -> None:
+        step = self.prepare_prefill(seqs)
+        with forward_context(**step.context):
+            hidden = self.model(step.input_ids, step.positions)
+            self.model.compute_logits(hidden)
+
+    def kv_cache_block_bytes(self) -> int:
+        cfg = self.hf_config
+        num_kv_heads = cfg.num_key_value_heads // get_tp_size()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = 2 * cfg.num_hidden_layers * num_kv_heads * head_dim * self.dtype.itemsize
+        return self.block_size * per_token
+
+    def allocate_kv_cache(self) -> int:
+        config = self.config
+        block_bytes = self.kv_cache_block_bytes()
+        if config.num_kvcache_blocks > 0:
+            num_blocks = config.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            stats = torch.cuda.memory_stats(self.device)
+            # What the warm-up needed beyond the weights is what every step may need again.
+            activation_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+            budget = int(total * config.gpu_memory_utilization) - used - activation_peak
+            num_blocks = budget // block_bytes
+        else:
+            blocks_per_seq = -(-config.max_model_length // self.block_size)
+            num_blocks = min(config.max_num_sequences * blocks_per_seq,
+                             CPU_KV_CACHE_BYTES // block_bytes)
+        if get_tp_size() > 1:
+            # Every rank must agree on the block count, or the block tables of rank 0 would
+            # point past the end of another rank's cache: take the minimum.
+            count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(count.item())
+        if num_blocks <= 0:
+            raise RuntimeError(
+                f"No memory left for the KV cache ({block_bytes} bytes per block of "
+                f"{self.block_size} tokens). Lower max_num_batched_tokens or max_model_length, "
+                "or raise gpu_memory_utilization."
+            )
+        cfg = self.hf_config
+        num_kv_heads = cfg.num_key_value_heads // get_tp_size()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for layer_id, attention in enumerate(self.attention_layers):
+            attention.k_cache = self.k_cache[layer_id]
+            attention.v_cache = self.v_cache[layer_id]
+        self.num_kvcache_blocks = num_blocks
+        return num_blocks
+
+    # ------------------------------------------------------------------ host -> device
+    def to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> (pinned) CPU tensor -> device, without making the host wait."""
+        tensor = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
+        return tensor.to(self.device, non_blocking=True)
+
+    def prepare_block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
+        """Block tables padded with -1 to a rectangle (the kernels never read past the context)."""
+        width = width or max(len(seq.block_table) for seq in seqs)
+        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        return self.to_device(rows, torch.int32)  # type: ignore[arg-type]
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
+        """Flatten the uncached part of every prompt into one batch.
+
+        Two sequences, the first with 4 cached tokens (one block of 4), the second cold:
+
+            seq A: [a0 a1 a2 a3 | a4 a5 a6]   num_cached_tokens = 4
+            seq B: [b0 b1 b2]
+
+            input_ids    = [a4 a5 a6 b0 b1 b2]      only what must be computed
+            positions    = [ 4  5  6  0  1  2]      RoPE starts at num_cached_tokens
+            cu_seqlens_q = [0, 3, 6]                query tokens per sequence
+            cu_seqlens_k = [0, 7, 10]               context tokens per sequence (cached + new)
+            slot_mapping = one slot per entry of input_ids (the cached ones are already there)
+
+        When any cu_seqlens_k entry exceeds its cu_seqlens_q entry, a prefix is cached and
+        the prefill kernel reads K/V through block_tables instead of the fresh tensors.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        slot_mapping: list[int] = []
+        for seq in seqs:
+            num_cached = seq.num_cached_tokens
+            seqlen = len(seq)
+            input_ids.extend(seq.token_ids[num_cached:])
+            positions.extend(range(num_cached, seqlen))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - num_cached)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
+            max_seqlen_q = max(max_seqlen_q, seqlen - num_cached)
+            max_seqlen_k = max(max_seqlen_k, seqlen)
+            if not seq.block_table:  # warm-up: no cache to write to
+                continue
+            for i in range(seq.num_cached_blocks, seq.num_blocks):
+                start = seq.block_table[i] * self.block_size
+                count = self.block_size if i != seq.num_blocks - 1 else seq.last_block_num_tokens
+                slot_mapping.extend(range(start, start + count))
+        prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        context = dict(
+            is_prefill=True,
+            cu_seqlens_q=self.to_device(cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self.to_device(cu_seqlens_k, torch.int32),
+            max_seqlen_q=max_seqlen_q,  # host ints: no cu_seqlens.cpu() sync (D6)
+            max_seqlen_k=max_seqlen_k,
+            slot_mapping=self.to_device(slot_mapping, torch.int32),
+            block_tables=self.prepare_block_tables(seqs) if prefix_cached else None,
+        )
+        return StepInputs(self.to_device(input_ids, torch.int64),
+                          self.to_device(positions, torch.int64), context)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
+        """One new token per sequence; its K/V goes to the slot after the last one used."""
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
+                        for seq in seqs]
+        context = dict(
+            is_prefill=False,
+            slot_mapping=self.to_device(slot_mapping, torch.int32),
+            context_lens=self.to_device(context_lens, torch.int32),
+            block_tables=self.prepare_block_tables(seqs),
+        )
+        return StepInputs(self.to_device(input_ids, torch.int64),
+                          self.to_device(positions, torch.int64), context)
+
+    def prepare_sample(self, seqs: list[Sequence]) -> dict[str, object]:
+        params = [seq.sampling_params for seq in seqs]
+        generators: list[torch.Generator | None] | None = None
+        if any(p.seed is not None for p in params):
+            generators = [self.generator_for(seq) for seq in seqs]
+        return dict(
+            temperatures=self.to_device([p.temperature for p in params], torch.float32),
+            top_ks=self.to_device([p.top_k for p in params], torch.int64),
+            top_ps=self.to_device([p.top_p for p in params], torch.float32),
+            generators=generators,
+        )
+
+    def generator_for(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return None
+        if seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
+        return self.generators[seq.seq_id]
+
+    def release_generators(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def run_model(self, step: StepInputs, is_prefill: bool) -> torch.Tensor | None:
+        batch_size = step.input_ids.size(0)
+        if is_prefill or self.enforce_eager or batch_size > max(self.graphs, default=0):
+            hidden = self.model(step.input_ids, step.positions)
+            return self.model.compute_logits(hidden)
+        return self.replay_cudagraph(step, batch_size)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """Compute one token for every sequence; rank 0 returns them, other ranks None."""
+        step = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        sample_args = self.prepare_sample(seqs) if self.rank == 0 else None
+        with forward_context(**step.context):
+            logits = self.run_model(step, is_prefill)
+        if self.rank != 0:
+            return None
+        assert logits is not None and sample_args is not None
+        return self.sampler(logits.float(), **sample_args).tolist()
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def capture_cudagraph(self) -> None:
+        """Capture one decode graph per batch size, largest first, sharing one memory pool.
+
+        Why only decode: a decode step has a fixed shape per batch size (one token per
+        sequence), so a graph captured once can be replayed with new values; prefill shapes
+        change with every batch. Decode is also where launch overhead dominates: at batch 1
+        the GPU work per layer is tiny and hundreds of kernel launches would take longer
+        than the math.
+        """
+        max_bs = self.config.max_num_sequences
+        max_blocks = -(-self.config.max_model_length // self.block_size)
+        hidden_size = self.hf_config.hidden_size
+        device = self.device
+        graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
+            block_tables=torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device),
+            outputs=torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=device),
+        )
+        pool = None
+        for bs in reversed(cuda_graph_batch_sizes(max_bs)):
+            graph = torch.cuda.CUDAGraph()
+            context = dict(
+                is_prefill=False,
+                slot_mapping=graph_vars["slot_mapping"][:bs],
+                context_lens=graph_vars["context_lens"][:bs],
+                block_tables=graph_vars["block_tables"][:bs],
+            )
+            with forward_context(**context):
+                # Warm-up outside the graph (autotuning, lazy init), then capture.
+                graph_vars["outputs"][:bs] = self.model(graph_vars["input_ids"][:bs],
+                                                        graph_vars["positions"][:bs])
+                with torch.cuda.graph(graph, pool):
+                    graph_vars["outputs"][:bs] = self.model(graph_vars["input_ids"][:bs],
+                                                            graph_vars["positions"][:bs])
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+        self.graph_vars = graph_vars
+
+    def replay_cudagraph(self, step: StepInputs, batch_size: int) -> torch.Tensor | None:
+        """Copy the step into the static buffers of the smallest graph that fits; replay.
+
+        Rows batch_size..graph_bs-1 are padding: slot -1 tells store_kvcache to write
+        nothing for them (otherwise they would overwrite a real sequence's K/V), and
+        context_len 0 makes the decode kernel skip them.
+        """
+        graph_bs = next(bs for bs in sorted(self.graphs) if bs >= batch_size)
+        graph_vars = self.graph_vars
+        context = step.context
+        block_tables = context["block_tables"]
+        assert isinstance(block_tables, torch.Tensor)
+        graph_vars["input_ids"][:batch_size] = step.input_ids
+        graph_vars["positions"][:batch_size] = step.positions
+        graph_vars["slot_mapping"][:graph_bs].fill_(-1)
+        graph_vars["slot_mapping"][:batch_size] = context["slot_mapping"]
+        graph_vars["context_lens"][:graph_bs].zero_()
+        graph_vars["context_lens"][:batch_size] = context["context_lens"]
+        graph_vars["block_tables"][:batch_size, : block_tables.size(1)] = block_tables
+        self.graphs[graph_bs].replay()
+        return self.model.compute_logits(graph_vars["outputs"][:batch_size])

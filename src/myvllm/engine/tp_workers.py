@@ -1,0 +1,180 @@
+"""Tensor-parallel worker processes: ranks 1..N-1 of the ModelRunner.
+
+    LLMEngine (rank 0)                         worker process (rank r)
+    ------------------                         -----------------------
+    spawn N-1 workers  ----------------------> import, report "alive" on its pipe
+    init_process_group  <=== rendezvous ===>   init_process_group
+    ModelRunner(rank 0)                        ModelRunner(rank r), report "ready" or the error
+    call("initialize_cache")  -- pipe ------>  same method; warm-up and KV sizing meet in
+                                               collectives (all_reduce MIN of the block count)
+    call("run", seqs, is_prefill) -- pipe -->  run(seqs, is_prefill): every rank computes its
+                                               shard; all_reduce / gather inside the layers
+    shutdown(): "exit" -- pipe ------------->  leave the loop, destroy the process group
+
+Commands travel over one multiprocessing Pipe per worker rather than a torch.distributed
+broadcast: a worker waits for the next command for as long as the engine is idle, and a
+collective would time out; a pipe also lets a worker report a start-up error instead of
+leaving rank 0 stuck in a rendezvous. The tensors themselves only move in NCCL (GPU) or gloo
+(CPU) collectives inside the layers.
+
+Lifetime: workers are daemonic (multiprocessing ends them when the engine's process exits),
+watch their parent and exit if it disappears, and WorkerPool.shutdown is registered with
+weakref.finalize by the engine, so they end with exit(), garbage collection, or an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myvllm.config import Config
+
+logger = logging.getLogger("myvllm")
+
+# Collectives only wait while every rank is inside the same step, so a stuck peer is a bug
+# or a dead process: fail after this long instead of hanging forever.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+START_TIMEOUT_S = 600.0
+
+
+def pick_init_method() -> str:
+    """MASTER_ADDR/MASTER_PORT when set (multi-host), else a free local port."""
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if addr and port:
+        return f"tcp://{addr}:{port}"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def init_distributed(config: Config, rank: int, init_method: str, use_cuda: bool) -> None:
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method=init_method,
+        world_size=config.tensor_parallel_size,
+        rank=rank,
+        timeout=COLLECTIVE_TIMEOUT,
+        **({"device_id": torch.device("cuda", rank)} if use_cuda else {}),
+    )
+
+
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(1.0)
+
+
+def worker_main(config: Config, rank: int, init_method: str, model_path: str,
+                use_cuda: bool, conn: Connection, parent_pid: int) -> None:
+    """Entry point of a worker process (must be importable: processes are spawned)."""
+    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
+    if not use_cuda:
+        # Two ranks on the same cores: give each its share instead of oversubscribing.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    from myvllm.engine.model_runner import ModelRunner  # after the thread cap is set
+
+    runner = None
+    try:
+        conn.send(("alive", None))
+        init_distributed(config, rank, init_method, use_cuda)
+        runner = ModelRunner(config, rank, model_path)
+        conn.send(("ready", None))
+        while True:
+            method, args = conn.recv()
+            if method == "exit":
+                break
+            getattr(runner, method)(*args)
+    except EOFError:
+        pass  # the engine closed its end of the pipe: it is gone, so are we
+    except BaseException:  # report any failure to rank 0, then exit non-zero
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass  # rank 0 already closed the pipe; the traceback is printed below anyway
+        traceback.print_exc()
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerPool:
+    """Rank 0's handle on the worker processes. Holds no reference to the engine."""
+
+    def __init__(self, config: Config, model_path: str, init_method: str, use_cuda: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.processes: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self.closed = False
+        for rank in range(1, config.tensor_parallel_size):
+            parent_conn, child_conn = ctx.Pipe()
+            process = ctx.Process(
+                target=worker_main,
+                args=(config, rank, init_method, model_path, use_cuda, child_conn, os.getpid()),
+                daemon=True,
+                name=f"myvllm-tp-worker-{rank}",
+            )
+            process.start()
+            child_conn.close()
+            self.processes.append(process)
+            self.conns.append(parent_conn)
+
+    def wait_for(self, expected: str) -> None:
+        """Block until every worker reported `expected`; raise with a worker's error."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = set(range(len(self.conns)))
+        while pending:
+            for i in list(pending):
+                conn, process = self.conns[i], self.processes[i]
+                if conn.poll(0.2):
+                    kind, detail = conn.recv()
+                    if kind == "error":
+                        raise RuntimeError(f"tensor-parallel worker rank {i + 1} failed to "
+                                           f"start:\n{detail}")
+                    if kind == expected:
+                        pending.discard(i)
+                elif not process.is_alive():
+                    raise RuntimeError(f"tensor-parallel worker rank {i + 1} exited with code "
+                                       f"{process.exitcode} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers {sorted(r + 1 for r in pending)} "
+                                   f"did not report '{expected}' within {START_TIMEOUT_S:.0f} s")
+
+    def send(self, method: str, *args: Any) -> None:
+        for conn in self.conns:
+            conn.send((method, args))
+
+    def shutdown(self) -> None:
+        """Ask workers to exit; terminate the ones that do not (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            try:
+                conn.send(("exit", ()))
+            except (OSError, ValueError):
+                pass  # that worker is already gone; join/terminate below handles it
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self.conns:
+            conn.close()
