@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache.
+
+The layer owns no weights; it routes q/k/v to the right kernel using the per-step context:
+
+    new tokens' k, v --store_kvcache--> k_cache/v_cache[block, offset]   (slot_mapping)
+
+    prefill, no cached prefix   flash_attention_varlen(q, k, v, cu_seqlens ...)   K/V from k, v
+    prefill, cached prefix      flash_attention_varlen(..., block_tables, caches) K/V from cache
+    decode                      paged_attention_decode(q, caches, block_tables, context_lens)
+
+k_cache/v_cache are plain attributes, empty until the ModelRunner points them at this layer's
+views of its big cache tensor ([num_blocks, block_size, num_kv_heads, head_dim] each). While
+they are empty (e.g. a warm-up forward before the cache is sized) nothing is stored and
+prefill attends over k/v directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from myvllm.kernels import flash_attention_varlen, paged_attention_decode, store_kvcache
+from myvllm.utils.context import get_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)"
+            )
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.k_cache = torch.tensor([])
+        self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq*D] or [N, Hq, D]; k, v [N, Hkv*D] or [N, Hkv, D] -> o [N, Hq*D]."""
+        context = get_context()
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = self.k_cache, self.v_cache
+        has_cache = k_cache.numel() > 0
+        if has_cache and context.slot_mapping is not None:
+            store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+
+        if context.is_prefill:
+            if context.cu_seqlens_q is None or context.cu_seqlens_k is None:
+                raise RuntimeError(
+                    "Attention in prefill needs cu_seqlens_q/cu_seqlens_k in the context; "
+                    "run the model inside forward_context(...)"
+                )
+            if context.block_tables is not None:
+                if not has_cache:
+                    raise RuntimeError("prefill with block_tables (cached prefix) needs a KV cache")
+                o = flash_attention_varlen(
+                    q, k, v,
+                    context.cu_seqlens_q, context.cu_seqlens_k,
+                    context.max_seqlen_q, context.max_seqlen_k, self.scale,
+                    block_tables=context.block_tables, k_cache=k_cache, v_cache=v_cache,
+                )  # fmt: skip
+            else:
+                o = flash_attention_varlen(
+                    q, k, v,
+                    context.cu_seqlens_q, context.cu_seqlens_k,
+                    context.max_seqlen_q, context.max_seqlen_k, self.scale,
+                )  # fmt: skip
+        else:
+            if context.block_tables is None or context.context_lens is None or not has_cache:
+                raise RuntimeError(
+                    "Attention in decode needs a KV cache plus block_tables and context_lens in "
+                    "the context; run the model inside forward_context(...)"
+                )
+            o = paged_attention_decode(
+                q, k_cache, v_cache, context.block_tables, context.context_lens, self.scale
+            )
+        return o.reshape(n, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+        )

@@ -1,0 +1,94 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Both split the vocabulary (rows of the [vocab, hidden] table) over the TP ranks:
+
+    rank 0: token ids [0, V/tp)     rank 1: [V/tp, 2V/tp)    ...
+
+When ``tp`` does not divide the vocabulary, each rank gets ceil(V/tp) rows and the last
+rank's tail rows are zero padding (their logits are cut off after the gather).
+
+Embedding: each rank looks up only the ids it owns, writes zeros for the others, and an
+all_reduce sums the partial rows (exactly one rank contributed a non-zero row per token).
+LM head: each rank computes the logits of its vocabulary slice; they are gathered on rank 0,
+the only rank that samples, and concatenated. The other ranks return None.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from myvllm.layers.linear import copy_checked
+from myvllm.utils.context import get_context
+from myvllm.utils.distributed import get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)  # ceil
+        self.vocab_start_idx = min(self.tp_rank * self.num_embeddings_per_partition, num_embeddings)
+        self.vocab_end_idx = min(
+            self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings
+        )
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        name = type(self).__name__
+        if shard_id is not None:
+            raise ValueError(f"{name} is not packed, but got shard id {shard_id!r}")
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(
+                f"{name}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected "
+                f"{expected} (vocab_size, hidden_size)"
+            )
+        n = self.vocab_end_idx - self.vocab_start_idx
+        copy_checked(param.data[:n], loaded_weight[self.vocab_start_idx : self.vocab_end_idx], name)
+        param.data[n:].zero_()  # padding rows of the last rank
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
+        # Ids owned by another rank look up row 0 here; the mask then zeroes that row.
+        # Both steps are needed: without the second, every rank would add its row 0.
+        local_ids = torch.where(mask, input_ids - self.vocab_start_idx, 0)
+        y = F.embedding(local_ids, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden [N, H] -> logits [B, V] (prefill: one row per sequence) on rank 0, None elsewhere.
+
+    At prefill only each sequence's last token needs logits (it predicts the next token).
+    cu_seqlens_q marks where each sequence's new tokens end in the flat batch:
+
+        cu_seqlens_q = [0, 3, 8]   tokens: a a a b b b b b   ->  keep rows 2 and 7
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        context = get_context()
+        if context.is_prefill and context.cu_seqlens_q is not None:
+            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return logits
+        gathered = (
+            [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        )
+        dist.gather(logits, gathered, dst=0)
+        if self.tp_rank != 0:
+            return None
+        assert gathered is not None
+        return torch.cat(gathered, dim=-1)[:, : self.num_embeddings]

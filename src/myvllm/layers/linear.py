@@ -1,0 +1,246 @@
+"""Tensor-parallel linear layers and their weight loaders.
+
+With tensor parallelism (TP) over ``tp`` ranks, a transformer block needs only ONE
+all-reduce per matmul pair, thanks to the Megatron split:
+
+    x (replicated) -> ColumnParallelLinear -> y_r (each rank: its slice of the OUTPUT features)
+    y_r            -> RowParallelLinear    -> partial sums over its slice of the INPUT features
+                                              -> all_reduce -> z (replicated)
+
+    W_col [out, in]  split along dim 0:   rank0 rows | rank1 rows | ...
+    W_row [out, in]  split along dim 1:   rank0 cols | rank1 cols | ...
+
+Checkpoints always hold the FULL tensors. Every parameter therefore carries a
+``weight_loader(param, loaded_weight, shard_id=None)`` that cuts this rank's piece out of the
+full tensor (and, for packed layers, puts it at the right offset). The loader
+(utils/loader.py) never copies a tensor itself; that is the whole contract, and the reason a
+world size of 2 loads the same model as a world size of 1.
+
+Each layer is built with the rank/size of the current process group, so the parameters are
+already the per-rank size when the loader runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from myvllm.utils.distributed import get_tp_rank, get_tp_size
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """Copy ``src`` into ``dst`` after checking shapes (dtype/device are converted by copy_)."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"{what}: shape mismatch, parameter expects {tuple(dst.shape)} "
+            f"but the checkpoint tensor (after sharding) is {tuple(src.shape)}"
+        )
+    dst.copy_(src)
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+) -> None:
+    """Loader of every replicated parameter (norms, replicated linears): a checked copy."""
+    if shard_id is not None:
+        raise ValueError(f"this parameter is not packed, but got shard id {shard_id!r}")
+    copy_checked(param.data, loaded_weight, "replicated parameter")
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}"
+        )
+    return numerator // denominator
+
+
+def _rank_slice(
+    loaded: torch.Tensor, dim: int, full_size: int, tp_rank: int, tp_size: int, what: str
+) -> torch.Tensor:
+    """This rank's contiguous 1/tp slice of ``loaded`` along ``dim`` (after a full-size check)."""
+    if loaded.dim() <= dim or loaded.size(dim) != full_size:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected size "
+            f"{full_size} along dim {dim} (the full, unsharded size)"
+        )
+    shard = full_size // tp_size
+    return loaded.narrow(dim, tp_rank * shard, shard)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with per-rank parameter shapes; subclasses define the split."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        # Local (per-rank) sizes: subclasses divide before calling us.
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"tp={self.tp_rank}/{self.tp_size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight, shard_id)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over ranks (dim 0 of W); the output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        super().__init__(input_size, _divide(output_size, tp_size, "output_size"), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not packed, but got shard id {shard_id!r}")
+        full = param.size(0) * self.tp_size
+        src = _rank_slice(loaded_weight, 0, full, self.tp_rank, self.tp_size, type(self).__name__)
+        copy_checked(param.data, src, type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matmuls of the same input packed into one (gate_proj + up_proj).
+
+    Per rank, each logical output keeps its own slice, side by side (tp=2, [I, I]):
+
+        full:    gate [I]          | up [I]
+        rank 0:  gate[0:I/2]       | up[0:I/2]        <- param rows [0:I/2] and [I/2:I]
+        rank 1:  gate[I/2:I]       | up[I/2:I]
+
+    shard_id is the index into ``output_sizes`` (0 = gate_proj, 1 = up_proj).
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        for i, size in enumerate(output_sizes):
+            _divide(size, tp_size, f"output_sizes[{i}]")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(self.output_sizes), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}, "
+                f"got {shard_id!r}"
+            )
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        what = f"MergedColumnParallelLinear shard {shard_id}"
+        src = _rank_slice(
+            loaded_weight, 0, self.output_sizes[shard_id], self.tp_rank, self.tp_size, what
+        )
+        copy_checked(param.data.narrow(0, offset, size), src, what)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q_proj, k_proj and v_proj packed into one matmul, split over ranks by WHOLE heads.
+
+    Each rank keeps num_heads/tp query heads and num_kv_heads/tp key/value heads, so attention
+    runs locally with no communication (each K head stays whole: head_size values):
+
+        full:    q [Hq*D]                 | k [Hkv*D]            | v [Hkv*D]
+        rank r:  q heads of rank r        | k heads of rank r     | v heads of rank r
+                 [Hq/tp*D]                  [Hkv/tp*D]             [Hkv/tp*D]
+
+    shard_id is "q", "k" or "v".
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+    ) -> None:
+        tp_size = get_tp_size()
+        total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
+        if total_num_heads % tp_size or total_num_kv_heads % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} must divide both num_attention_heads="
+                f"{total_num_heads} and num_key_value_heads={total_num_kv_heads} (each rank "
+                f"keeps whole heads)"
+            )
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = total_num_heads // tp_size
+        self.num_kv_heads = total_num_kv_heads // tp_size
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        layout = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        if shard_id not in layout:
+            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size = layout[shard_id]  # type: ignore[index]
+        what = f"QKVParallelLinear shard {shard_id!r}"
+        src = _rank_slice(loaded_weight, 0, size * self.tp_size, self.tp_rank, self.tp_size, what)
+        copy_checked(param.data.narrow(0, offset, size), src, what)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks (dim 1 of W); partial outputs summed by all_reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        super().__init__(_divide(input_size, tp_size, "input_size"), output_size, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if shard_id is not None:
+            raise ValueError(f"RowParallelLinear is not packed, but got shard id {shard_id!r}")
+        if param.dim() == 1:
+            # The bias is over OUTPUT features, which are not split: every rank holds it all.
+            copy_checked(param.data, loaded_weight, "RowParallelLinear bias")
+            return
+        full = param.size(1) * self.tp_size
+        src = _rank_slice(loaded_weight, 1, full, self.tp_rank, self.tp_size, "RowParallelLinear")
+        copy_checked(param.data, src, "RowParallelLinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Add the bias on one rank only, or the all_reduce would add it tp times.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

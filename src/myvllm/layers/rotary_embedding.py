@@ -1,0 +1,149 @@
+"""Rotary position embedding (RoPE), in the "neox" / half-rotation layout of HF Qwen3/Llama.
+
+Each head vector of q and k is split into two halves, and pair i = (x[i], x[i + D/2]) is
+rotated by the angle  position * inv_freq[i]:
+
+    x = [ x1 (D/2) | x2 (D/2) ]
+    out = [ x1*cos - x2*sin | x2*cos + x1*sin ]
+
+cos and sin for every position up to max_position are computed once, in float32, and looked
+up per token with the token's absolute position (so a sequence whose prefix came from the
+cache still rotates its new tokens at positions num_cached_tokens, num_cached_tokens+1, ...).
+
+Supported scaling: None/"default" (plain RoPE) and "llama3" (Llama-3.1/3.2: long wavelengths
+are stretched by ``factor``, short ones kept, the band in between smoothly interpolated).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    # Same expression as HF, so the float32 values agree bit for bit.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (base**exponent)
+
+
+def _llama3_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    inv_freq = _default_inv_freq(head_dim, base)
+    try:
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(
+            f"llama3 rope scaling is missing the field {e.args[0]!r}: {scaling}"
+        ) from e
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are divided by `factor`; short ones are untouched.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    # In between, blend the two, moving linearly with old_context_len / wavelen.
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.to(positions.device))  # [max_position, D/2]
+        # One table [max_position, D]: cos in the first half, sin in the second.
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        # Not persistent: it is derived from the config, not a checkpoint tensor.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # The rotation runs in float32 whatever the model dtype; model.to(torch.bfloat16) must
+        # not round the cos/sin table (8 mantissa bits), so it only follows device moves.
+        cache = self.cos_sin_cache
+        super()._apply(fn, *args, **kwargs)
+        if self.cos_sin_cache.dtype != torch.float32:
+            self.cos_sin_cache = cache.to(device=self.cos_sin_cache.device)
+        return self
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [N, D/2]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        n = positions.shape[0]
+        q_rot = self._rotate(q.view(n, -1, self.head_dim), cos, sin).view(q.shape)
+        k_rot = self._rotate(k.view(n, -1, self.head_dim), cos, sin).view(k.shape)
+        return q_rot, k_rot
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+def _rope_type(rope_scaling: dict | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+
+
+@lru_cache(maxsize=None)
+def _cached_rope(
+    head_dim: int, max_position: int, base: float, scaling_items: tuple, device: str
+) -> RotaryEmbedding:
+    scaling = dict(scaling_items) if scaling_items else None
+    rope_type = _rope_type(scaling)
+    if rope_type == "default":
+        inv_freq = _default_inv_freq(head_dim, base)
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(head_dim, base, scaling or {})
+    else:
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    return RotaryEmbedding(head_dim, max_position, inv_freq)
+
+
+def _freeze(value: object) -> object:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def get_rope(
+    head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
+) -> RotaryEmbedding:
+    """The RoPE module for these settings.
+
+    All layers of a model share ONE module (and one cos/sin table: 40960 x 128 floats is 20 MB,
+    per layer it would be 560 MB for Qwen3-0.6B). It is cached per default device, because the
+    table is created on ``torch.get_default_device()``.
+    """
+    scaling_items = (
+        tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())) if rope_scaling else ()
+    )
+    return _cached_rope(
+        int(head_dim),
+        int(max_position),
+        float(base),
+        scaling_items,
+        str(torch.get_default_device()),
+    )

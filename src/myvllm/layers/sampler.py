@@ -1,0 +1,112 @@
+"""Turn the last-token logits of each sequence into the next token.
+
+Per row (sequence), from its own SamplingParams:
+
+    temperature == 0   greedy: argmax of the raw logits (exact, no noise involved)
+    otherwise          logits / temperature -> top-k filter -> top-p filter -> sample
+
+Sampling uses the exponential ("Gumbel-max") trick instead of torch.multinomial:
+
+    argmax_i  p_i / E_i,   E_i ~ Exponential(1)   is distributed as   Categorical(p)
+
+It needs one elementwise op and an argmax, no host sync. A row can bring its own
+torch.Generator (SamplingParams.seed): its noise is then drawn from that generator alone, so
+its tokens do not depend on which other requests share the batch.
+
+Fast paths (the caller knows these on the host, so they cost no device sync):
+``top_ks=None`` / ``top_ps=None`` skip the sort that the filters need, and
+``all_greedy=True`` makes the whole call one argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class Sampler(nn.Module):
+    def forward(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        top_ks: torch.Tensor | None = None,
+        top_ps: torch.Tensor | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+        *,
+        all_greedy: bool | None = None,
+    ) -> torch.Tensor:
+        """logits [B, V]; temperatures [B] float (0 = greedy); top_ks [B] int (-1 or <= 0 = off);
+        top_ps [B] float (1.0 = off); generators: one per row or None -> token ids [B] int64.
+
+        ``all_greedy`` is a host-side hint; when None it is computed from ``temperatures``,
+        which syncs with the device.
+        """
+        greedy = logits.argmax(dim=-1)
+        if all_greedy is None:
+            all_greedy = bool((temperatures == 0).all())
+        if all_greedy:
+            return greedy
+
+        logits = logits.float()
+        is_greedy = temperatures == 0
+        # Greedy rows are replaced by `greedy` at the end; dividing them by 1 keeps them finite.
+        temps = torch.where(is_greedy, torch.ones_like(temperatures), temperatures).float()
+        logits = logits / temps.unsqueeze(-1)
+        if top_ks is not None or top_ps is not None:
+            logits = _top_k_top_p(logits, top_ks, top_ps)
+        probs = torch.softmax(logits, dim=-1)
+        sampled = (probs / _exponential_noise(probs, generators)).argmax(dim=-1)
+        return torch.where(is_greedy, greedy, sampled)
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None
+) -> torch.Tensor:
+    """Set the logits outside each row's top-k / top-p set to -inf (one sort serves both).
+
+    In the descending order, a token at rank r is kept when
+        r < k                                 (top-k), and
+        (mass of the tokens ranked before r) < p   (top-p: the smallest prefix reaching p)
+    Rank 0 always survives, so top_k=1 or a tiny top_p leave exactly the argmax.
+    """
+    vocab = logits.shape[-1]
+    # stable: among equal logits the lower id ranks first, like argmax.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_ks is not None:
+        k = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab).unsqueeze(-1)
+        remove |= ranks >= k
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    if top_ps is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        top_p = top_ps.float().unsqueeze(-1)
+        # p = 1 means off: do not let float rounding of the cumsum drop the tail.
+        remove |= (mass_before >= top_p) & (top_p < 1.0)
+    remove[:, 0] = False
+    remove_in_vocab_order = torch.zeros_like(remove).scatter_(-1, sorted_ids, remove)
+    return logits.masked_fill(remove_in_vocab_order, float("-inf"))
+
+
+def _exponential_noise(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None] | None
+) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_()
+    if generators is not None:
+        if len(generators) != probs.shape[0]:
+            raise ValueError(
+                f"generators has {len(generators)} entries but the batch has {probs.shape[0]} rows"
+            )
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                if generator.device.type != probs.device.type:
+                    raise ValueError(
+                        f"generator of row {row} is on {generator.device}, logits on "
+                        f"{probs.device}: create it with torch.Generator(device=logits.device)"
+                    )
+                noise[row].exponential_(generator=generator)
+    # E = 0 has probability ~0 but would divide by zero.
+    return noise.clamp_min_(1e-10)
