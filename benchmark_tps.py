@@ -117,7 +117,9 @@ def main() -> None:
         dtype = torch.float32 if args.quick else torch.bfloat16
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         vocab = min(hf.config.vocab_size, 10000)
-        llm = LLM(str(path), enforce_eager=args.enforce_eager,
+        # 0.6 of the GPU for myvllm (weights, activations, KV cache) leaves room for the
+        # transformers model that runs in the same process.
+        llm = LLM(str(path), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.6,
                   max_model_length=args.max_input_len + args.max_output_len,
                   max_num_sequences=256 if not args.quick else 8,
                   max_num_batched_tokens=16384 if not args.quick else 512)
@@ -161,6 +163,7 @@ def main() -> None:
         hf_tps = None
         if not args.skip_hf:
             subset = list(range(min(args.hf_num_seqs, args.num_seqs)))
+            hf_generate(hf, prompts[:2], 4, greedy=False, pad_id=0)  # warm-up
             start = time.perf_counter()
             for b in range(0, len(subset), args.hf_batch_size):
                 batch = subset[b:b + args.hf_batch_size]

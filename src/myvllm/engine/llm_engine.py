@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from collections.abc import Sequence as SequenceABC
@@ -86,6 +87,10 @@ class LLMEngine:
             logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
         self._pool: WorkerPool | None = None
         owns_group = config.tensor_parallel_size > 1
+        if owns_group and not use_cuda:
+            # N ranks share this machine's cores: give rank 0 its share, as the workers do,
+            # or OpenMP threads of different ranks stall each other at every barrier.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         try:
             if owns_group:
                 init_method = pick_init_method()

@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from myvllm.config import Config
@@ -115,6 +116,8 @@ class ModelRunner:
         # Per-request seeded generators (rank 0 samples, so only rank 0 fills this).
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.decode_sizes = cuda_graph_batch_sizes(config.max_num_sequences)
+        self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
         self.graph_vars: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ start-up
@@ -209,11 +212,21 @@ class ModelRunner:
         tensor = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
         return tensor.to(self.device, non_blocking=True)
 
-    def prepare_block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
-        """Block tables padded with -1 to a rectangle (the kernels never read past the context)."""
+    def prepare_block_tables(self, seqs: list[Sequence], width: int | None = None,
+                             padding_rows: int = 0) -> torch.Tensor:
+        """Block tables padded with -1 to a rectangle (the kernels never read past the context).
+
+        Filled row by row into a numpy array: at batch 256 with 128-block rows a nested
+        Python list would cost milliseconds per decode step.
+        """
         width = width or max(len(seq.block_table) for seq in seqs)
-        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-        return self.to_device(rows, torch.int32)  # type: ignore[arg-type]
+        tables = np.full((len(seqs) + padding_rows, width), -1, dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        tensor = torch.from_numpy(tables)
+        if self.pin_memory:
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         """Flatten the uncached part of every prompt into one batch.
@@ -265,32 +278,57 @@ class ModelRunner:
         return StepInputs(self.to_device(input_ids, torch.int64),
                           self.to_device(positions, torch.int64), context)
 
+    def decode_batch_size(self, num_seqs: int) -> int:
+        """The padded batch size a decode step runs at.
+
+        On a GPU, decode always runs at one of the CUDA-graph sizes and with block tables as
+        wide as max_model_length, graphs or not. The kernels then see the same shapes in
+        both modes, pick the same tiles and split-K chunks, and cuBLAS the same algorithms,
+        so enforce_eager=True and CUDA graphs give bit-identical tokens (D1). Padding rows
+        use slot -1 (store nothing) and context length 0 (attend to nothing).
+        """
+        if self.device.type != "cuda":
+            return num_seqs
+        return next((bs for bs in self.decode_sizes if bs >= num_seqs), num_seqs)
+
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
         """One new token per sequence; its K/V goes to the slot after the last one used."""
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        context_lens = [len(seq) for seq in seqs]
+        padding = self.decode_batch_size(len(seqs)) - len(seqs)
+        input_ids = [seq.last_token for seq in seqs] + [0] * padding
+        positions = [len(seq) - 1 for seq in seqs] + [0] * padding
+        context_lens = [len(seq) for seq in seqs] + [0] * padding
         slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
-                        for seq in seqs]
+                        for seq in seqs] + [-1] * padding
+        width = self.max_blocks_per_seq if self.device.type == "cuda" else None
+        block_tables = self.prepare_block_tables(seqs, width, padding)
         context = dict(
             is_prefill=False,
             slot_mapping=self.to_device(slot_mapping, torch.int32),
             context_lens=self.to_device(context_lens, torch.int32),
-            block_tables=self.prepare_block_tables(seqs),
+            block_tables=block_tables,
         )
         return StepInputs(self.to_device(input_ids, torch.int64),
                           self.to_device(positions, torch.int64), context)
 
     def prepare_sample(self, seqs: list[Sequence]) -> dict[str, object]:
+        """Sampling settings as device tensors, plus host-side hints for the fast paths.
+
+        The host knows whether every row is greedy or uses no top-k/top-p; telling the
+        sampler saves it a device sync (all-greedy is one argmax) and the sort of top-k/p.
+        """
         params = [seq.sampling_params for seq in seqs]
         generators: list[torch.Generator | None] | None = None
         if any(p.seed is not None for p in params):
             generators = [self.generator_for(seq) for seq in seqs]
+        all_greedy = all(p.temperature == 0 for p in params)
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
         return dict(
             temperatures=self.to_device([p.temperature for p in params], torch.float32),
-            top_ks=self.to_device([p.top_k for p in params], torch.int64),
-            top_ps=self.to_device([p.top_p for p in params], torch.float32),
+            top_ks=self.to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
+            top_ps=self.to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
             generators=generators,
+            all_greedy=all_greedy,
         )
 
     def generator_for(self, seq: Sequence) -> torch.Generator | None:
@@ -309,7 +347,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, step: StepInputs, is_prefill: bool) -> torch.Tensor | None:
         batch_size = step.input_ids.size(0)
-        if is_prefill or self.enforce_eager or batch_size > max(self.graphs, default=0):
+        if is_prefill or self.enforce_eager or batch_size not in self.graphs:
             hidden = self.model(step.input_ids, step.positions)
             return self.model.compute_logits(hidden)
         return self.replay_cudagraph(step, batch_size)
@@ -324,6 +362,7 @@ class ModelRunner:
         if self.rank != 0:
             return None
         assert logits is not None and sample_args is not None
+        logits = logits[: len(seqs)]  # drop decode padding rows
         return self.sampler(logits.float(), **sample_args).tolist()
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -338,7 +377,7 @@ class ModelRunner:
         than the math.
         """
         max_bs = self.config.max_num_sequences
-        max_blocks = -(-self.config.max_model_length // self.block_size)
+        max_blocks = self.max_blocks_per_seq
         hidden_size = self.hf_config.hidden_size
         device = self.device
         graph_vars = dict(
@@ -350,7 +389,7 @@ class ModelRunner:
             outputs=torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=device),
         )
         pool = None
-        for bs in reversed(cuda_graph_batch_sizes(max_bs)):
+        for bs in reversed(self.decode_sizes):
             graph = torch.cuda.CUDAGraph()
             context = dict(
                 is_prefill=False,
@@ -372,23 +411,18 @@ class ModelRunner:
         self.graph_vars = graph_vars
 
     def replay_cudagraph(self, step: StepInputs, batch_size: int) -> torch.Tensor | None:
-        """Copy the step into the static buffers of the smallest graph that fits; replay.
+        """Copy the (already padded) step into the graph's static buffers and replay it.
 
-        Rows batch_size..graph_bs-1 are padding: slot -1 tells store_kvcache to write
-        nothing for them (otherwise they would overwrite a real sequence's K/V), and
-        context_len 0 makes the decode kernel skip them.
+        prepare_decode padded the batch to this graph's size: rows past the real sequences
+        carry slot -1, so store_kvcache writes nothing for them (stale buffer contents
+        would otherwise overwrite a live sequence's K/V), and context length 0.
         """
-        graph_bs = next(bs for bs in sorted(self.graphs) if bs >= batch_size)
         graph_vars = self.graph_vars
         context = step.context
-        block_tables = context["block_tables"]
-        assert isinstance(block_tables, torch.Tensor)
         graph_vars["input_ids"][:batch_size] = step.input_ids
         graph_vars["positions"][:batch_size] = step.positions
-        graph_vars["slot_mapping"][:graph_bs].fill_(-1)
         graph_vars["slot_mapping"][:batch_size] = context["slot_mapping"]
-        graph_vars["context_lens"][:graph_bs].zero_()
         graph_vars["context_lens"][:batch_size] = context["context_lens"]
-        graph_vars["block_tables"][:batch_size, : block_tables.size(1)] = block_tables
-        self.graphs[graph_bs].replay()
+        graph_vars["block_tables"][:batch_size] = context["block_tables"]
+        self.graphs[batch_size].replay()
         return self.model.compute_logits(graph_vars["outputs"][:batch_size])
