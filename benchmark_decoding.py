@@ -1,0 +1,273 @@
+"""Paged decode attention kernels: correctness first, then achieved memory bandwidth.
+
+Decode reads every cached K/V byte of every sequence for a single query token, so its speed
+limit is HBM bandwidth. Implementations (one query token per sequence, paged KV cache):
+
+  naive PyTorch        a Python loop over sequences: gather its blocks, attend, next
+  vectorized PyTorch   myvllm's reference: one gather of every block table, masked softmax
+  Triton per-head      one program per (sequence, query head); no GQA sharing (a kv head is
+                       read once per query head that uses it), no split-K
+  Triton GQA+split-K   myvllm's kernel: one program per (sequence, kv head, split) loads each
+                       K/V tile once for the whole query-head group; split-K for small batches
+
+Columns: correct (max_err against a float32 reference), then for OK rows only: ms (median
+of CUDA-graph replays, as the engine runs decode; L2 flushed between runs), GB/s = (K+V bytes actually read + q + o) / time, and that as a
+percentage of the measured device-to-device copy bandwidth (a large tensor copy timed in the
+same run, counting read + write bytes).
+
+--quick: tiny shapes; on a machine without a GPU the Triton kernels run in Triton's CPU
+interpreter in float32 (timings there are not performance numbers). --sweep: also time a grid
+of BLOCK_N / warps / stages / num_splits for our kernel at the first case (GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+
+TOL = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter if no GPU)")
+    p.add_argument("--cases", type=str, nargs="+", default=None,
+                   help="BATCHxCONTEXT pairs (default 1x4096 1x32768 8x4096 64x4096 256x1024)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                   help="KV cache block sizes (default 16 256; myvllm's Config default is 16)")
+    p.add_argument("--num-heads", type=int, default=None, help="query heads (default 16)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="kv heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default bfloat16 on GPU, float32 on the CPU interpreter")
+    p.add_argument("--sweep", action="store_true", help="also time configs of our kernel")
+    return p.parse_args()  # fmt: skip
+
+
+def setup_device(quick: bool) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not quick:
+        raise SystemExit("benchmark_decoding.py needs a CUDA GPU; use --quick on the CPU")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported (in main)
+    return torch.device("cpu")
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device, graph: bool = True
+             ) -> tuple[float, str]:  # fmt: skip
+    """Median ms of fn, and how it was timed.
+
+    On the GPU the call is captured in a CUDA graph and the graph's replay is timed, the way
+    the engine runs decode: a small decode step takes less GPU time than Python needs to
+    launch its kernels, so timing eager calls would measure the launcher. (Capturing also
+    checks the implementation is graph-safe.) If capture fails, the eager call is timed and
+    the row says so.
+    """
+    if device.type != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3, "cpu"
+    import triton.testing
+
+    if not graph:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")), "eager"
+    mode, target = "graph", fn
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up off the default stream, as torch.cuda.graph requires
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        target = graph.replay
+    except RuntimeError as exc:
+        mode = f"eager ({type(exc).__name__}: {str(exc)[:40]})"
+        torch.cuda.synchronize()
+    # do_bench clears the L2 cache before every run: we measure HBM, not L2.
+    return float(triton.testing.do_bench(target, warmup=25, rep=100, return_mode="median")), mode
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float | None:
+    """Device-to-device copy of 2 GiB: (read + write bytes) / time."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(2**30, dtype=torch.int16, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    # One big kernel: eager timing. (A captured copy_ replayed slower here, 2.8 vs 4.3 TB/s.)
+    ms, _ = bench_ms(lambda: dst.copy_(src), device, graph=False)
+    nbytes = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / ms / 1e6
+
+
+def naive_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: list[int], scale: float) -> torch.Tensor:  # fmt: skip
+    """One sequence at a time, all in PyTorch (context lengths as host ints)."""
+    batch, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        n = context_lens[b]
+        pos = torch.arange(n, device=q.device)
+        blocks = block_tables[b, pos // block_size].long()
+        k = k_cache[blocks, pos % block_size].repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = v_cache[blocks, pos % block_size].repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k.float()) * scale
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), v.float()).to(q.dtype)
+    return out
+
+
+def make_case(batch: int, ctx: int, block_size: int, hq: int, hkv: int, d: int,
+              dtype: torch.dtype, device: torch.device) -> dict:  # fmt: skip
+    """A paged cache whose blocks are handed out in shuffled order (as after many steps)."""
+    gen = torch.Generator(device="cpu").manual_seed(batch * 100003 + ctx + block_size)
+    per_seq = math.ceil(ctx / block_size)
+    num_blocks = batch * per_seq
+    shape = (num_blocks, block_size, hkv, d)
+    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = order.view(batch, per_seq).to(device=device, dtype=torch.int32)
+    q = torch.randn(batch, hq, d, generator=gen).to(device=device, dtype=dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, lens=lens)
+
+
+def main() -> None:
+    args = parse_args()
+    device = setup_device(args.quick)
+    import triton
+
+    from myvllm.kernels.baselines import paged_attention_decode_per_head_triton
+    from myvllm.kernels.decode_attention import (
+        DecodeConfig,
+        choose_num_splits,
+        decode_config,
+        num_sms,
+        paged_attention_decode_triton,
+    )
+    from myvllm.kernels.reference import paged_attention_decode_ref
+
+    gpu = device.type == "cuda"
+    if args.quick:
+        cases, block_sizes, hq, hkv, d = ["1x37", "3x70"], [16, 256], 4, 2, 32
+    else:
+        cases = ["1x4096", "1x32768", "8x4096", "64x4096", "256x1024"]
+        block_sizes, hq, hkv, d = [16, 256], 16, 8, 128
+    cases = args.cases or cases
+    block_sizes = args.block_sizes or block_sizes
+    hq, hkv, d = args.num_heads or hq, args.num_kv_heads or hkv, args.head_dim or d
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if gpu else torch.float32)
+    if hq % hkv:
+        raise SystemExit(f"--num-heads {hq} must be a multiple of --num-kv-heads {hkv}")
+    scale = d**-0.5
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter)"
+    print(f"# paged decode attention | {name} | torch {torch.__version__} | triton "
+          f"{triton.__version__} | {dtype} | heads {hq}/{hkv} | head_dim {d}")
+    cfg = decode_config(device, d)
+    print(f"# myvllm decode: BLOCK_N {cfg.block_n} warps {cfg.num_warps} stages "
+          f"{cfg.num_stages}; num_splits from shapes (SMs: {num_sms(0) if gpu else '-'})")
+    copy_gbs = copy_bandwidth_gbs(device)
+    if copy_gbs:
+        print(f"# measured device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
+    print("# max_err vs a float32 reference; a NO row is not timed")
+    if not gpu:
+        print("# CPU interpreter: the ms column measures Python, not a GPU")
+    print(f"{'batch':>5} {'ctx':>6} {'blk':>4}  {'impl':<20} {'correct':<7} {'max_err':>9} "
+          f"{'ms':>9} {'GB/s':>8} {'%copy':>6}  timed")
+
+    all_ok = True
+    for case in cases:
+        batch, ctx = (int(x) for x in case.lower().split("x"))
+        for block_size in block_sizes:
+            c = make_case(batch, ctx, block_size, hq, hkv, d, dtype, device)
+            args_ = (c["q"], c["k_cache"], c["v_cache"], c["tables"], c["lens"], scale)
+            ref = paged_attention_decode_ref(c["q"].float(), c["k_cache"].float(),
+                                             c["v_cache"].float(), *args_[3:])  # fmt: skip
+            host_lens = [ctx] * batch
+            nbytes = (2 * batch * ctx * hkv * d + 2 * batch * hq * d) * dtype.itemsize
+            splits = choose_num_splits(batch, hkv, c["tables"].shape[1] * block_size,
+                                       num_sms(0) if gpu else 4)  # fmt: skip
+            impls = [
+                ("naive PyTorch", lambda: naive_decode(*args_[:4], host_lens, scale)),
+                ("vectorized PyTorch", lambda: paged_attention_decode_ref(*args_)),
+                ("Triton per-head", lambda: paged_attention_decode_per_head_triton(*args_)),
+                (f"Triton GQA split={splits}", lambda: paged_attention_decode_triton(*args_)),
+            ]
+            if args.quick:  # tiny shapes never choose a split: show the split-K path too
+                impls.append(("Triton GQA split=4", lambda: paged_attention_decode_triton(
+                    *args_, num_splits=4)))  # fmt: skip
+            for label, fn in impls:
+                out = fn()
+                err = (out.float() - ref).abs().max().item()
+                ok = bool(err <= TOL[dtype]) and not math.isnan(err)
+                head = f"{batch:>5} {ctx:>6} {block_size:>4}  {label:<20}"
+                if not ok:
+                    all_ok = False
+                    print(f"{head} {'NO':<7} {err:>9.2e}  (wrong: not timed)")
+                    continue
+                ms, mode = bench_ms(fn, device)
+                gbs = nbytes / ms / 1e6
+                pct = f"{100 * gbs / copy_gbs:6.1f}" if copy_gbs else f"{'-':>6}"
+                print(f"{head} {'OK':<7} {err:>9.2e} {ms:>9.3f} {gbs:>8.0f} {pct}  {mode}")
+            del c, ref
+            if gpu:
+                torch.cuda.empty_cache()
+
+    if args.sweep and gpu:
+        for case in cases:
+            batch, ctx = (int(x) for x in case.lower().split("x"))
+            for block_size in block_sizes:
+                sweep(batch, ctx, block_size, hq, hkv, d, dtype, device, copy_gbs, DecodeConfig,
+                      paged_attention_decode_triton, make_case,
+                      choose_num_splits(batch, hkv, ctx, num_sms(0)))  # fmt: skip
+    if not all_ok:
+        raise SystemExit("some implementation is wrong (NO above)")
+
+
+def sweep(batch, ctx, block_size, hq, hkv, d, dtype, device, copy_gbs, config_cls, kernel,
+          make, auto_splits) -> None:  # fmt: skip
+    """Time our kernel over BLOCK_N x warps x stages x num_splits at one shape."""
+    import itertools
+
+    split_choices = [1, 2, 4] if auto_splits == 1 else [auto_splits // 2, auto_splits,
+                                                         auto_splits * 2]  # fmt: skip
+
+    c = make(batch, ctx, block_size, hq, hkv, d, dtype, device)
+    nbytes = (2 * batch * ctx * hkv * d + 2 * batch * hq * d) * dtype.itemsize
+    print(f"# sweep {batch}x{ctx} block_size {block_size} (auto splits {auto_splits}): "
+          f"block_n warps stages splits -> ms GB/s %copy")
+    for bn, warps, stages, splits in itertools.product([32, 64, 128], [4, 8], [2, 3, 4],
+                                                       split_choices):  # fmt: skip
+        cfg = config_cls(block_n=bn, num_warps=warps, num_stages=stages)
+        try:
+            fn = lambda: kernel(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["lens"],  # noqa: E731
+                                d**-0.5, num_splits=splits, config=cfg)  # fmt: skip
+            fn()
+            ms, _ = bench_ms(fn, device)
+            gbs = nbytes / ms / 1e6
+            print(f"  {bn:4d} {warps:2d} {stages:2d} {splits:2d}  {ms:8.4f} {gbs:7.0f} "
+                  f"{100 * gbs / copy_gbs:5.1f}")
+        except Exception as exc:  # out of shared memory etc.: report and continue the sweep
+            print(f"  {bn:4d} {warps:2d} {stages:2d} {splits:2d}  failed: {type(exc).__name__}")
+
+
+if __name__ == "__main__":
+    main()

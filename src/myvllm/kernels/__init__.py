@@ -1,0 +1,130 @@
+"""The three attention kernels, each as Triton (GPU) and as plain PyTorch (CPU, test oracle).
+
+    store_kvcache            write this step's K/V into the paged cache
+    flash_attention_varlen   prefill: causal attention over variable-length sequences,
+                             K/V contiguous, or read from the paged cache (cached prefix)
+    paged_attention_decode   decode: one query token per sequence against its paged K/V
+
+Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
+(and Triton is installed), otherwise the reference from kernels/reference.py. The
+environment variable MYVLLM_FORCE_TRITON overrides that choice at call time:
+
+    MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,
+                            set before the kernel modules are imported: the tests do this)
+    MYVLLM_FORCE_TRITON=0   always the PyTorch reference (debugging on the GPU)
+
+Triton is imported lazily, on first use, so a machine without Triton runs the references.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+
+import torch
+
+from .reference import (
+    flash_attention_varlen_ref,
+    paged_attention_decode_ref,
+    store_kvcache_ref,
+)
+
+__all__ = [
+    "flash_attention_varlen",
+    "flash_attention_varlen_ref",
+    "paged_attention_decode",
+    "paged_attention_decode_ref",
+    "store_kvcache",
+    "store_kvcache_ref",
+    "triton_available",
+    "use_triton",
+]
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether a kernel called with `tensor` goes to Triton (see the module docstring)."""
+    forced = os.environ.get("MYVLLM_FORCE_TRITON", "")
+    if forced == "1":
+        if not triton_available():
+            raise RuntimeError("MYVLLM_FORCE_TRITON=1 but the triton package is not installed")
+        return True
+    if forced == "0":
+        return False
+    return tensor.is_cuda and triton_available()
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [N, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] at
+    slot_mapping [N] (slot = block_id * block_size + offset; -1 = padding, skipped). In place."""
+    if use_triton(key):
+        from . import store_kvcache_kernel as triton_impl
+
+        triton_impl.store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    block_tables: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal prefill attention -> o [Nq, Hq, D].
+
+    q [Nq, Hq, D]; sequence b's new tokens are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and
+    are the LAST seqlen_q of its seqlen_k context tokens (query i sits at absolute position
+    seqlen_k - seqlen_q + i). Without block_tables, k/v [Nk, Hkv, D] hold each whole context
+    contiguously (rows cu_seqlens_k[b]:cu_seqlens_k[b+1]). With block_tables [B, max_blocks],
+    the context is read from k_cache/v_cache (the new tokens must already be stored there)
+    and k/v are not used. max_seqlen_q/max_seqlen_k are host ints (no device sync needed).
+    """
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+            block_tables, k_cache, v_cache)  # fmt: skip
+    if use_triton(q):
+        from . import prefill_attention as triton_impl
+
+        return triton_impl.flash_attention_varlen_triton(*args)
+    return flash_attention_varlen_ref(*args)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention -> o [B, Hq, D] for q [B, Hq, D] (one new token per sequence).
+
+    Sequence b attends to its first context_lens[b] cached tokens, found through
+    block_tables[b] (-1 padded). CUDA-graph safe on the Triton path: no host syncs, launch
+    shape from tensor shapes only. Rows with context_lens 0 return zeros.
+    """
+    if use_triton(q):
+        from . import decode_attention as triton_impl
+
+        return triton_impl.paged_attention_decode_triton(
+            q, k_cache, v_cache, block_tables, context_lens, scale
+        )
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

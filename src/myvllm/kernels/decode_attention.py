@@ -1,0 +1,290 @@
+"""Triton kernels: paged decode attention with GQA sharing and split-K (flash-decoding).
+
+Decode reads the whole KV cache of every sequence for one query token: it is bound by memory
+bandwidth, not by arithmetic. Two ideas keep the bytes moving:
+
+1. GQA sharing. The GROUP query heads that share a kv head are handled by ONE program, which
+   loads each K/V tile once and multiplies it with all GROUP queries at once (tl.dot needs at
+   least 16 rows, so the query tile is padded with zero rows up to G_PAD >= 16):
+
+       q tile [G_PAD, D]  @  K tile^T [D, BLOCK_N]  ->  scores [G_PAD, BLOCK_N]
+
+2. Split-K. With few sequences (batch 1, long context) there are only batch * num_kv_heads
+   programs, far fewer than the GPU's SMs. So each sequence's context is cut into NUM_SPLITS
+   chunks, each program does one chunk and writes a partial (max m, sum l, unnormalised acc);
+   a second small kernel merges the chunks:
+
+       context:  [ split 0 | split 1 | split 2 | split 3 ]   -> (m_s, l_s, acc_s) each
+       o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,      M = max_s m_s
+
+   NUM_SPLITS is chosen from shapes only (batch, kv heads, max_blocks * block_size, SM count)
+   and never from tensor values, so the launch is identical on every CUDA-graph replay.
+
+Keys are found through the block table one token at a time (position p -> block
+block_tables[b, p // block_size], offset p % block_size), so BLOCK_N and block_size need no
+relation: a tile may span many small blocks or sit inside one big block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    o_ptr,  # [B, Hq, D]            written when NUM_SPLITS == 1
+    m_part_ptr,  # [B, Hq, NUM_SPLITS]     partial results, written when NUM_SPLITS > 1
+    l_part_ptr,
+    acc_part_ptr,  # [B, Hq, NUM_SPLITS, D]
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_cb,  # cache strides: block, slot-in-block, head (k and v caches share them)
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    # Split this sequence's tiles evenly; every split starts on a tile boundary.
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, context_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g  # the query heads of this kv head's group
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = kv_head * stride_ch
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        n_mask = pos < hi
+        blk = tl.load(bt_row_ptr + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        rows = kv_base + blk * stride_cb + (pos % PAGE) * stride_cs
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        # The first tile of a split always holds a valid key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc += p @ v
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # l_i is 0 only for an empty context (a padding row): write zeros, not NaN.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partial buffers are contiguous: index (seq, head, split[, d]).
+        part = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(m_part_ptr + part, m_i, mask=g_mask)
+        tl.store(l_part_ptr + part, l_i, mask=g_mask)
+        acc_ptrs = acc_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(acc_ptrs, acc, mask=out_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    m_part_ptr,
+    l_part_ptr,
+    acc_part_ptr,
+    o_ptr,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    m = tl.load(m_part_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_part_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(
+        acc_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    # Empty splits carry m = -inf; if all are empty (context 0), use 0 to avoid inf - inf.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # 0 for empty splits
+    l_total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_total > 0.0, l_total, 1.0)
+    o_ptrs = o_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Split-K knobs: aim for this many programs per SM, and never cut a split shorter than
+# MIN_TOKENS_PER_SPLIT tokens (below that the merge costs more than the parallelism gains).
+PROGRAMS_PER_SM = 2
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+@lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """SM count, queried once per device (a host-side property, no sync)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Number of split-K chunks per sequence, from shapes only (CUDA-graph safe).
+
+    max_context is block_tables.shape[1] * block_size: what the table could hold, not what
+    the sequences actually hold (that would need a device read). Rounded to a power of two
+    so only a handful of kernel variants get compiled.
+    """
+    programs = batch * num_kv_heads
+    target = PROGRAMS_PER_SM * sm_count
+    if programs >= target:
+        return 1
+    wanted = triton.cdiv(target, programs)
+    by_length = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    splits = min(wanted, by_length, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def decode_config(device: torch.device, head_dim: int) -> DecodeConfig:
+    """Tile size and warps (tuning knobs). Small tiles on the CPU interpreter keep tests fast."""
+    if device.type != "cuda":
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+
+
+def paged_attention_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Triton version of paged_attention_decode (contract in kernels/__init__.py).
+
+    num_splits forces the split count (tests use it to exercise both paths); by default it
+    comes from choose_num_splits. config overrides the tile size (tuning sweeps).
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"paged_attention_decode: num_heads {num_heads} is not a multiple of "
+            f"num_kv_heads {num_kv_heads}"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(
+            "paged_attention_decode: k_cache/v_cache need equal strides; q and the caches "
+            "need a contiguous last (head_dim) axis"
+        )
+    o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return o
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        if q.device.type == "cuda":
+            index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+            sms = num_sms(index)
+        else:
+            sms = 4  # the interpreter has no SMs; any small number keeps the grid tiny
+        max_context = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, sms)
+    if num_splits < 1:
+        raise ValueError(f"paged_attention_decode: num_splits must be >= 1, got {num_splits}")
+    cfg = config or decode_config(q.device, head_dim)
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        # Allocated per call: inside a CUDA graph capture these come from the graph's pool.
+        m_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+    else:
+        m_part = l_part = acc_part = o  # unused by the kernel in this mode
+    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, o, m_part, l_part, acc_part,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), o.stride(0), o.stride(1),
+        GROUP=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=cfg.block_n,
+        PAGE=block_size,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _paged_decode_reduce_kernel[(batch, num_heads)](
+            m_part, l_part, acc_part, o, o.stride(0), o.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )  # fmt: skip
+    return o

@@ -1,0 +1,373 @@
+"""Triton kernel: causal varlen FlashAttention for prefill (contiguous or paged K/V).
+
+Grid: (query tiles, query heads, sequences). One program owns BLOCK_M query rows of one head
+of one sequence and streams that sequence's K/V in BLOCK_N tiles, keeping the softmax
+"online" (running max m, running sum l, un-normalised output acc, all float32):
+
+    keys ->      0        BLOCK_N     2*BLOCK_N   ...                   seqlen_k
+    query tile  [ full    | full      | full  |diag\\ ]  <- only tiles crossing the diagonal
+    (rows m0 ..  m0+BLOCK_M-1)                        \\     need the causal mask; tiles
+                                                           right of it are never loaded
+
+Queries are the LAST seqlen_q of seqlen_k context positions (a cached prefix precedes them
+when seqlen_k > seqlen_q), so query row i sits at absolute position seqlen_k - seqlen_q + i
+and may see keys 0 .. that position.
+
+Softmax uses exp2: scores are multiplied by scale * log2(e) once, and exp(x) = exp2(x *
+log2(e)) so the maths is unchanged while the GPU's native exp2 is used.
+
+On Hopper, contiguous Q/K/V tiles are fetched through TMA tensor descriptors (the copy engine
+moves a whole [rows, D] tile; see PrefillConfig.use_tma); elsewhere, and for the paged gather,
+through per-element pointers. Both paths compute the same thing and are tested.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _load_kv_tile(ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    # Full tiles of a power-of-two head_dim load without any mask (the cheapest path).
+    if MASKED:
+        tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _attn_tile_loop(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    k_desc,
+    v_desc,
+    kv_col,
+    bt_row_ptr,
+    seq_k_start,
+    offs_n,
+    offs_d,
+    d_mask,
+    q_pos,
+    lo,
+    hi,
+    seqlen_k,
+    qk_scale,
+    stride_kn,
+    stride_vn,
+    stride_cb,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        pos = start_n + offs_n  # key positions inside this sequence
+        n_mask = pos < seqlen_k
+        if PAGED:
+            # Block table looked up per key: position p -> (block, offset) of the cache.
+            if MASKED:
+                blk = tl.load(bt_row_ptr + pos // PAGE, mask=n_mask, other=0)
+            else:
+                blk = tl.load(bt_row_ptr + pos // PAGE)
+            blk = blk.to(tl.int64)
+            k_row = blk * stride_cb + (pos % PAGE) * stride_kn
+            v_row = blk * stride_cb + (pos % PAGE) * stride_vn
+        else:
+            k_row = (seq_k_start + pos).to(tl.int64) * stride_kn
+            v_row = (seq_k_start + pos).to(tl.int64) * stride_vn
+        k_ptrs = k_base + k_row[:, None] + offs_d[None, :]
+        v_ptrs = v_base + v_row[:, None] + offs_d[None, :]
+        if USE_TMA:
+            # Hopper's copy engine fetches the [BLOCK_N, D] tile; rows past the sequence
+            # (the next sequence's, or zero padding) are hidden by the mask below.
+            k = k_desc.load([seq_k_start + start_n, kv_col])
+        else:
+            k = _load_kv_tile(k_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            qk = qk * qk_scale + tl.where(visible, 0.0, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        else:
+            # scale > 0, so max(qk) * scale == max(qk * scale); then one FMA per score.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        # m_new is finite: every row sees key 0 in its first tile, and a later tile that
+        # hides all of a row's keys leaves that row's (finite) running max unchanged.
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if USE_TMA:
+            v = v_desc.load([seq_k_start + start_n, kv_col])
+        else:
+            v = _load_kv_tile(v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc += p @ v
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attn_varlen_kernel(
+    q_ptr,
+    k_ptr,  # k, or k_cache when PAGED
+    v_ptr,
+    o_ptr,
+    q_desc,  # TMA descriptors of q/k/v as [tokens, heads * D] (USE_TMA only)
+    k_desc,
+    v_desc,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_kn,  # per token (contiguous) or per slot-in-block (paged)
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_cb,  # cache stride per block (paged only)
+    stride_bt,  # block_tables row stride (paged only)
+    GROUP: tl.constexpr,  # query heads per kv head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,  # cache block size (tokens); 1 when not paged
+    USE_TMA: tl.constexpr,  # contiguous K/V on sm_90+: tiles via tensor descriptors
+    DOT_PRECISION: tl.constexpr,
+):
+    # Heaviest query tiles (the last ones: they see the most keys) are launched first, so the
+    # short tiles fill the gaps at the end instead of a long tile running alone.
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    m0 = start_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return  # this sequence is shorter than the longest one; nothing to do here
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_mask = offs_m < seqlen_q
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qn + head * stride_qh + offs_d[None, :]
+    if USE_TMA:
+        q = q_desc.load([q_start + m0, head * HEAD_DIM])  # extra rows are never stored
+    else:
+        q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    ctx_offset = seqlen_k - seqlen_q  # cached prefix length
+    q_pos = ctx_offset + offs_m  # absolute position of each query row
+    # Keys [0, full_end) are visible to every row of the tile: no mask needed there.
+    full_end = ((ctx_offset + m0 + 1) // BLOCK_N) * BLOCK_N
+    # The last key any row of this tile may see (rows past seqlen_q are clipped).
+    hi = tl.minimum(ctx_offset + m0 + BLOCK_M, seqlen_k)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _attn_tile_loop(
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
+        k_start, offs_n, offs_d, d_mask, q_pos, 0, full_end, seqlen_k, qk_scale, stride_kn,
+        stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, False, BLOCK_D == HEAD_DIM, USE_TMA,
+        DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_tile_loop(
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
+        k_start, offs_n, offs_d, d_mask, q_pos, full_end, hi, seqlen_k, qk_scale, stride_kn,
+        stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, True, BLOCK_D == HEAD_DIM, USE_TMA,
+        DOT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    o_rows = (q_start + offs_m).to(tl.int64)
+    o_ptrs = o_ptr + o_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # Load contiguous Q/K/V tiles with tensor descriptors (Hopper's TMA copy engine) instead
+    # of per-element pointers. Used only where allowed (see _tma_ok); paged K/V is a gather
+    # through the block table, which TMA on sm_90 cannot do, so it always uses pointers.
+    use_tma: bool = False
+
+
+@lru_cache(maxsize=None)
+def _gpu_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def prefill_config(device: torch.device, head_dim: int,
+                   dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
+    """Tile sizes by device and head_dim (tuning knobs; see docs/benchmarks.md for numbers).
+
+    On the CPU interpreter every program is executed in NumPy, so small tiles keep tests fast.
+    On Hopper (sm_90), hd 128: a 128x128 tile with 8 warps, 3 stages and TMA loads (Q 32 KB
+    + 3 x 64 KB of K/V fits the 228 KB of shared memory) was the fastest or tied of sweeps
+    over BLOCK_M {64,128} x BLOCK_N {32,64,128} x warps {4,8} x stages {2,3,4} at 8k-16k
+    tokens on an H200 (benchmark_prefilling.py --sweep). Other GPUs get conservative tiles
+    that were not tuned.
+    """
+    if device.type != "cuda":
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    major, _ = _gpu_capability(device.index if device.index is not None else 0)
+    if dtype.itemsize > 2:
+        # fp32 tiles take twice the shared memory of bf16 ones: the Hopper 128x128 tiles
+        # would need 320 KB (the limit is 227 KB). fp32 is for exactness checks, not speed.
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if head_dim > 128:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    if major >= 9:
+        if head_dim <= 64:
+            return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=True)
+        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True)
+    if major >= 8:
+        return PrefillConfig(block_m=128, block_n=32 if head_dim > 64 else 64, num_warps=4,
+                             num_stages=2)  # fmt: skip
+    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+
+
+def flash_attention_varlen_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    block_tables: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    *,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Triton version of flash_attention_varlen (contract in kernels/__init__.py).
+
+    `config` overrides the tile sizes (benchmarks and tuning sweeps use it).
+    """
+    del max_seqlen_k  # the kernel reads each sequence's K length from cu_seqlens_k
+    num_tokens, num_heads, head_dim = q.shape
+    o = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+        return o
+    paged = block_tables is not None
+    if paged:
+        if k_cache is None or v_cache is None:
+            raise ValueError("flash_attention_varlen: block_tables given but k_cache/v_cache is None")
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError("flash_attention_varlen: k_cache and v_cache need equal strides")
+        kk, vv = k_cache, v_cache
+        stride_kn, stride_kh = k_cache.stride(1), k_cache.stride(2)
+        stride_vn, stride_vh = v_cache.stride(1), v_cache.stride(2)
+        stride_cb, stride_bt, page = k_cache.stride(0), block_tables.stride(0), k_cache.shape[1]
+        bt = block_tables
+    else:
+        kk, vv = k, v
+        stride_kn, stride_kh = k.stride(0), k.stride(1)
+        stride_vn, stride_vh = v.stride(0), v.stride(1)
+        stride_cb, stride_bt, page = 0, 0, 1
+        bt = cu_seqlens_q  # never read; any device pointer will do
+    num_kv_heads = kk.shape[-2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"flash_attention_varlen: num_heads {num_heads} is not a multiple of "
+            f"num_kv_heads {num_kv_heads}"
+        )
+    if q.stride(-1) != 1 or kk.stride(-1) != 1 or vv.stride(-1) != 1:
+        raise ValueError("flash_attention_varlen: q/k/v need a contiguous last (head_dim) axis")
+    if not scale > 0:
+        raise ValueError(f"flash_attention_varlen: scale must be > 0, got {scale}")
+    cfg = config or prefill_config(q.device, head_dim, q.dtype)
+    use_tma = cfg.use_tma and not paged and _tma_ok(q, k, v)
+    if use_tma:
+        q_desc = _row_descriptor(q, cfg.block_m)
+        k_desc, v_desc = _row_descriptor(k, cfg.block_n), _row_descriptor(v, cfg.block_n)
+    else:
+        q_desc, k_desc, v_desc = q, kk, vv  # placeholders, never used by the kernel
+    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_heads, batch)
+    _flash_attn_varlen_kernel[grid](
+        q, kk, vv, o, q_desc, k_desc, v_desc, cu_seqlens_q, cu_seqlens_k, bt,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), stride_kn, stride_kh, stride_vn, stride_vh,
+        o.stride(0), o.stride(1), stride_cb, stride_bt,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PAGED=paged,
+        PAGE=page,
+        USE_TMA=use_tma,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return o
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """A tensor descriptor views x [tokens, heads, D] as a 2-D [tokens, heads * D] matrix, so
+    heads must be packed (stride D), D a power of two, and the base address and row stride
+    16-byte aligned (TMA's rules)."""
+    if TensorDescriptor is None:
+        return False
+    for x in tensors:
+        d = x.shape[-1]
+        if x.stride(1) != d or d & (d - 1) or x.shape[0] == 0:
+            return False
+        if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+            return False
+    return True
+
+
+def _row_descriptor(x: torch.Tensor, block_rows: int):
+    tokens, heads, d = x.shape
+    return TensorDescriptor(x, shape=[tokens, heads * d], strides=[x.stride(0), 1],
+                            block_shape=[block_rows, d])  # fmt: skip

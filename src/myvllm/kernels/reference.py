@@ -1,0 +1,152 @@
+"""Plain-PyTorch versions of the three attention kernels.
+
+They have exactly the signatures of the Triton kernels and serve two purposes:
+
+1. They are what runs on the CPU (no Triton there), so the whole engine works without a GPU.
+2. They are the oracle the Triton kernels are tested against. Being the oracle, they favour
+   obviousness over speed: math in float32, one sequence at a time where that is clearer.
+
+The paged KV cache layout used everywhere in myvllm:
+
+    k_cache[num_blocks, block_size, num_kv_heads, head_dim]
+
+    slot = block_id * block_size + offset        (one slot = one token's K/V for all heads)
+
+    block_tables[b] = [ 7, 2, 9, -1, -1 ]        sequence b owns blocks 7, 2, 9 (in order)
+    token position p of sequence b lives in block block_tables[b, p // block_size]
+                                         at offset p % block_size
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key[i]/value[i] ([N, Hkv, D]) into cache slot slot_mapping[i]; -1 means skip."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0  # -1 marks padding tokens (CUDA-graph batches are padded)
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced-index assignment writes in place whatever the cache's strides are.
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def gather_paged_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Return the first num_tokens positions of one sequence as a contiguous [T, Hkv, D]."""
+    block_size = cache.shape[1]
+    positions = torch.arange(num_tokens, device=cache.device)
+    blocks = block_table_row[positions // block_size].long()
+    return cache[blocks, positions % block_size]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of Sq queries that are the LAST Sq of Sk context positions.
+
+    q [Sq, Hq, D], k/v [Sk, Hkv, D] -> [Sq, Hq, D] in float32. The causal mask is aligned to
+    the bottom-right corner: query i sits at absolute position Sk - Sq + i.
+    """
+    seqlen_q, num_heads = q.shape[0], q.shape[1]
+    seqlen_k, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    # GQA: query head h reads kv head h // group, so repeat each kv head `group` times.
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+    k_pos = torch.arange(seqlen_k, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def flash_attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    block_tables: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal prefill attention over a flat batch of variable-length sequences.
+
+        q: [Nq, Hq, D]   tokens of all sequences back to back; sequence b owns rows
+                         cu_seqlens_q[b] : cu_seqlens_q[b+1]
+        k/v: [Nk, Hkv, D] the same for the context (used only when block_tables is None)
+
+    With block_tables, the context of sequence b (cached prefix + the new tokens, which the
+    caller already stored with store_kvcache) is read from k_cache/v_cache instead.
+    max_seqlen_* are unused here; they are part of the signature because the Triton kernel
+    sizes its grid with them.
+    """
+    del max_seqlen_q, max_seqlen_k
+    out = torch.empty_like(q)
+    # On the CPU tolist() is a plain read; this reference is not used on the GPU hot path.
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q_b = q[starts_q[b] : starts_q[b + 1]]
+        seqlen_k = starts_k[b + 1] - starts_k[b]
+        if q_b.shape[0] == 0:
+            continue
+        if block_tables is None:
+            k_b = k[starts_k[b] : starts_k[b + 1]]
+            v_b = v[starts_k[b] : starts_k[b + 1]]
+        else:
+            if k_cache is None or v_cache is None:
+                raise ValueError("block_tables given but k_cache/v_cache is None")
+            k_b = gather_paged_kv(k_cache, block_tables[b], seqlen_k)
+            v_b = gather_paged_kv(v_cache, block_tables[b], seqlen_k)
+        out[starts_q[b] : starts_q[b + 1]] = _attend(q_b, k_b, v_b, scale).to(q.dtype)
+    return out
+
+
+def paged_attention_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new query token per sequence attends to its context_lens[b] cached tokens.
+
+    q [B, Hq, D], block_tables [B, max_blocks] (-1 padded), context_lens [B] -> o [B, Hq, D].
+    Vectorised over the batch: every sequence gathers max_blocks * block_size positions (its
+    padded table) and the positions past its context length are masked out. Rows with
+    context length 0 (CUDA-graph padding) get zeros.
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    positions = torch.arange(max_len, device=q.device)
+    # -1 table entries are only ever read for masked positions; clamp so the gather is legal.
+    blocks = block_tables.long().clamp(min=0)[:, positions // block_size]  # [B, L]
+    offsets = (positions % block_size).expand(batch, -1)
+    k = k_cache[blocks, offsets].float()  # [B, L, Hkv, D]
+    v = v_cache[blocks, offsets].float()
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    valid = positions[None, :] < context_lens.long()[:, None]  # [B, L]
+    # Slots past the context may hold anything (the cache is allocated uninitialised, even
+    # NaN bit patterns): zero V there, since 0 * NaN would poison the weighted sum.
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> zeros
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

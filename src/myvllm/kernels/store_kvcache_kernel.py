@@ -1,0 +1,87 @@
+"""Triton kernel: write this step's new K/V rows into the paged KV cache.
+
+One program per token. The token's K (and V) for all kv heads is one [Hkv * D] row, loaded
+flat and stored to its slot:
+
+    key[i]  (Hkv*D values)  --->  k_cache[slot // block_size, slot % block_size]  (Hkv*D values)
+
+slot -1 marks a padding token (CUDA-graph batches are padded up to a captured size): that
+program writes nothing. The slot is read on the device, so the launch needs no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cb,  # cache strides: block, slot-in-block, head (head_dim is contiguous)
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two -> // and % are shifts)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HD: tl.constexpr,  # next power of two >= num_kv_heads * head_dim
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HD)
+    head, dim = offs // HEAD_DIM, offs % HEAD_DIM
+    # A masked-off program (slot -1) issues no memory traffic at all. (The slot test is
+    # broadcast to a vector first: the CPU interpreter rejects a scalar-and-vector mask.)
+    mask = (offs < ROW) & ((offs * 0 + slot) >= 0)
+    k = tl.load(key_ptr + token * stride_kn + head * stride_kh + dim, mask=mask)
+    v = tl.load(value_ptr + token * stride_vn + head * stride_vh + dim, mask=mask)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_cs + head * stride_ch + dim
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton version of store_kvcache (see kernels/__init__.py for the contract)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("store_kvcache: key/value must have a contiguous last (head_dim) axis")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("store_kvcache: k_cache and v_cache need equal strides, head_dim contiguous")
+    if num_tokens == 0:
+        return
+    row = num_kv_heads * head_dim
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_HD=triton.next_power_of_2(row),
+        ROW=row,
+        num_warps=4,
+    )

@@ -1,0 +1,399 @@
+"""The three Triton kernels against their PyTorch references, and the references against
+deliberately dumb loop implementations (so the oracle itself is checked).
+
+On a machine without a GPU the Triton kernels run in Triton's CPU interpreter
+(TRITON_INTERPRET=1). Triton reads that flag when a function is *decorated* with @triton.jit:
+its own library functions (tl.zeros, ...) at `import triton`, ours when their module is
+imported. So:
+
+- if this process has not imported triton yet, we set the flag before anything imports it
+  (it stays set: harmless for other tests on a CPU-only machine), and the `device` fixture
+  imports our kernel modules under it;
+- if something imported triton earlier in this pytest process (transformers does), it is in
+  compiled mode and cannot interpret: the kernel tests are skipped here and
+  test_rerun_in_fresh_interpreter runs this file again in a fresh process with the flag set.
+
+The interpreter's bf16 tl.dot is wrong, so CPU runs use fp16 and fp32 only; on a GPU the
+kernels run compiled and bf16 is tested too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and "triton" not in sys.modules:
+    # Stays set for the rest of this process: triton imports parts of itself lazily and
+    # asserts the flag has not changed. Harmless for other test files on a CPU-only machine,
+    # where compiled Triton cannot run anyway.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _triton_runs_here() -> bool:
+    try:
+        import triton.language.standard as standard
+    except ImportError:
+        return False  # triton not installed
+    if HAS_CUDA:
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.zeros, InterpretedFunction)
+
+
+TRITON_HERE = _triton_runs_here()
+
+import myvllm.kernels as kernels  # noqa: E402
+from myvllm.kernels import (  # noqa: E402
+    flash_attention_varlen_ref,
+    paged_attention_decode_ref,
+    store_kvcache_ref,
+)
+
+KERNEL_MODULES = [
+    "myvllm.kernels.store_kvcache_kernel",
+    "myvllm.kernels.prefill_attention",
+    "myvllm.kernels.decode_attention",
+    "myvllm.kernels.baselines",
+]
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    if not TRITON_HERE:
+        pytest.skip(
+            "triton missing, or imported in compiled mode on a CPU-only machine: "
+            "test_rerun_in_fresh_interpreter runs these tests in a fresh process"
+        )
+    if not HAS_CUDA:
+        for name in KERNEL_MODULES:  # (re-)decorate our kernels as interpreted functions
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
+            else:
+                importlib.import_module(name)
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def test_rerun_in_fresh_interpreter() -> None:
+    if TRITON_HERE:
+        pytest.skip("the kernel tests run in this process")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
+                            cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "compiled mode" not in result.stdout, result.stdout[-3000:]  # really interpreted
+
+
+def triton_mod(name: str):  # the current (possibly reloaded) kernel module
+    return importlib.import_module(f"myvllm.kernels.{name}")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(actual).any(), "NaN in output"
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= TOL[dtype], f"max abs error {err} > {TOL[dtype]} for {dtype}"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))],
+                        dtype=torch.int32, device=device)  # fmt: skip
+
+
+def make_paged(
+    k: torch.Tensor, v: torch.Tensor, lengths: list[int], block_size: int, spare_blocks: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scatter contiguous per-sequence K/V [sum(lengths), Hkv, D] into a paged cache with a
+    shuffled block order. Unused slots hold NaN so any read of them shows up in the output."""
+    gen = torch.Generator().manual_seed(1234)
+    per_seq = [math.ceil(n / block_size) for n in lengths]
+    num_blocks = sum(per_seq) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lengths), max(max(per_seq), 1) + 1), -1, dtype=torch.int32)
+    slots = []
+    for b, n in enumerate(lengths):
+        blocks = [order.pop() for _ in range(per_seq[b])]
+        tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+    shape = (num_blocks, block_size, k.shape[1], k.shape[2])
+    k_cache = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
+    v_cache = torch.full(shape, float("nan"), dtype=v.dtype, device=v.device)
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=k.device)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return k_cache, v_cache, tables.to(k.device)
+
+
+def dumb_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence, loops over heads, an explicit mask built element by element, float64.
+    q [Sq, Hq, D] are the last Sq of the Sk positions in k/v [Sk, Hkv, D]."""
+    sq, hq, _ = q.shape
+    sk, hkv, _ = k.shape
+    mask = torch.zeros(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        for j in range(sk):
+            mask[i, j] = j <= (sk - sq) + i
+    out = torch.empty(sq, hq, q.shape[2], dtype=torch.float64)
+    for h in range(hq):
+        kv_h = h // (hq // hkv)
+        scores = q[:, h].double() @ k[:, kv_h].double().T * scale
+        scores[~mask] = float("-inf")
+        out[:, h] = torch.softmax(scores, dim=-1) @ v[:, kv_h].double()
+    return out
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+def test_store_kvcache_ref_matches_loop() -> None:
+    torch.manual_seed(0)
+    key, value = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    slots = torch.tensor([5, -1, 0, 17, -1, 9], dtype=torch.int32)
+    k_cache, v_cache = torch.zeros(3, 8, 2, 8), torch.zeros(3, 8, 2, 8)
+    store_kvcache_ref(key, value, k_cache, v_cache, slots)
+    k_loop, v_loop = torch.zeros(3, 8, 2, 8), torch.zeros(3, 8, 2, 8)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            k_loop[s // 8, s % 8], v_loop[s // 8, s % 8] = key[i], value[i]
+    assert torch.equal(k_cache, k_loop) and torch.equal(v_cache, v_loop)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_attention_varlen_ref_matches_dumb(paged: bool) -> None:
+    torch.manual_seed(0)
+    lengths_k, lengths_q = [7, 1, 12], [7, 1, 5] if paged else [7, 1, 12]
+    hq, hkv, d, scale = 4, 2, 8, 0.3
+    k, v = torch.randn(sum(lengths_k), hkv, d), torch.randn(sum(lengths_k), hkv, d)
+    q = torch.randn(sum(lengths_q), hq, d)
+    cu_q, cu_k = cu_seqlens(lengths_q, q.device), cu_seqlens(lengths_k, q.device)
+    extra = make_paged(k, v, lengths_k, block_size=4) if paged else (None, None, None)
+    k_cache, v_cache, tables = extra
+    out = flash_attention_varlen_ref(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), scale,
+                                     tables, k_cache, v_cache)  # fmt: skip
+    for b in range(len(lengths_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        expected = dumb_causal_attention(q[qs], k[ks], v[ks], scale)
+        torch.testing.assert_close(out[qs].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_decode_ref_matches_dumb() -> None:
+    torch.manual_seed(0)
+    lengths, hq, hkv, d, scale = [5, 9, 1], 4, 1, 8, 0.4
+    k, v = torch.randn(sum(lengths), hkv, d), torch.randn(sum(lengths), hkv, d)
+    q = torch.randn(len(lengths), hq, d)
+    k_cache, v_cache, tables = make_paged(k, v, lengths, block_size=4)
+    out = paged_attention_decode_ref(q, k_cache, v_cache, tables,
+                                     torch.tensor(lengths, dtype=torch.int32), scale)  # fmt: skip
+    start = 0
+    for b, n in enumerate(lengths):
+        for h in range(hq):  # the new token attends to every cached token: no mask at all
+            kh, vh = k[start : start + n, h // (hq // hkv)], v[start : start + n, h // (hq // hkv)]
+            probs = torch.softmax(q[b, h].double() @ kh.double().T * scale, dim=-1)
+            torch.testing.assert_close(out[b, h].double(), probs @ vh.double(),
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+        start += n
+
+
+def test_paged_attention_decode_ref_empty_context_gives_zeros() -> None:
+    q = torch.randn(2, 2, 8)
+    cache = torch.full((2, 4, 1, 8), float("nan"))
+    tables = torch.tensor([[0, 1], [-1, -1]], dtype=torch.int32)
+    out = paged_attention_decode_ref(q, cache, cache, tables,
+                                     torch.tensor([3, 0], dtype=torch.int32), 0.5)  # fmt: skip
+    assert torch.isnan(out[0]).all()  # the cache really is NaN: sequence 0 reads it
+    assert torch.equal(out[1], torch.zeros(2, 8))
+
+
+# --------------------------------------------------------------------------- store_kvcache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(1, 2, 16), (16, 1, 24), (256, 2, 32)])
+def test_store_kvcache_triton(device, dtype, block_size, num_kv_heads, head_dim) -> None:
+    torch.manual_seed(0)
+    n = 9
+    num_blocks = math.ceil(n / block_size) + 2
+    # key/value as strided views of a wider qkv-like tensor, as the attention layer passes them
+    wide = torch.randn(n, 3, num_kv_heads, head_dim, device=device).to(dtype)
+    key, value = wide[:, 1], wide[:, 2]
+    slots = torch.randperm(num_blocks * block_size)[:n].int()
+    slots[[1, 4, 8]] = -1  # padding tokens
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, 7.0, dtype=dtype, device=device)
+    v_cache = torch.full(shape, 7.0, dtype=dtype, device=device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    triton_mod("store_kvcache_kernel").store_kvcache_triton(key, value, k_cache, v_cache, slots)
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 32), (4, 2, 16), (4, 1, 24)])
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_flash_attention_varlen_triton_contiguous(device, dtype, num_heads, num_kv_heads,
+                                                  head_dim, use_tma) -> None:  # fmt: skip
+    torch.manual_seed(0)
+    lengths = [1, 37, 16, 5]
+    n = sum(lengths)
+    qkv = torch.randn(n, num_heads + 2 * num_kv_heads, head_dim, device=device).to(dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views
+    cu = cu_seqlens(lengths, device)
+    scale = head_dim**-0.5
+    args = (q, k, v, cu, cu, max(lengths), max(lengths), scale)
+    mod = triton_mod("prefill_attention")
+    # Both load paths: per-element pointers, and tensor descriptors (TMA on Hopper; head_dim
+    # 24 is not a power of two, so that case checks the fallback to pointers).
+    cfg = dataclasses.replace(mod.prefill_config(device, head_dim), use_tma=use_tma)
+    out = mod.flash_attention_varlen_triton(*args, config=cfg)
+    assert_close(out, flash_attention_varlen_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(1, 2, 2), (16, 4, 2), (256, 4, 1)])
+def test_flash_attention_varlen_triton_paged_prefix(device, dtype, block_size, num_heads,
+                                                    num_kv_heads) -> None:  # fmt: skip
+    torch.manual_seed(0)
+    head_dim = 16
+    lengths_k = [21, 3, 40]  # whole context: cached prefix + new tokens
+    lengths_q = [4, 3, 19]  # new tokens (sequence 1 has no cached prefix)
+    k = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
+    q = torch.randn(sum(lengths_q), num_heads, head_dim, device=device).to(dtype)
+    k_cache, v_cache, tables = make_paged(k, v, lengths_k, block_size)
+    cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
+    args = (q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.25, tables, k_cache, v_cache)
+    out = triton_mod("prefill_attention").flash_attention_varlen_triton(*args)
+    assert_close(out, flash_attention_varlen_ref(*args), dtype)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize(
+    "block_size,num_heads,num_kv_heads", [(1, 2, 2), (16, 4, 2), (256, 4, 1), (16, 8, 2)]
+)
+def test_paged_attention_decode_triton(device, dtype, num_splits, block_size, num_heads,
+                                       num_kv_heads) -> None:  # fmt: skip
+    torch.manual_seed(0)
+    head_dim = 32
+    lengths = [1, 45, 0, 17]  # 0 = a padding row (as in a CUDA-graph batch)
+    k = torch.randn(sum(lengths), num_kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(sum(lengths), num_kv_heads, head_dim, device=device).to(dtype)
+    k_cache, v_cache, tables = make_paged(k, v, lengths, block_size)
+    qkv = torch.randn(len(lengths), 2 * num_heads, head_dim, device=device).to(dtype)
+    q = qkv[:, :num_heads]  # strided view
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=device)
+    args = (q, k_cache, v_cache, tables, ctx, head_dim**-0.5)
+    mod = triton_mod("decode_attention")
+    out = mod.paged_attention_decode_triton(*args, num_splits=num_splits)
+    assert_close(out, paged_attention_decode_ref(*args), dtype)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # empty context -> zeros, not NaN
+
+
+def test_choose_num_splits_depends_on_shapes_only() -> None:
+    pytest.importorskip("triton")
+    choose = triton_mod("decode_attention").choose_num_splits
+    assert choose(batch=64, num_kv_heads=8, max_context=4096, sm_count=132) == 1  # GPU full
+    one = choose(batch=1, num_kv_heads=8, max_context=32768, sm_count=132)
+    assert one > 1 and one & (one - 1) == 0  # split, and a power of two
+    assert choose(batch=1, num_kv_heads=8, max_context=128, sm_count=132) == 1  # too short
+    assert choose(batch=1, num_kv_heads=1, max_context=10**6, sm_count=10**4) <= 32
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def test_baseline_kernels_match_references(device) -> None:
+    torch.manual_seed(0)
+    dtype, lengths, hq, hkv, d = torch.float16, [9, 30], 4, 2, 16
+    mod = triton_mod("baselines")
+    q = torch.randn(sum(lengths), hq, d, device=device).to(dtype)
+    k = torch.randn(sum(lengths), hkv, d, device=device).to(dtype)
+    v = torch.randn(sum(lengths), hkv, d, device=device).to(dtype)
+    cu = cu_seqlens(lengths, device)
+    out = mod.naive_attention_prefill_triton(q, k, v, cu, max(lengths), 0.25)
+    assert_close(out, flash_attention_varlen_ref(q, k, v, cu, cu, 30, 30, 0.25), dtype)
+    with pytest.raises(ValueError, match="up to"):
+        mod.naive_attention_prefill_triton(q, k, v, cu, mod.NAIVE_PREFILL_MAX_SEQLEN + 1, 0.25)
+    k_cache, v_cache, tables = make_paged(k, v, lengths, block_size=16)
+    qd = q[: len(lengths)].contiguous()
+    ctx = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out = mod.paged_attention_decode_per_head_triton(qd, k_cache, v_cache, tables, ctx, 0.25)
+    assert_close(out, paged_attention_decode_ref(qd, k_cache, v_cache, tables, ctx, 0.25), dtype)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_picks_triton_when_forced_and_reference_otherwise(device, monkeypatch) -> None:
+    torch.manual_seed(0)
+    calls: list[str] = []
+    for module, name in [("store_kvcache_kernel", "store_kvcache_triton"),
+                         ("prefill_attention", "flash_attention_varlen_triton"),
+                         ("decode_attention", "paged_attention_decode_triton")]:  # fmt: skip
+        real = getattr(triton_mod(module), name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(triton_mod(module), name, spy)
+
+    k = torch.randn(5, 1, 16, device=device, dtype=torch.float16)
+    q = torch.randn(5, 2, 16, device=device, dtype=torch.float16)
+    k_cache, v_cache, tables = make_paged(k, k, [5], block_size=4)
+    cu = cu_seqlens([5], device)
+    ctx = torch.tensor([5], dtype=torch.int32, device=device)
+
+    slots = torch.tensor([int(tables[0, p // 4]) * 4 + p % 4 for p in range(5)],
+                         dtype=torch.int32, device=device)  # fmt: skip
+
+    def run_all() -> tuple[torch.Tensor, torch.Tensor]:
+        kernels.store_kvcache(k, k, k_cache, v_cache, slots)
+        pre = kernels.flash_attention_varlen(q, k, k, cu, cu, 5, 5, 0.25)
+        dec = kernels.paged_attention_decode(q[:1], k_cache, v_cache, tables, ctx, 0.25)
+        return pre, dec
+
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
+    ref_out = run_all()
+    assert calls == []
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
+    tri_out = run_all()
+    assert calls == ["store_kvcache_triton", "flash_attention_varlen_triton",
+                     "paged_attention_decode_triton"]  # fmt: skip
+    for a, b in zip(tri_out, ref_out):
+        assert_close(a, b, torch.float16)
+    monkeypatch.delenv("MYVLLM_FORCE_TRITON")
+    assert kernels.use_triton(q) == (device.type == "cuda")
+
+
+def test_gqa_head_counts_must_divide(device) -> None:
+    q = torch.randn(4, 3, 16, device=device, dtype=torch.float16)
+    k = torch.randn(4, 2, 16, device=device, dtype=torch.float16)
+    cu = cu_seqlens([4], device)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        triton_mod("prefill_attention").flash_attention_varlen_triton(q, k, k, cu, cu, 4, 4, 1.0)
