@@ -26,6 +26,7 @@ module gets a view of its layer. A token's slot is block_id * block_size + offse
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,11 +127,20 @@ class ModelRunner:
 
         Collective under tensor parallelism: every rank must call it (engine/tp_workers.py).
         """
+        start = time.perf_counter()
         if self.device.type == "cuda":  # on a CPU there is no peak to measure
             self.warmup_model()
         num_blocks = self.allocate_kv_cache()
+        if self.rank == 0:
+            gib = num_blocks * self.kv_cache_block_bytes() / 2**30
+            logger.info(f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
+                        f"({gib:.2f} GiB per rank), sized in {time.perf_counter() - start:.1f} s")
         if not self.enforce_eager:
+            start = time.perf_counter()
             self.capture_cudagraph()
+            if self.rank == 0:
+                logger.info(f"captured {len(self.graphs)} decode CUDA graphs (batch sizes "
+                            f"{sorted(self.graphs)}) in {time.perf_counter() - start:.1f} s")
         return num_blocks
 
     @torch.inference_mode()

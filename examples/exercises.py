@@ -1,0 +1,402 @@
+"""Probes for the five exercises of HowToApproachvLLM.md ("Five exercises"), CPU only.
+
+    uv run python examples/exercises.py can-append         # 1. can_append, block_size 8, 24 tok
+    uv run python examples/exercises.py identical-prompts  # 2. 300 / 512 tokens at block_size 256
+    uv run python examples/exercises.py freed-blocks       # 3. what freed blocks keep, and lose
+    uv run python examples/exercises.py graph-padding      # 4. the -1 fill before graph replay
+    uv run python examples/exercises.py block-size         # 5. block_size 256 vs 16, KV capacity
+
+Each probe drives the real classes (BlockManager, Scheduler, ModelRunner methods, the
+store_kvcache kernel's PyTorch reference) and ends with `answer:` lines. Try to answer the
+question in the guide first, then run the probe. tests/test_exercises.py checks the answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))  # run without install
+
+import torch  # noqa: E402
+
+from myvllm.config import Config  # noqa: E402
+from myvllm.engine.block_manager import BlockManager  # noqa: E402
+from myvllm.engine.model_runner import ModelRunner  # noqa: E402
+from myvllm.engine.scheduler import Scheduler  # noqa: E402
+from myvllm.engine.sequence import Sequence  # noqa: E402
+from myvllm.kernels import store_kvcache  # noqa: E402
+from myvllm.sampling_parameters import SamplingParams  # noqa: E402
+
+
+def runner_without_model(block_size: int) -> ModelRunner:
+    """A ModelRunner shell: enough for prepare_prefill/prepare_decode/replay_cudagraph/
+    kv_cache_block_bytes, without building a model (ModelRunner.__init__ would load one)."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = block_size
+    runner.device = torch.device("cpu")
+    runner.pin_memory = False
+    return runner
+
+
+def article_can_append(bm: BlockManager, seq: Sequence) -> bool:
+    """The original's rule, for comparison: a new block is needed iff num_tokens % size == 1."""
+    if seq.num_tokens % bm.block_size == 1:
+        return len(bm.free_block_ids) > 0
+    return True
+
+
+# ------------------------------------------------------------------------------------ 1
+def can_append() -> None:
+    print("BlockManager(num_blocks=3, block_size=8); a 23-token sequence takes all 3 blocks "
+          "(8 + 8 + 7 tokens).")
+    bm = BlockManager(3, 8)
+    seq = Sequence(range(23), 8)
+    bm.allocate(seq)
+    rows = []
+    seq.append_token(23)  # the sampled token is counted before can_append is asked
+    rows.append((seq.num_tokens, len(bm.free_block_ids), bm.can_append(seq),
+                 article_can_append(bm, seq), seq.num_blocks - len(seq.block_table)))
+    answer_24 = rows[-1][2]
+    bm.append(seq)
+    print(f"after append at 24 tokens: block_table={seq.block_table} (unchanged), last block "
+          f"hashed={bm.blocks[seq.block_table[-1]].hash != -1} (it just became full)")
+    seq.append_token(24)
+    rows.append((seq.num_tokens, len(bm.free_block_ids), bm.can_append(seq),
+                 article_can_append(bm, seq), seq.num_blocks - len(seq.block_table)))
+    answer_25 = rows[-1][2]
+
+    print("\nblock_size=1 (our generalization): BlockManager(2, 1), a 2-token sequence")
+    bm1 = BlockManager(2, 1)
+    one = Sequence([5, 6], 1)
+    bm1.allocate(one)
+    one.append_token(7)
+    rows.append((one.num_tokens, len(bm1.free_block_ids), bm1.can_append(one),
+                 article_can_append(bm1, one), one.num_blocks - len(one.block_table)))
+    print("\nblock_size num_tokens free  new block needed  can_append (ours)  "
+          "num_tokens % size == 1 rule")
+    for size, (n, free, ours, article, needed) in zip((8, 8, 1), rows):
+        print(f"{size:>10} {n:>10} {free:>5} {needed:>17} {str(ours):>18}  {article}")
+    print(f"\nanswer: block_size 8, num_tokens 24, no free block -> can_append = {answer_24} "
+          "(token 24 takes the last slot of block 3; append() only hashes the full block)")
+    print(f"answer: num_tokens 25 -> can_append = {answer_25} (first token of a 4th block); "
+          "the scheduler then preempts the tail of running, it never drops the sequence")
+    print(f"answer: block_size 1 -> can_append = {rows[2][2]}, the modulo rule says {rows[2][3]} "
+          "(x % 1 is never 1); ours compares the block table with num_blocks")
+
+
+# ------------------------------------------------------------------------------------ 2
+def identical_prompts() -> None:
+    print("Scheduler with block_size=256. Two requests with the SAME prompt; how many prompt "
+          "tokens of the second come from the cache, and how many does its prefill compute?")
+    print(f"\n{'prompt':>6}  {'arrival':<34} {'cached':>6} {'computed':>8}")
+    answers: dict[tuple[int, str], int] = {}
+    for length in (300, 512):
+        for mode in ("together (one prefill batch)", "after the first finished"):
+            config = Config(num_kvcache_blocks=8, block_size=256, max_model_length=1024,
+                            max_num_batched_tokens=2048, eos=-1)
+            sch = Scheduler(config)
+            prompt = [1000 + i for i in range(length)]
+            first = Sequence(prompt, 256, SamplingParams(max_tokens=1))
+            second = Sequence(prompt, 256, SamplingParams(max_tokens=1))
+            sch.add_sequence(first)
+            if mode.startswith("together"):
+                sch.add_sequence(second)
+                batch, _ = sch.schedule()
+                assert batch == [first, second]
+            else:
+                batch, _ = sch.schedule()
+                sch.postprocess(batch, [7])
+                assert first.is_finished
+                sch.add_sequence(second)
+                sch.schedule()
+            answers[(length, mode.split()[0])] = second.num_cached_tokens
+            print(f"{length:>6}  {mode:<34} {second.num_cached_tokens:>6} "
+                  f"{length - second.num_cached_tokens:>8}")
+    print(f"\nanswer: 300 tokens -> {answers[(300, 'together')]} cached (one full block; the "
+          "44-token tail is a partial block, never hashed), together or one after the other")
+    print(f"answer: 512 tokens -> {answers[(512, 'together')]} cached, not 512: both blocks "
+          "match, but a prefill must compute at least the last token, so the last block is "
+          "recomputed (in a fresh block)")
+    print("answer: the original gave 0 when the first request had finished (freed blocks "
+          "forgot their tokens) and 512 with nothing left to compute when both were alive")
+
+
+# ------------------------------------------------------------------------------------ 3
+class ClearOnFree(BlockManager):
+    """The original's behaviour: a block that is freed forgets its tokens (so it never
+    matches again). Ours keeps them; this subclass puts the original's line back."""
+
+    def _release_block(self, block_id: int) -> None:
+        super()._release_block(block_id)
+        if self.blocks[block_id].ref_count == 0:
+            self.blocks[block_id].token_ids = []
+
+
+PREFIX = [10, 11, 12, 13, 14, 15, 16, 17]
+
+
+def _finish(sch: Scheduler, tokens: list[int]) -> Sequence:
+    seq = Sequence(tokens, sch.block_size, SamplingParams(max_tokens=1))
+    sch.add_sequence(seq)
+    batch, _ = sch.schedule()
+    sch.postprocess(batch, [99])
+    assert seq.is_finished
+    return seq
+
+
+def freed_blocks() -> None:
+    def scheduler(manager: type[BlockManager]) -> Scheduler:
+        sch = Scheduler(Config(num_kvcache_blocks=6, block_size=4, max_model_length=64, eos=-1))
+        sch.block_manager = manager(6, 4)
+        return sch
+
+    print("(a) X = PREFIX + [1, 2, 3, 4] runs and finishes; then Y = PREFIX + [1, 2, 3, 4, 5] "
+          "arrives. block_size=4, 6 blocks.")
+    hits = {}
+    for manager in (BlockManager, ClearOnFree):
+        sch = scheduler(manager)
+        _finish(sch, PREFIX + [1, 2, 3, 4])
+        y = Sequence(PREFIX + [1, 2, 3, 4, 5], 4, SamplingParams(max_tokens=1))
+        sch.add_sequence(y)
+        sch.schedule()
+        hits[manager.__name__] = y.num_cached_tokens
+        label = ("freed blocks keep hash + tokens (ours)" if manager is BlockManager
+                 else "freed blocks forget their tokens (original)")
+        print(f"    {label:<45} Y: num_cached_tokens = {y.num_cached_tokens}")
+
+    print("\n(b) Eviction. After X finishes, the free list (handed out from the left):")
+    sch = scheduler(BlockManager)
+    _finish(sch, PREFIX + [1, 2, 3, 4])
+    bm = sch.block_manager
+    print(f"    X had blocks [0, 1, 2, 3]; free list = {list(bm.free_block_ids)}  (partial "
+          "block 3 first, then never-used 4, 5, then X's hashed blocks, its LAST block first)")
+    z = _finish(sch, [50 + i for i in range(16)])
+    print(f"    Z (16 unrelated tokens) ran and took blocks [3, 4, 5, 2]: block 2 was evicted "
+          f"(hash entry deleted, tokens cleared); free list now {list(bm.free_block_ids)}")
+    del z
+    y = Sequence(PREFIX + [1, 2, 3, 4, 5], 4, SamplingParams(max_tokens=1))
+    sch.add_sequence(y)
+    sch.schedule()
+    evicted_hit = y.num_cached_tokens
+    print(f"    Y now: num_cached_tokens = {evicted_hit}, block_table = {y.block_table} (blocks "
+          "0 and 1 survived: a prefix's first blocks are freed last, so evicted last)")
+
+    print("\n(c) Who reads the revived blocks? Y's prefill context (ModelRunner.prepare_prefill):")
+    step = runner_without_model(4).prepare_prefill([y])
+    for key in ("cu_seqlens_q", "cu_seqlens_k", "block_tables"):
+        value = step.context[key]
+        print(f"    {key:<13} {value.tolist() if isinstance(value, torch.Tensor) else value}")
+    print("    cu_seqlens_k > cu_seqlens_q and block_tables is set: flash_attention_varlen reads "
+          "the cached prefix from the paged cache; positions start at num_cached_tokens")
+    print(f"\nanswer: keeping tokens on free -> Y hits {hits['BlockManager']} tokens; clearing "
+          f"them (the original) -> {hits['ClearOnFree']}")
+    print(f"answer: a freed block stops matching only when it is handed out as a fresh block "
+          f"(_allocate_fresh_block evicts it); here Y then hits {evicted_hit}")
+    print("answer: tests that fail if you clear tokens on free include "
+          "tests/test_block_manager.py::test_prefix_cache_survives_the_sequence_that_filled_it, "
+          "tests/test_scheduler.py::test_prefix_served_from_cache_after_first_request_finished, "
+          "tests/test_engine.py::test_prefix_reuse_across_generate_calls_matches_cold_engine")
+
+
+# ------------------------------------------------------------------------------------ 4
+HEAD_DIM = 2
+
+
+class PadsLikeAGpu(ModelRunner):
+    """On a GPU, prepare_decode pads every decode batch up to a captured graph size (rows with
+    slot -1, context length 0); on a CPU it does not pad. This subclass applies the GPU rule
+    of ModelRunner.decode_batch_size on the CPU, so the real prepare_decode pads."""
+
+    def decode_batch_size(self, num_seqs: int) -> int:
+        return next((bs for bs in self.decode_sizes if bs >= num_seqs), num_seqs)
+
+
+class FakeDecodeGraph:
+    """Stands in for a CUDA graph captured at batch size `bs`. Like the real one, it runs on
+    the static buffers for ALL bs rows, padding rows included. Its 'model' is tiny: the K
+    (and V) of a row is its input token id, written to the row's slot by store_kvcache."""
+
+    def __init__(self, graph_vars: dict[str, torch.Tensor], bs: int,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.vars, self.bs, self.k_cache, self.v_cache = graph_vars, bs, k_cache, v_cache
+
+    def replay(self) -> None:
+        ids = self.vars["input_ids"][: self.bs].float()
+        kv = ids[:, None, None].expand(self.bs, 1, HEAD_DIM).contiguous()
+        store_kvcache(kv, kv, self.k_cache, self.v_cache, self.vars["slot_mapping"][: self.bs])
+        self.vars["outputs"][: self.bs] = ids[:, None]
+
+
+class _Identity:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What the prefill would have written: K = V = token id at each prompt token's slot."""
+    size = k_cache.shape[1]
+    slots = [seq.block_table[p // size] * size + p % size for p in range(len(seq))]
+    kv = torch.tensor(seq.token_ids, dtype=torch.float32)[:, None, None]
+    kv = kv.expand(len(seq), 1, HEAD_DIM).contiguous()
+    store_kvcache(kv, kv, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32))
+
+
+def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
+    """padding_slot: "-1" (as written), "stale" (the original without its fill), or "0"."""
+    block_size, max_bs = 4, 4
+    runner = PadsLikeAGpu.__new__(PadsLikeAGpu)
+    runner.block_size, runner.device, runner.pin_memory = block_size, torch.device("cpu"), False
+    runner.decode_sizes, runner.max_blocks_per_seq = [1, 2, 4], 4
+    bm = BlockManager(8, block_size)
+    k_cache = torch.zeros(8, block_size, 1, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    # The static buffers, as ModelRunner.capture_cudagraph creates them.
+    graph_vars = dict(
+        input_ids=torch.zeros(max_bs, dtype=torch.int64),
+        positions=torch.zeros(max_bs, dtype=torch.int64),
+        slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
+        context_lens=torch.zeros(max_bs, dtype=torch.int32),
+        block_tables=torch.full((max_bs, 4), -1, dtype=torch.int32),
+        outputs=torch.zeros(max_bs, 1),
+    )
+    runner.graph_vars = graph_vars
+    runner.graphs = {bs: FakeDecodeGraph(graph_vars, bs, k_cache, v_cache) for bs in (1, 2, 4)}
+    runner.model = _Identity()
+
+    def decode(seqs: list[Sequence], token: int) -> list[int]:
+        for i, seq in enumerate(seqs):
+            seq.append_token(token + i)
+            assert bm.can_append(seq)
+            bm.append(seq)
+        step = runner.prepare_decode(seqs)  # padded to a graph size, padding slots -1
+        slots = step.context["slot_mapping"]
+        assert isinstance(slots, torch.Tensor)
+        pad = slots == -1
+        if padding_slot == "stale":  # what the static buffer still held from the last step
+            slots[pad] = graph_vars["slot_mapping"][: len(slots)][pad]
+        elif padding_slot == "0":
+            slots[pad] = 0
+        runner.replay_cudagraph(step, len(slots))  # the real method
+        return graph_vars["slot_mapping"].tolist()
+
+    a, b, c, d = (Sequence([10 * i + 1, 10 * i + 2], block_size) for i in (1, 2, 3, 4))
+    for seq in (a, b, c, d):
+        bm.allocate(seq)  # blocks 0, 1, 2, 3
+        _store_prompt(seq, k_cache, v_cache)
+    step1 = decode([a, b, c, d], 101)  # batch 4 -> graph 4, no padding; D writes slot 14
+    bm.deallocate(d)  # D finished. Its partial block 3 goes to the FRONT of the free list...
+    e = Sequence([501, 502, 503], block_size)
+    bm.allocate(e)  # ... so the next request E gets block 3: slots 12, 13, 14
+    assert e.block_table == [3]
+    _store_prompt(e, k_cache, v_cache)
+    step2 = decode([a, b, c], 111)  # batch 3 -> graph 4: row 3 is padding
+    return float(k_cache[3, 2, 0, 0]), float(k_cache[0, 0, 0, 0]), step1, step2
+
+
+def graph_padding() -> None:
+    print("A, B, C, D (prompts [11, 12], [21, 22], ...) decode with a captured graph of batch "
+          "size 4; D finishes and its block 3 goes to a new request E (K = 501, 502, 503 at "
+          "slots 12, 13, 14); then A, B, C decode: batch 3 is padded to the batch-4 graph, "
+          "row 3 is padding. Runs the real prepare_decode and replay_cudagraph, with fake "
+          "graphs whose 'K' is the input token id.\n")
+    print(f"{'padding row slot':<38} {'static slot_mapping, step 1 / step 2':<38} "
+          f"{'E slot 14':>9} {'A slot 0':>8}")
+    results = {}
+    variants = (("-1", "-1 (as written)"), ("stale", "stale (the original, fill deleted)"),
+                ("0", "0 (a real slot: block 0, offset 0)"))
+    for variant, label in variants:
+        e_k, a_k, step1, step2 = _graph_run(variant)
+        results[variant] = (e_k, a_k)
+        print(f"{label:<38} {str(step1) + ' / ' + str(step2):<38} {e_k:>9g} {a_k:>8g}")
+    print(f"\nanswer: with slot -1 the padding row writes nothing: E keeps K "
+          f"{results['-1'][0]:g} at slot 14 and A keeps {results['-1'][1]:g} at slot 0")
+    print(f"answer: with the stale slot (the original without its fill_(-1)) the padding row "
+          f"overwrites E's K at slot 14 with {results['stale'][0]:g}: a sequence that finished "
+          "corrupts the one that got its block, silently")
+    print(f"answer: with slot 0 it overwrites A's first K ({results['-1'][1]:g} -> "
+          f"{results['0'][1]:g}); any real slot belongs to someone")
+    print("answer: our -1 is written by ModelRunner.prepare_decode (padding rows: slot -1, "
+          "context length 0) and capture_cudagraph (buffers created full of -1); it is "
+          "honored by store_kvcache: kernels/store_kvcache_kernel.py (mask slot >= 0) and "
+          "kernels/reference.py (keep = slot_mapping >= 0)")
+
+
+# ------------------------------------------------------------------------------------ 5
+def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 40) -> None:
+    from myvllm.utils.loader import load_hf_config
+
+    hf_config = load_hf_config(ROOT / "configs" / "Qwen3-0.6B")
+    budget = int(kv_gib * (1 << 30))
+    print(f"Qwen3-0.6B shapes (configs/Qwen3-0.6B/config.json), bf16, a KV budget of "
+          f"{kv_gib:g} GiB. Sequences of {seq_tokens} tokens (a ~50-token chat prompt + 64 "
+          "completion tokens, like main.py's).\n")
+    print(f"{'block_size':>10} {'bytes/block':>12} {'blocks':>7} {'token slots':>11} "
+          f"{'blocks/seq':>10} {'seqs that fit':>13} {'wasted slots/seq':>16} "
+          f"{'prefix hit':>10}")
+    fits = {}
+    for size in (256, 16):
+        runner = runner_without_model(size)
+        runner.hf_config, runner.dtype = hf_config, torch.bfloat16
+        block_bytes = runner.kv_cache_block_bytes()
+        num_blocks = budget // block_bytes  # allocate_kv_cache: num_blocks = budget // block_bytes
+        bm = BlockManager(num_blocks, size, enable_prefix_caching=False)
+        count = 0
+        while True:
+            seq = Sequence([count * seq_tokens + i for i in range(seq_tokens)], size)
+            if not bm.can_allocate(seq):
+                break
+            bm.allocate(seq)
+            count += 1
+        fits[size] = count
+        # Prefix caching: a second prompt sharing a `shared_prefix`-token system prompt.
+        sch = Scheduler(Config(num_kvcache_blocks=num_blocks, block_size=size,
+                               max_model_length=1024, max_num_batched_tokens=4096, eos=-1))
+        common = list(range(shared_prefix))
+        for tail in ([1, 2, 3], [4, 5, 6]):
+            second = Sequence(common + tail, size, SamplingParams(max_tokens=1))
+            sch.add_sequence(second)
+            sch.postprocess(sch.schedule()[0], [9])
+        per_seq = -(-seq_tokens // size)
+        print(f"{size:>10} {block_bytes:>12,} {num_blocks:>7} {num_blocks * size:>11,} "
+              f"{per_seq:>10} {count:>13} {per_seq * size - seq_tokens:>16} "
+              f"{second.num_cached_tokens:>10}")
+    print(f"\nanswer: 256 -> 16 multiplies the block count by 16 at the same bytes (the "
+          "memory budget, not the block size, fixes the KV memory), and the token capacity "
+          "stays the same up to rounding")
+    print(f"answer: but each sequence wastes at most block_size - 1 slots in its last block: "
+          f"{fits[256]} sequences of {seq_tokens} tokens fit with 256, {fits[16]} with 16")
+    print(f"answer: the line is in ModelRunner.allocate_kv_cache: num_blocks = budget // "
+          "block_bytes, with block_bytes = kv_cache_block_bytes() = block_size * 2 * layers * "
+          "kv_heads * head_dim * dtype size")
+    print(f"answer: prefix caching shares only full blocks: a {shared_prefix}-token shared "
+          "prefix gives 0 cached tokens at 256 and 32 at 16")
+
+
+PROBES = {
+    "can-append": can_append,
+    "identical-prompts": identical_prompts,
+    "freed-blocks": freed_blocks,
+    "graph-padding": graph_padding,
+    "block-size": block_size,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="exercises: " + ", ".join(PROBES) + " (or 'all')")
+    parser.add_argument("exercise", choices=[*PROBES, "all"])
+    args = parser.parse_args(argv)
+    names = list(PROBES) if args.exercise == "all" else [args.exercise]
+    for name in names:
+        if len(names) > 1:
+            print(f"\n===== {name} =====")
+        PROBES[name]()
+
+
+if __name__ == "__main__":
+    main()
