@@ -206,15 +206,6 @@ def freed_blocks() -> None:
 HEAD_DIM = 2
 
 
-class PadsLikeAGpu(ModelRunner):
-    """On a GPU, prepare_decode pads every decode batch up to a captured graph size (rows with
-    slot -1, context length 0); on a CPU it does not pad. This subclass applies the GPU rule
-    of ModelRunner.decode_batch_size on the CPU, so the real prepare_decode pads."""
-
-    def decode_batch_size(self, num_seqs: int) -> int:
-        return next((bs for bs in self.decode_sizes if bs >= num_seqs), num_seqs)
-
-
 class FakeDecodeGraph:
     """Stands in for a CUDA graph captured at batch size `bs`. Like the real one, it runs on
     the static buffers for ALL bs rows, padding rows included. Its 'model' is tiny: the K
@@ -248,9 +239,10 @@ def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     """padding_slot: "-1" (as written), "stale" (the original without its fill), or "0"."""
     block_size, max_bs = 4, 4
-    runner = PadsLikeAGpu.__new__(PadsLikeAGpu)
+    runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.pin_memory = block_size, torch.device("cpu"), False
-    runner.decode_sizes, runner.max_blocks_per_seq = [1, 2, 4], 4
+    # pad_decode: what a GPU does (pad to a captured graph size); off by default on a CPU.
+    runner.pad_decode, runner.decode_sizes, runner.max_blocks_per_seq = True, [1, 2, 4], 4
     bm = BlockManager(8, block_size)
     k_cache = torch.zeros(8, block_size, 1, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)

@@ -137,3 +137,63 @@ def test_cpu_forces_eager_and_says_so() -> None:
 def test_unknown_engine_keyword_names_the_closest_field() -> None:
     with pytest.raises(ConfigError, match="max_num_sequences"):
         LLM(str(tiny_checkpoint("qwen3")), max_num_seqs=4)
+
+
+def test_decode_padding_to_graph_sizes_changes_no_token() -> None:
+    """On a GPU every decode batch is padded to a CUDA-graph size (slot -1, context 0) and
+    tables to full width; here the same padding is switched on on the CPU."""
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = random_prompts([5, 9, 3])
+    kwargs = dict(block_size=4, max_model_length=64, max_num_batched_tokens=128,
+                  max_num_sequences=8)
+    plain = LLM(path, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(path, **kwargs)
+    runner = llm.model_runner
+    runner.pad_decode = True
+    shapes: list[tuple[int, ...]] = []
+    original = runner.prepare_decode
+
+    def recording_prepare_decode(seqs):
+        step = original(seqs)
+        shapes.append(tuple(step.context["block_tables"].shape))
+        assert step.context["slot_mapping"][len(seqs):].eq(-1).all()
+        assert step.context["context_lens"][len(seqs):].eq(0).all()
+        return step
+
+    runner.prepare_decode = recording_prepare_decode
+    padded = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert (4, 16) in shapes  # 3 sequences padded to the graph size 4, 64 / 4 = 16 blocks wide
+    assert [o["token_ids"] for o in padded] == [o["token_ids"] for o in plain]
+
+
+def test_prepare_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D6: batch preparation only writes host data to the device. max_seqlen comes from the
+    sequence lengths the host knows, never from cu_seqlens.cpu()."""
+    llm = LLM(str(tiny_checkpoint("qwen3")), block_size=4, max_model_length=64,
+              max_num_batched_tokens=128)
+    llm.generate([list(range(1, 13))], GREEDY, use_tqdm=False)  # leaves 3 cached blocks
+    for prompt in (list(range(1, 13)) + [40, 41], [50, 51, 52, 53, 54]):
+        llm.add_request(prompt, GREEDY)
+    seqs, is_prefill = llm.scheduler.schedule()
+    assert is_prefill and seqs[0].num_cached_tokens == 12
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a device-to-host read in batch preparation")
+
+    runner = llm.model_runner
+    with monkeypatch.context() as patch:
+        for name in ("cpu", "item", "tolist", "numpy", "__bool__", "__int__"):
+            patch.setattr(torch.Tensor, name, forbidden)
+        prefill = runner.prepare_prefill(seqs)
+    assert prefill.context["max_seqlen_q"] == 5 and prefill.context["max_seqlen_k"] == 14
+    assert prefill.context["block_tables"] is not None  # a cached prefix: paged prefill
+    llm.scheduler.postprocess(seqs, [7, 7])
+    seqs, is_prefill = llm.scheduler.schedule()
+    assert not is_prefill
+    with monkeypatch.context() as patch:
+        for name in ("cpu", "item", "tolist", "numpy", "__bool__", "__int__"):
+            patch.setattr(torch.Tensor, name, forbidden)
+        runner.prepare_decode(seqs)
+        runner.prepare_sample(seqs)
+    for seq in seqs:
+        llm.scheduler.abort(seq)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 import time
 import weakref
@@ -149,8 +150,14 @@ class LLMEngine:
                 raise ValueError(f"{self.model_path} has no tokenizer: pass prompts as lists "
                                  "of token ids.")
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
+            # bytes are a sequence of ints too, but they are text, not token ids.
+            bad_types = [t for t in prompt
+                         if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            if bad_types:
+                raise TypeError(f"token ids must be ints, got {bad_types[0]!r} "
+                                f"({type(bad_types[0]).__name__}) in a prompt")
+            token_ids = [int(t) for t in prompt]  # numpy ints are fine, stored as int
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary "
@@ -201,10 +208,17 @@ class LLMEngine:
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list (of strings or token-id lists), "
                             "not a single string.")
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a list of strings or token-id lists, got "
+                            f"{type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            # A dict would otherwise be iterated as its keys and reported as a str.
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for "
                              f"{len(prompts)} prompts; pass one, or one per prompt.")

@@ -117,6 +117,9 @@ class ModelRunner:
         # Per-request seeded generators (rank 0 samples, so only rank 0 fills this).
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Pad decode batches to graph shapes on a GPU (see decode_batch_size); a CPU has no
+        # graphs and gains nothing from padding (tests switch it on to exercise the padding).
+        self.pad_decode = self.device.type == "cuda"
         self.decode_sizes = cuda_graph_batch_sizes(config.max_num_sequences)
         self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
         self.graph_vars: dict[str, torch.Tensor] = {}
@@ -297,7 +300,7 @@ class ModelRunner:
         so enforce_eager=True and CUDA graphs give bit-identical tokens (D1). Padding rows
         use slot -1 (store nothing) and context length 0 (attend to nothing).
         """
-        if self.device.type != "cuda":
+        if not self.pad_decode:
             return num_seqs
         return next((bs for bs in self.decode_sizes if bs >= num_seqs), num_seqs)
 
@@ -309,7 +312,7 @@ class ModelRunner:
         context_lens = [len(seq) for seq in seqs] + [0] * padding
         slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
                         for seq in seqs] + [-1] * padding
-        width = self.max_blocks_per_seq if self.device.type == "cuda" else None
+        width = self.max_blocks_per_seq if self.pad_decode else None
         block_tables = self.prepare_block_tables(seqs, width, padding)
         context = dict(
             is_prefill=False,

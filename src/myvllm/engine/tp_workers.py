@@ -141,7 +141,12 @@ class WorkerPool:
             for i in list(pending):
                 conn, process = self.conns[i], self.processes[i]
                 if conn.poll(0.2):
-                    kind, detail = conn.recv()
+                    try:
+                        kind, detail = conn.recv()
+                    except EOFError:  # poll() is also true at EOF: the worker died
+                        process.join(timeout=5)
+                        raise RuntimeError(f"tensor-parallel worker rank {i + 1} exited with "
+                                           f"code {process.exitcode} during start-up") from None
                     if kind == "error":
                         raise RuntimeError(f"tensor-parallel worker rank {i + 1} failed to "
                                            f"start:\n{detail}")
@@ -155,8 +160,13 @@ class WorkerPool:
                                    f"did not report '{expected}' within {START_TIMEOUT_S:.0f} s")
 
     def send(self, method: str, *args: Any) -> None:
-        for conn in self.conns:
-            conn.send((method, args))
+        for rank, (conn, process) in enumerate(zip(self.conns, self.processes), start=1):
+            try:
+                conn.send((method, args))
+            except OSError as e:  # broken pipe: the worker is gone (killed, crashed)
+                process.join(timeout=5)
+                raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code "
+                                   f"{process.exitcode}); this engine cannot continue") from e
 
     def shutdown(self) -> None:
         """Ask workers to exit; terminate the ones that do not (idempotent)."""

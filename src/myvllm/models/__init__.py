@@ -1,15 +1,20 @@
-"""Step 2: model definitions, and the registry from config.json "architectures" to a class."""
+"""Step 2: model definitions, and the registry from config.json "architectures" to a class.
+
+The registry names modules instead of importing them, so each model file is imported only
+when a checkpoint asks for it. That keeps `import myvllm` working while a student has
+deleted models/llama.py for the exercise (HowToApproachvLLM.md) and is writing it back.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
-from myvllm.models.llama import LlamaForCausalLM
-from myvllm.models.qwen3 import Qwen3ForCausalLM
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
+# config.json "architectures" entry -> (module under myvllm.models, class name)
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 
@@ -17,7 +22,9 @@ def get_model_class(architectures: list[str] | tuple[str, ...] | None) -> type[n
     """The first supported class among config.architectures (ValueError if none is)."""
     for name in architectures or ():
         if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
+            module_name, class_name = MODEL_REGISTRY[name]
+            module = importlib.import_module(f"myvllm.models.{module_name}")
+            return getattr(module, class_name)
     raise ValueError(
         f"unsupported model architecture {list(architectures or [])!r}; "
         f"supported: {sorted(MODEL_REGISTRY)}"
