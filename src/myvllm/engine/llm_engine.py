@@ -279,4 +279,5 @@ class LLMEngine:
             self._first_cached.pop(seq.seq_id, None)
         self.model_runner.release_generators([seq.seq_id for seq in seqs])
         if self._pool is not None:
+            self._pool.shutdown(wait_s=0)
             self.exit()

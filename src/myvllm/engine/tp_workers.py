@@ -160,16 +160,21 @@ class WorkerPool:
                                    f"did not report '{expected}' within {START_TIMEOUT_S:.0f} s")
 
     def send(self, method: str, *args: Any) -> None:
-        for rank, (conn, process) in enumerate(zip(self.conns, self.processes), start=1):
+        for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send((method, args))
             except OSError as e:  # broken pipe: the worker is gone (killed, crashed)
+                process = self.processes[rank - 1]
                 process.join(timeout=5)
                 raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code "
                                    f"{process.exitcode}); this engine cannot continue") from e
 
-    def shutdown(self) -> None:
-        """Ask workers to exit; terminate the ones that do not (idempotent)."""
+    def shutdown(self, wait_s: float = 5.0) -> None:
+        """Ask workers to exit, wait up to wait_s, then terminate them (idempotent).
+
+        After an error a worker may sit inside a collective that will never complete and
+        cannot read the exit command: callers on that path pass wait_s=0.
+        """
         if self.closed:
             return
         self.closed = True
@@ -179,7 +184,7 @@ class WorkerPool:
             except (OSError, ValueError):
                 pass  # that worker is already gone; join/terminate below handles it
         for process in self.processes:
-            process.join(timeout=5)
+            process.join(timeout=wait_s)
             if process.is_alive():
                 process.terminate()
                 process.join(timeout=5)

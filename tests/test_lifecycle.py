@@ -1,0 +1,250 @@
+"""Worker processes end with the engine, however the engine ends (tensor_parallel_size 2, gloo).
+
+    exit()                              -> workers asked to leave, joined
+    del llm; gc.collect()               -> weakref.finalize runs the same shutdown
+    an exception inside a step          -> generate() re-raises it, workers are stopped
+    KeyboardInterrupt during generate() -> same (ranks may be mid-collective: no reuse)
+    a worker killed                     -> the next collective or command fails, no hang
+    the parent killed with SIGKILL      -> workers notice the pipe / parent is gone, exit
+    engine after engine                 -> TP 2, TP 2 again, TP 1: same tokens each time
+
+"Gone" is checked on the pid itself (os.kill(pid, 0) and /proc/<pid>/stat, a zombie counts
+as gone), not only through multiprocessing's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from helpers_models import tiny_checkpoint
+
+from myvllm import LLM, SamplingParams
+
+ENGINE_KW: dict[str, Any] = dict(block_size=4, max_model_length=32, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23]]
+START_TIMEOUT_S = 180.0  # a child engine that has not started by then has failed
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def expected(path: str) -> list[list[int]]:
+    """The tokens of PROMPTS on a single-process engine."""
+    llm = LLM(path, **ENGINE_KW)
+    return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while any thread of process pid runs (a fully exited zombie counts as gone).
+
+    Not just the main thread's state: a killed multi-threaded process shows its main thread
+    as a zombie while the other threads (holding the sockets) are still exiting.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False  # exited between the checks
+    return any(state not in ("Z", "X") for state in states)
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Pids still alive after waiting up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pid for pid in pids if pid_alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def start_tp2(path: str) -> tuple[LLM, list[int]]:
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE_KW)
+    assert llm._pool is not None
+    pids = [p.pid for p in llm._pool.processes]
+    assert len(pids) == 1 and all(pid_alive(pid) for pid in pids)
+    return llm, pids
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    assert [pid for pid in pids if pid_alive(pid)] == []
+    assert multiprocessing.active_children() == []
+    assert not dist.is_initialized(), "the process group outlived the engine"
+
+
+def fail_on_call(llm: LLM, n: int, exc: BaseException) -> None:
+    """Make rank 0's ModelRunner.run raise exc on its n-th call (workers already sent 'run')."""
+    original = llm.model_runner.run
+    calls = 0
+
+    def run(seqs: Any, is_prefill: bool) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise exc
+        return original(seqs, is_prefill)
+
+    llm.model_runner.run = run  # type: ignore[method-assign]
+
+
+# ================================================================== ending by an error
+@pytest.mark.parametrize("exc", [RuntimeError("boom in step 3"), KeyboardInterrupt()],
+                         ids=["exception", "keyboard_interrupt"])
+def test_error_inside_generate(path: str, exc: BaseException) -> None:
+    llm, pids = start_tp2(path)
+    # Call 3 is a decode step: the worker is already inside it, waiting in a collective
+    # for rank 0, which never comes. Shutdown must still end it.
+    fail_on_call(llm, 3, exc)
+    with pytest.raises(type(exc)) as info:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert info.value is exc  # the caller sees the original error, not a shutdown error
+    assert_all_gone(pids)
+    assert not llm.scheduler.waiting and not llm.scheduler.running
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_worker_killed_mid_step_fails_fast(path: str) -> None:
+    """Rank 0 enters a collective whose peer is dead: gloo reports it, nothing hangs."""
+    llm, pids = start_tp2(path)
+    original = llm.model_runner.run
+    calls = 0
+
+    def run(seqs: Any, is_prefill: bool) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            os.kill(pids[0], signal.SIGKILL)
+            assert llm._pool is not None
+            llm._pool.processes[0].join(timeout=10)
+        return original(seqs, is_prefill)
+
+    llm.model_runner.run = run  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_all_gone(pids)
+
+
+def test_worker_killed_while_idle(path: str) -> None:
+    """The next command finds the dead worker and says which one."""
+    llm, pids = start_tp2(path)
+    os.kill(pids[0], signal.SIGKILL)
+    assert llm._pool is not None
+    llm._pool.processes[0].join(timeout=10)  # reaped: every thread and socket of it is gone
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_all_gone(pids)
+
+
+def test_keyboard_interrupt_single_process_engine_stays_usable(path: str,
+                                                              expected: list[list[int]]) -> None:
+    """Without workers nothing can be out of step: drop the batch, keep the engine."""
+    llm = LLM(path, **ENGINE_KW)
+    original = llm.model_runner.run
+    fail_on_call(llm, 3, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    bm = llm.scheduler.block_manager
+    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert not bm.used_block_ids and len(bm.free_block_ids) == len(bm.blocks)
+    llm.model_runner.run = original  # type: ignore[method-assign]
+    assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+# ================================================================== the parent dies
+CHILD = textwrap.dedent("""
+    import sys, time
+    from myvllm import LLM
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=4, max_model_length=32,
+                  max_num_batched_tokens=64)
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+        print(" ".join(str(p.pid) for p in llm._pool.processes), flush=True)
+        time.sleep(600)
+""")
+
+
+def test_workers_exit_when_the_parent_is_killed(path: str, tmp_path: Path) -> None:
+    script = tmp_path / "engine_then_sleep.py"
+    script.write_text(CHILD)
+    log = tmp_path / "child.log"
+    with open(log, "w") as stderr:
+        parent = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE,
+                                  stderr=stderr, text=True)
+    try:
+        assert parent.stdout is not None
+        # Wait for the line of worker pids, without hanging if the child never prints it.
+        ready, _, _ = select.select([parent.stdout], [], [], START_TIMEOUT_S)
+        line = parent.stdout.readline() if ready else ""
+        assert line.strip(), (f"the child engine did not start (exit code {parent.poll()}):\n"
+                              + log.read_text()[-3000:])
+        pids = [int(pid) for pid in line.split()]
+        assert pids and all(pid_alive(pid) for pid in pids)
+        parent.kill()  # SIGKILL: no atexit, no finalizer, no chance to clean up
+        parent.wait(timeout=10)
+        # The workers see EOF on their pipe, or their parent pid change (checked each second).
+        assert wait_gone(pids, 15) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+# ================================================================== ending normally
+def test_exit_gc_and_one_engine_after_another(path: str, expected: list[list[int]]) -> None:
+    """TP 2 ended by exit(), TP 2 ended by garbage collection, then TP 1, in one process."""
+    first, first_pids = start_tp2(path)
+    # Bad input is refused on rank 0 before anything reaches the workers...
+    with pytest.raises(ValueError, match="empty prompt"):
+        first.generate([[]], GREEDY, use_tqdm=False)
+    # ...so the workers are still in step and the next request works.
+    assert [o["token_ids"] for o in first.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    first.exit()
+    assert_all_gone(first_pids)
+    first.exit()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        first.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    second, second_pids = start_tp2(path)
+    assert set(second_pids).isdisjoint(first_pids)
+    assert [o["token_ids"] for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    del second  # no exit(): weakref.finalize stops the workers and frees the process group
+    gc.collect()
+    assert_all_gone(second_pids)
+
+    third = LLM(path, **ENGINE_KW)
+    assert third._pool is None
+    assert [o["token_ids"] for o in third.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    assert multiprocessing.active_children() == []
+
+
+def test_worker_dying_at_start_up_is_reported(path: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that dies before saying a word (here: in Python's start-up, via a
+    sitecustomize that only the newly spawned interpreter reads) fails LLM() at once."""
+    (tmp_path / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"worker rank 1 exited with code 3 during start-up"):
+        LLM(path, tensor_parallel_size=2, **ENGINE_KW)
+    assert_all_gone([])
