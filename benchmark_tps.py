@@ -19,11 +19,16 @@ continuous batching, so a batch runs until its longest request is done. Its tok/
 only the tokens that were asked for, like myvllm's.
 
 --quick: a tiny random Qwen3 on the CPU, a handful of short sequences (CI smoke test).
+
+--bundled: the CPU target of SPEC 8: the bundled SmolLM2-135M-Instruct (real weights, GGUF),
+4 chat prompts x 64 greedy tokens, myvllm against transformers loading the same GGUF file
+(batched with left padding), fp32, both timed after one warm-up run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -83,9 +88,67 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, greedy: bool,
     return out[:, width:].tolist()
 
 
+BUNDLED_PROMPTS = [
+    "What is the capital of France?",
+    "List three prime numbers.",
+    "Write one sentence about the sea.",
+    "Explain gravity in one line.",
+]
+
+
+def run_bundled(max_tokens: int = 64) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from myvllm import LLM, SamplingParams
+    from myvllm.utils.loader import bundled_model_path
+
+    llm = LLM(None, device="cpu")
+    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True)
+             for p in BUNDLED_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    gguf = Path(bundled_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.padding_side = "left"
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              dtype=torch.float32).eval()
+    batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    def run_hf() -> list[list[int]]:
+        with torch.inference_mode():
+            out = hf.generate(**batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)
+        return out[:, batch.input_ids.shape[1]:].tolist()
+
+    def timed(fn):
+        fn()  # warm-up
+        start = time.perf_counter()
+        result = fn()
+        return result, time.perf_counter() - start
+
+    ours, ours_s = timed(lambda: [o["token_ids"] for o in
+                                  llm.generate(chats, params, use_tqdm=False)])
+    theirs, theirs_s = timed(run_hf)
+    # transformers' min_new_tokens forbids eos, ignore_eos only ignores it: compare each
+    # completion up to its first eos, where both are plain greedy decoding.
+    eos = tokenizer.eos_token_id
+    spans = [x.index(eos) if eos in x else len(x) for x in ours]
+    correct = all(x[:n] == y[:n] for x, y, n in zip(ours, theirs, spans))
+    print(f"correctness: greedy tokens up to the first eos ({spans}) equal to transformers: "
+          f"{correct} -> {'OK' if correct else 'NO'}")
+    if correct:
+        print(f"myvllm:       {ours_s:.2f} s for {len(chats)} prompts x {max_tokens} tokens")
+    print(f"transformers: {theirs_s:.2f} s (batched, left padding)")
+    if correct:
+        print(f"ratio:        {theirs_s / ours_s:.2f}x (transformers time / myvllm time)")
+    llm.exit()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
+    parser.add_argument("--bundled", action="store_true",
+                        help="the CPU target: bundled SmolLM2, 4 prompts x 64 tokens vs HF")
     parser.add_argument("--model", help="a real checkpoint dir instead of random weights")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -97,6 +160,9 @@ def main() -> None:
     parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
+    if args.bundled:
+        run_bundled()
+        return
 
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +226,30 @@ def main() -> None:
             print("myvllm:       throughput not reported: the correctness check failed")
         results["myvllm_tok_s"] = ours_tps if correct else None
 
+        # 3. Batch-1 decode latency at context 128.
+        prompt = prompts[0][:128]
+        timings = {}
+        for n in (1, 129):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            llm.generate([prompt], sp, use_tqdm=False)  # warm
+            start = time.perf_counter()
+            llm.generate([prompt], sp, use_tqdm=False)
+            timings[n] = time.perf_counter() - start
+        ms_per_token = (timings[129] - timings[1]) / 128 * 1e3
+        print(f"batch-1 decode: {ms_per_token:.3f} ms/token (context 128, "
+              f"{'eager' if llm.model_runner.enforce_eager else 'CUDA graphs'})")
+        results["batch1_ms_per_token"] = ms_per_token
+        if device == "cuda":
+            results["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            print(f"peak memory: {results['peak_memory_gib']:.1f} GiB "
+                  "(includes the KV cache, sized to gpu_memory_utilization)")
+        llm.exit()
+        del llm  # free the KV cache and graphs before transformers runs on the same GPU
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+        # 4. transformers on a subset of the same workload.
         hf_tps = None
         if not args.skip_hf:
             subset = list(range(min(args.hf_num_seqs, args.num_seqs)))
@@ -181,24 +271,6 @@ def main() -> None:
                 print(f"ratio:        {ours_tps / hf_tps:.1f}x")
         results["hf_tok_s"] = hf_tps
 
-        # 3. Batch-1 decode latency at context 128.
-        prompt = prompts[0][:128]
-        timings = {}
-        for n in (1, 129):
-            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            llm.generate([prompt], sp, use_tqdm=False)  # warm
-            start = time.perf_counter()
-            llm.generate([prompt], sp, use_tqdm=False)
-            timings[n] = time.perf_counter() - start
-        ms_per_token = (timings[129] - timings[1]) / 128 * 1e3
-        print(f"batch-1 decode: {ms_per_token:.3f} ms/token (context 128, "
-              f"{'eager' if llm.model_runner.enforce_eager else 'CUDA graphs'})")
-        results["batch1_ms_per_token"] = ms_per_token
-        if device == "cuda":
-            results["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            print(f"peak memory: {results['peak_memory_gib']:.1f} GiB "
-                  "(includes the KV cache, sized to gpu_memory_utilization)")
-        llm.exit()
 
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

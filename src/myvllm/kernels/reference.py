@@ -140,13 +140,23 @@ def paged_attention_decode_ref(
     offsets = (positions % block_size).expand(batch, -1)
     k = k_cache[blocks, offsets].float()  # [B, L, Hkv, D]
     v = v_cache[blocks, offsets].float()
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
     valid = positions[None, :] < context_lens.long()[:, None]  # [B, L]
     # Slots past the context may hold anything (the cache is allocated uninitialised, even
-    # NaN bit patterns): zero V there, since 0 * NaN would poison the weighted sum.
+    # NaN bit patterns): zero K and V there, since a NaN score survives the mask and
+    # 0 * NaN would poison the weighted sum.
+    k = k.masked_fill(~valid[:, :, None, None], 0.0)
     v = v.masked_fill(~valid[:, :, None, None], 0.0)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> zeros
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    # softmax(q k^T * scale) v with the padded positions masked out; enable_gqa lets each
+    # group of `group` query heads share one kv head, exactly as in the Triton kernel.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().unsqueeze(2),  # [B, Hq, 1, D]
+        k.transpose(1, 2),  # [B, Hkv, L, D]
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=group > 1,
+    )
+    # Context length 0 (CUDA-graph padding) masks every position: zeros for those rows only,
+    # so a NaN read from inside a real context still shows.
+    out = out.masked_fill((context_lens == 0)[:, None, None, None], 0.0)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)

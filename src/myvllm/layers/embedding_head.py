@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from myvllm.layers.linear import copy_checked
+from myvllm.layers.linear import copy_checked, linear
 from myvllm.utils.context import get_context
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
@@ -81,7 +81,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill and context.cu_seqlens_q is not None:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         if self.tp_size == 1:
             return logits
         gathered = (

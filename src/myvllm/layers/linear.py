@@ -32,6 +32,22 @@ from torch import nn
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b, the matmul of every linear layer and the LM head.
+
+    On a GPU this is F.linear. On a CPU, for a few rows (decode), MKL streams the row-major
+    [out, in] weight much faster as W x^T than as x W^T: on the 2-core AMD EPYC machines we
+    develop on, 2-3x at 4 rows (gate_up_proj of SmolLM2: 1.2 ms -> 0.5 ms), and decode on a
+    CPU is bound by reading the weights. Same math, different summation order.
+    """
+    if x.is_cuda or x.dim() != 2 or x.size(0) < 2:
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.contiguous()
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     """Copy ``src`` into ``dst`` after checking shapes (dtype/device are converted by copy_)."""
     if tuple(dst.shape) != tuple(src.shape):
@@ -96,7 +112,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -240,7 +256,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Add the bias on one rank only, or the all_reduce would add it tp times.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
