@@ -159,6 +159,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
     parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the throughput run, profile STEPS decode steps at the full "
+                             "batch with torch.profiler and print where the time goes")
     args = parser.parse_args()
     if args.bundled:
         run_bundled()
@@ -226,6 +229,9 @@ def main() -> None:
             print("myvllm:       throughput not reported: the correctness check failed")
         results["myvllm_tok_s"] = ours_tps if correct else None
 
+        if args.profile:
+            profile_decode(llm, prompts, params, args.profile, device)
+
         # 3. Batch-1 decode latency at context 128.
         prompt = prompts[0][:128]
         timings = {}
@@ -276,6 +282,30 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if not args.quick:
         plot(results, Path(args.plot))
+
+
+def profile_decode(llm, prompts, params, steps: int, device: str) -> None:
+    """Where a decode step's time goes: host work vs GPU kernels, at the full batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for prompt, param in zip(prompts, params):
+        llm.add_request(prompt, param)
+    while llm.scheduler.waiting:  # prefill everything first (prefill-first scheduling)
+        llm.step()
+    batch = len(llm.scheduler.running)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    llm.step()  # one decode step outside the profile
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            llm.step()
+    elapsed = (time.perf_counter() - start) / steps
+    print(f"profile: {steps} decode steps at batch {batch}, {elapsed * 1e3:.2f} ms per step "
+          "(with profiler overhead)")
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=20))
+    while not llm.is_finished():  # finish the requests so the engine is clean again
+        llm.step()
 
 
 def plot(results: dict[str, object], path: Path) -> None:

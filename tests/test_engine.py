@@ -197,3 +197,20 @@ def test_prepare_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPa
         runner.prepare_sample(seqs)
     for seq in seqs:
         llm.scheduler.abort(seq)
+
+
+def test_add_request_and_step_give_what_generate_gives() -> None:
+    llm = LLM(str(tiny_checkpoint("llama")), block_size=4, max_model_length=64,
+              max_num_batched_tokens=128)
+    prompts = random_prompts([6, 10, 3], seed=4)
+    expected = llm.generate(prompts, GREEDY, use_tqdm=False)
+    seq_ids = [llm.add_request(p, GREEDY) for p in prompts]
+    outputs: dict[int, dict] = {}
+    while not llm.is_finished():
+        finished, _ = llm.step()
+        outputs.update({out["seq_id"]: out for out in finished})
+    assert sorted(outputs) == sorted(seq_ids)
+    assert [outputs[i]["token_ids"] for i in seq_ids] == [o["token_ids"] for o in expected]
+    # The second round hits the first round's blocks, and nothing is left behind.
+    assert [outputs[i]["num_cached_tokens"] for i in seq_ids] == [4, 8, 0]
+    assert llm._first_cached == {}

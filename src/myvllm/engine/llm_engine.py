@@ -175,20 +175,25 @@ class LLMEngine:
         self.scheduler.add_sequence(seq)
         return seq.seq_id
 
-    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """One scheduler step. Returns (finished (seq_id, completion ids), tokens computed).
+    def step(self) -> tuple[list[dict[str, Any]], int]:
+        """One scheduler step. Returns (outputs of the sequences that finished, tokens computed).
 
-        The token count is positive for a prefill step (prompt tokens computed) and
-        negative for a decode step (one per sequence), so callers can tell them apart.
+        Each output has seq_id, token_ids (completion only) and num_cached_tokens. The token
+        count is positive for a prefill step (prompt tokens computed) and negative for a
+        decode step (one per sequence), so callers can tell them apart.
         """
         seqs, is_prefill = self.scheduler.schedule()
         for seq in seqs:
             self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
         token_ids = self._call("run", seqs, is_prefill)
         self.scheduler.postprocess(seqs, token_ids)
-        finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
+        finished = [
+            {"seq_id": seq.seq_id, "token_ids": seq.completion_token_ids,
+             "num_cached_tokens": self._first_cached.pop(seq.seq_id)}
+            for seq in seqs if seq.is_finished
+        ]
         if finished:
-            self.model_runner.release_generators([seq_id for seq_id, _ in finished])
+            self.model_runner.release_generators([out["seq_id"] for out in finished])
         if is_prefill:
             num_tokens = sum(len(seq) - 1 - seq.num_cached_tokens for seq in seqs)
         else:
@@ -230,7 +235,7 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add_sequence(seq)
 
-        outputs: dict[int, list[int]] = {}
+        outputs: dict[int, dict[str, Any]] = {}
         progress = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
                         disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
@@ -245,8 +250,8 @@ class LLMEngine:
                     decode_tps = -num_tokens / elapsed
                 progress.set_postfix(prefill=f"{prefill_tps:.0f}tok/s",
                                      decode=f"{decode_tps:.0f}tok/s")
-                for seq_id, token_ids in finished:
-                    outputs[seq_id] = token_ids
+                for out in finished:
+                    outputs[out["seq_id"]] = out
                     progress.update(1)
         except BaseException:
             self._abort(seqs)
@@ -255,9 +260,9 @@ class LLMEngine:
             progress.close()
         return [
             {
-                "text": self._decode(outputs[seq.seq_id]),
-                "token_ids": outputs[seq.seq_id],
-                "num_cached_tokens": self._first_cached.pop(seq.seq_id, 0),
+                "text": self._decode(outputs[seq.seq_id]["token_ids"]),
+                "token_ids": outputs[seq.seq_id]["token_ids"],
+                "num_cached_tokens": outputs[seq.seq_id]["num_cached_tokens"],
             }
             for seq in seqs
         ]
