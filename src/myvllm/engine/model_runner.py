@@ -40,7 +40,7 @@ from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
 from myvllm.utils.context import forward_context
 from myvllm.utils.distributed import get_tp_size
-from myvllm.utils.loader import load_hf_config, load_model
+from myvllm.utils.loader import get_head_dim, load_hf_config, load_model
 
 logger = logging.getLogger("myvllm")
 
@@ -171,12 +171,16 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions)
             self.model.compute_logits(hidden)
 
+    def kv_cache_block_shape(self) -> tuple[int, int, int]:
+        """(block_size, KV heads of this rank, head_dim): one block of one layer's K (or V)."""
+        num_kv_heads = self.hf_config.num_key_value_heads // get_tp_size()
+        return self.block_size, num_kv_heads, get_head_dim(self.hf_config)
+
     def kv_cache_block_bytes(self) -> int:
-        cfg = self.hf_config
-        num_kv_heads = cfg.num_key_value_heads // get_tp_size()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = 2 * cfg.num_hidden_layers * num_kv_heads * head_dim * self.dtype.itemsize
-        return self.block_size * per_token
+        """Bytes one block takes over all layers, K and V."""
+        block_size, num_kv_heads, head_dim = self.kv_cache_block_shape()
+        per_token = 2 * self.hf_config.num_hidden_layers * num_kv_heads * head_dim
+        return block_size * per_token * self.dtype.itemsize
 
     def allocate_kv_cache(self) -> int:
         config = self.config
@@ -192,8 +196,7 @@ class ModelRunner:
             budget = int(total * config.gpu_memory_utilization) - used - activation_peak
             num_blocks = budget // block_bytes
         else:
-            blocks_per_seq = -(-config.max_model_length // self.block_size)
-            num_blocks = min(config.max_num_sequences * blocks_per_seq,
+            num_blocks = min(config.max_num_sequences * self.max_blocks_per_seq,
                              CPU_KV_CACHE_BYTES // block_bytes)
         if get_tp_size() > 1:
             # Every rank must agree on the block count, or the block tables of rank 0 would
@@ -207,10 +210,7 @@ class ModelRunner:
                 f"{self.block_size} tokens). Lower max_num_batched_tokens or max_model_length, "
                 "or raise gpu_memory_utilization."
             )
-        cfg = self.hf_config
-        num_kv_heads = cfg.num_key_value_heads // get_tp_size()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim)
+        shape = (len(self.attention_layers), num_blocks, *self.kv_cache_block_shape())
         self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for layer_id, attention in enumerate(self.attention_layers):
