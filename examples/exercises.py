@@ -222,11 +222,6 @@ class FakeDecodeGraph:
         self.vars["outputs"][: self.bs] = ids[:, None]
 
 
-class _Identity:
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
-
-
 def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """What the prefill would have written: K = V = token id at each prompt token's slot."""
     size = k_cache.shape[1]
@@ -257,7 +252,6 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     )
     runner.graph_vars = graph_vars
     runner.graphs = {bs: FakeDecodeGraph(graph_vars, bs, k_cache, v_cache) for bs in (1, 2, 4)}
-    runner.model = _Identity()
 
     def decode(seqs: list[Sequence], token: int) -> list[int]:
         for i, seq in enumerate(seqs):

@@ -214,3 +214,12 @@ def test_add_request_and_step_give_what_generate_gives() -> None:
     # The second round hits the first round's blocks, and nothing is left behind.
     assert [outputs[i]["num_cached_tokens"] for i in seq_ids] == [4, 8, 0]
     assert llm._first_cached == {}
+    assert llm.step() == ([], 0)  # an idle engine runs no forward pass
+
+
+def test_cuda_graph_batch_sizes_cover_every_batch() -> None:
+    from myvllm.engine.model_runner import cuda_graph_batch_sizes
+
+    assert cuda_graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert cuda_graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert cuda_graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]

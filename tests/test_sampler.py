@@ -19,8 +19,8 @@ def test_greedy_is_argmax() -> None:
     out = sampler(logits, _rows(6, 0.0), all_greedy=True)
     assert out.dtype == torch.int64
     assert torch.equal(out, logits.argmax(-1))
-    # Without the host hint, and with filters present, greedy rows are still exact.
-    out = sampler(logits, _rows(6, 0.0), torch.full((6,), 5), _rows(6, 0.5))
+    # Through the sampling path (all_greedy=False, filters present) greedy rows stay exact.
+    out = sampler(logits, _rows(6, 0.0), torch.full((6,), 5), _rows(6, 0.5), all_greedy=False)
     assert torch.equal(out, logits.argmax(-1))
 
 

@@ -210,7 +210,7 @@ def test_whole_model_loads_per_rank_and_reassembles(as_rank, kind: str) -> None:
     q_size = config.num_attention_heads * config.head_dim // TP
     kv_size = config.num_key_value_heads * config.head_dim // TP
     inter = config.intermediate_size // TP
-    checked = 0
+    covered: set[str] = set()  # model parameters some checkpoint tensor was checked against
     for name, full in iter_checkpoint_tensors(path):
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
@@ -218,23 +218,28 @@ def test_whole_model_loads_per_rank_and_reassembles(as_rank, kind: str) -> None:
             start = {"q_proj": 0, "k_proj": q_size, "v_proj": q_size + kv_size}[proj]
             size = q_size if proj == "q_proj" else kv_size
             got = torch.cat([r[f"{parent}.qkv_proj.{leaf}"][start : start + size] for r in ranks])
+            covered.add(f"{parent}.qkv_proj.{leaf}")
         elif proj in ("gate_proj", "up_proj"):
             start = 0 if proj == "gate_proj" else inter
             got = torch.cat(
                 [r[f"{parent}.gate_up_proj.{leaf}"][start : start + inter] for r in ranks]
             )
+            covered.add(f"{parent}.gate_up_proj.{leaf}")
         elif layers.get(module_name) is RowParallelLinear and leaf == "weight":
             got = torch.cat([r[name] for r in ranks], dim=1)
+            covered.add(name)
         elif layers.get(module_name) in (
             ColumnParallelLinear,
             VocabParallelEmbedding,
             ParallelLMHead,
         ):
             got = torch.cat([r[name] for r in ranks], dim=0)
+            covered.add(name)
         else:  # replicated: norms, row-parallel bias
             for r in ranks:
                 torch.testing.assert_close(r[name], full, atol=0, rtol=0, msg=name)
             got = full
+            covered.add(name)
         torch.testing.assert_close(got, full, atol=0, rtol=0, msg=name)
-        checked += 1
-    assert checked == len(list(iter_checkpoint_tensors(path)))
+    # Every parameter of the model was checked against the checkpoint.
+    assert covered == set(ranks[0])

@@ -61,7 +61,7 @@ class Config:
 
     num_kvcache_blocks: int = -1
     """Blocks in the KV cache; -1 = as many as fit in gpu_memory_utilization after the model
-    and a warm-up. The runner writes the number it chose back here before the scheduler starts."""
+    and a warm-up. The engine keeps your Config as given; llm.config holds the number chosen."""
 
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU memory the engine may use in total (weights + activations + KV cache)
@@ -75,7 +75,7 @@ class Config:
     always eager."""
 
     dtype: str = "auto"
-    """Weight/activation dtype: "auto" (the checkpoint's, float32 on CPU), "float16", "bfloat16"
+    """Weight/activation dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float16", "bfloat16"
     or "float32"."""
 
     device: str = "auto"

@@ -37,8 +37,10 @@ def run_demo(default_model: str, argv: list[str] | None = None) -> None:
     model: str | None = args.model
     try:
         resolve_model_path(model)
-    except ModelNotFoundError:
-        print(f"{model} is not in the local cache and the hub cannot be reached: "
+    except ModelNotFoundError as e:
+        # One line, with the hub's own reason (offline, gated repo, unknown id ...).
+        reason = str(e.__cause__ or e).strip().splitlines()[0][:160]
+        print(f"{model} is not in the local cache and could not be fetched ({reason}): "
               "running the bundled SmolLM2-135M-Instruct instead.")
         model = None
 

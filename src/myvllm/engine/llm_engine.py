@@ -57,12 +57,16 @@ def _tokenizer_if_any(model_path: str) -> Any:
     return None
 
 
-def _shutdown(pool: WorkerPool | None, owns_process_group: bool) -> None:
-    """Release workers and the process group; safe to call twice (finalize + exit)."""
+def _shutdown(pool: WorkerPool | None, owns_process_group: bool,
+              torch_threads: int | None) -> None:
+    """Release workers and the process group, restore the thread count; safe to call twice
+    (weakref.finalize runs it at most once)."""
     if pool is not None:
         pool.shutdown()
     if owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
 
 
 class LLMEngine:
@@ -88,9 +92,11 @@ class LLMEngine:
             logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
         self._pool: WorkerPool | None = None
         owns_group = config.tensor_parallel_size > 1
+        torch_threads = None  # the caller's thread count, restored at shutdown if we change it
         if owns_group and not use_cuda:
             # N ranks share this machine's cores: give rank 0 its share, as the workers do,
             # or OpenMP threads of different ranks stall each other at every barrier.
+            torch_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         try:
             if owns_group:
@@ -103,7 +109,7 @@ class LLMEngine:
                 self._pool.wait_for("ready")
             num_blocks = self._call("initialize_cache")
         except BaseException:
-            _shutdown(self._pool, owns_group)
+            _shutdown(self._pool, owns_group, torch_threads)
             raise
         self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks)
         self.scheduler = Scheduler(self.config)
@@ -111,7 +117,8 @@ class LLMEngine:
         # recomputed later and may then hit its own freed blocks: that is not a prompt hit).
         self._first_cached: dict[int, int] = {}
         # Runs on exit(), on garbage collection, and at interpreter exit, whichever is first.
-        self._finalizer = weakref.finalize(self, _shutdown, self._pool, owns_group)
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, owns_group,
+                                           torch_threads)
 
     @staticmethod
     def _check_tensor_parallel(config: Config, hf_config: Any) -> None:
@@ -183,6 +190,8 @@ class LLMEngine:
         decode step (one per sequence), so callers can tell them apart.
         """
         seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:  # nothing queued: no forward pass
+            return [], 0
         for seq in seqs:
             self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
         token_ids = self._call("run", seqs, is_prefill)

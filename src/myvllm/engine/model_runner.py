@@ -71,7 +71,7 @@ def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:
     """[1, 2, 4, 8] + range(16, max+1, 16), capped at max_num_sequences (SPEC D1)."""
     sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_num_sequences]
     sizes += list(range(16, max_num_sequences + 1, 16))
-    if max_num_sequences not in sizes and max_num_sequences > 8:
+    if max_num_sequences not in sizes:
         sizes.append(max_num_sequences)  # so every batch up to the maximum has a graph
     return sizes
 
@@ -148,22 +148,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
-        """Run the largest prefill the scheduler may send, so the peak memory is measured.
+        """Run the largest step the scheduler may send, so the peak memory is measured.
 
-        One name, max_num_batched_tokens, bounds both the scheduler's prefill batches and
-        this warm-up (the original read a misspelled second key here).
+        That is a prefill of max_num_batched_tokens tokens (whole max_model_length sequences
+        plus a remainder), then the sampler on max_num_sequences rows of logits with top-p
+        (its sort makes several vocabulary-sized copies). One name, max_num_batched_tokens,
+        bounds both the scheduler's prefill batches and this warm-up (the original read a
+        misspelled second key here).
         """
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        max_len = self.config.max_model_length
-        num_seqs = max(1, min(self.config.max_num_batched_tokens // max_len,
-                              self.config.max_num_sequences))
-        seqs = [Sequence([0] * max_len, self.block_size) for _ in range(num_seqs)]
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        config = self.config
+        max_len = config.max_model_length
+        budget = min(config.max_num_batched_tokens, max_len * config.max_num_sequences)
+        lengths = [max_len] * (budget // max_len)
+        if budget % max_len:
+            lengths.append(budget % max_len)
+        seqs = [Sequence([0] * n, self.block_size) for n in lengths]
         # No KV cache exists yet: prefill attends over the fresh K/V and writes nothing.
         self.run_prefill_without_cache(seqs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        rows = config.max_num_sequences
+        logits = torch.zeros(rows, self.hf_config.vocab_size, device=self.device)
+        ones = torch.ones(rows, device=self.device)
+        self.sampler(logits, ones, top_ps=ones * 0.9, all_greedy=False)
+        del logits, ones
+        torch.cuda.synchronize()
+        # Give the freed activations back, or they would count twice when the KV cache is
+        # sized: once as memory in use, once as the peak to leave room for.
+        torch.cuda.empty_cache()
 
     def run_prefill_without_cache(self, seqs: list[Sequence]) -> None:
         step = self.prepare_prefill(seqs)
@@ -358,12 +370,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def run_model(self, step: StepInputs, is_prefill: bool) -> torch.Tensor | None:
-        batch_size = step.input_ids.size(0)
-        if is_prefill or self.enforce_eager or batch_size not in self.graphs:
+    def run_model(self, step: StepInputs, is_prefill: bool, num_seqs: int) -> torch.Tensor | None:
+        """Forward pass -> logits of the num_seqs real sequences (rank 0; None elsewhere).
+
+        Prefill: the LM head keeps each sequence's last token. Decode: eager, or the replay
+        of the graph captured for this (padded) batch size; padding rows are dropped before
+        the LM head.
+        """
+        if is_prefill:
+            return self.model.compute_logits(self.model(step.input_ids, step.positions))
+        padded_size = step.input_ids.size(0)
+        if self.enforce_eager or padded_size not in self.graphs:
             hidden = self.model(step.input_ids, step.positions)
-            return self.model.compute_logits(hidden)
-        return self.replay_cudagraph(step, batch_size)
+        else:
+            hidden = self.replay_cudagraph(step, padded_size)
+        return self.model.compute_logits(hidden[:num_seqs])
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
@@ -371,12 +392,12 @@ class ModelRunner:
         step = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
         sample_args = self.prepare_sample(seqs) if self.rank == 0 else None
         with forward_context(**step.context):
-            logits = self.run_model(step, is_prefill)
+            logits = self.run_model(step, is_prefill, len(seqs))
         if self.rank != 0:
             return None
         assert logits is not None and sample_args is not None
-        logits = logits[: len(seqs)]  # drop decode padding rows
-        return self.sampler(logits.float(), **sample_args).tolist()
+        # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
+        return self.sampler(logits, **sample_args).tolist()
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -423,8 +444,9 @@ class ModelRunner:
             torch.cuda.synchronize()
         self.graph_vars = graph_vars
 
-    def replay_cudagraph(self, step: StepInputs, batch_size: int) -> torch.Tensor | None:
-        """Copy the (already padded) step into the graph's static buffers and replay it.
+    def replay_cudagraph(self, step: StepInputs, batch_size: int) -> torch.Tensor:
+        """Copy the (already padded) step into the graph's static buffers, replay, return the
+        hidden states of all batch_size rows.
 
         prepare_decode padded the batch to this graph's size: rows past the real sequences
         carry slot -1, so store_kvcache writes nothing for them (stale buffer contents
@@ -438,4 +460,4 @@ class ModelRunner:
         graph_vars["context_lens"][:batch_size] = context["context_lens"]
         graph_vars["block_tables"][:batch_size] = context["block_tables"]
         self.graphs[batch_size].replay()
-        return self.model.compute_logits(graph_vars["outputs"][:batch_size])
+        return graph_vars["outputs"][:batch_size]

@@ -55,18 +55,12 @@ def _llama3_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor) -> None:
+    def __init__(self, head_dim: int, max_position: int, cos_sin_cache: torch.Tensor) -> None:
         super().__init__()
-        if head_dim % 2 != 0:
-            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
         self.max_position = max_position
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.to(positions.device))  # [max_position, D/2]
-        # One table [max_position, D]: cos in the first half, sin in the second.
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         # Not persistent: it is derived from the config, not a checkpoint tensor.
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         # The rotation runs in float32 whatever the model dtype; model.to(torch.bfloat16) must
@@ -103,10 +97,14 @@ def _rope_type(rope_scaling: dict | None) -> str:
     return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
 
 
-@lru_cache(maxsize=None)
-def _cached_rope(
+@lru_cache(maxsize=8)
+def _cos_sin_table(
     head_dim: int, max_position: int, base: float, scaling_items: tuple, device: str
-) -> RotaryEmbedding:
+) -> torch.Tensor:
+    """[max_position, head_dim] float32: cos of every (position, frequency) in the first half,
+    sin in the second. Cached, so every layer's RotaryEmbedding holds the same tensor."""
+    if head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     scaling = dict(scaling_items) if scaling_items else None
     rope_type = _rope_type(scaling)
     if rope_type == "default":
@@ -117,7 +115,9 @@ def _cached_rope(
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
         )
-    return RotaryEmbedding(head_dim, max_position, inv_freq)
+    positions = torch.arange(max_position, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq.to(device))  # [max_position, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 def _freeze(value: object) -> object:
@@ -131,19 +131,19 @@ def _freeze(value: object) -> object:
 def get_rope(
     head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
 ) -> RotaryEmbedding:
-    """The RoPE module for these settings.
+    """A RoPE module for these settings.
 
-    All layers of a model share ONE module (and one cos/sin table: 40960 x 128 floats is 20 MB,
-    per layer it would be 560 MB for Qwen3-0.6B). It is cached per default device, because the
-    table is created on ``torch.get_default_device()``.
+    Every layer gets its own small module, but all of them hold the SAME cos/sin table (40960
+    x 128 floats is 20 MB; one per layer would be 560 MB for Qwen3-0.6B). The table is cached
+    per default device, where it is created. Sharing the tensor rather than the module means
+    moving one model (model.to(...)) gives that model's modules a new tensor and leaves the
+    cached table, and every other model, alone.
     """
     scaling_items = (
         tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())) if rope_scaling else ()
     )
-    return _cached_rope(
-        int(head_dim),
-        int(max_position),
-        float(base),
-        scaling_items,
+    table = _cos_sin_table(
+        int(head_dim), int(max_position), float(base), scaling_items,
         str(torch.get_default_device()),
-    )
+    )  # fmt: skip
+    return RotaryEmbedding(int(head_dim), int(max_position), table)

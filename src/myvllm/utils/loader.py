@@ -115,11 +115,12 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
 
 def _from_hub(repo_id: str) -> str:
     from huggingface_hub import snapshot_download  # late import: only hub ids need it
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         return snapshot_download(repo_id, local_files_only=True, allow_patterns=HUB_ALLOW_PATTERNS)
-    except (OSError, ValueError):
-        pass  # not cached (or invalid id): the download attempt below reports the real problem
+    except LocalEntryNotFoundError:
+        pass  # not in the local cache: try the hub; other errors (permissions...) propagate
     try:
         return snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS)
     except (OSError, ValueError) as e:
