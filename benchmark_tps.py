@@ -18,6 +18,9 @@ HF transformers runs a subset (--hf-num-seqs, default 64) in static batches: it 
 continuous batching, so a batch runs until its longest request is done. Its tok/s counts
 only the tokens that were asked for, like myvllm's.
 
+When the vllm package is importable (it is not a dependency), the same workload also runs
+on vLLM after the other two.
+
 --quick: a tiny random Qwen3 on the CPU, a handful of short sequences (CI smoke test).
 
 --bundled: the CPU target of SPEC 8: the bundled SmolLM2-135M-Instruct (real weights, GGUF),
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import random
 import sys
@@ -276,12 +280,35 @@ def main() -> None:
             if correct:
                 print(f"ratio:        {ours_tps / hf_tps:.1f}x")
         results["hf_tok_s"] = hf_tps
+        if device == "cuda" and importlib.util.find_spec("vllm") is not None:
+            results["vllm_tok_s"] = run_vllm(path, prompts, max_tokens,
+                                             args.max_input_len + args.max_output_len)
 
 
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if not args.quick:
         plot(results, Path(args.plot))
+
+
+def run_vllm(path: Path, prompts: list[list[int]], max_tokens: list[int],
+             max_model_len: int) -> float:
+    """The same workload on vLLM, only when it is installed (it is not a dependency)."""
+    gc.collect()  # vLLM sizes its cache from free memory: release what we can first
+    torch.cuda.empty_cache()
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmSamplingParams
+
+    llm = VllmLLM(str(path), max_model_len=max_model_len, gpu_memory_utilization=0.6)
+    params = [VllmSamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+              for n in max_tokens]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.generate(inputs, params, use_tqdm=False)
+    tps = sum(max_tokens) / (time.perf_counter() - start)
+    print(f"vLLM:         {tps:,.0f} output tok/s ({len(prompts)} sequences)")
+    return tps
 
 
 def profile_decode(llm, prompts, params, steps: int, device: str) -> None:
@@ -318,12 +345,13 @@ def plot(results: dict[str, object], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names, values = [], []
-    for name, key in (("myvllm", "myvllm_tok_s"), ("HF transformers", "hf_tok_s")):
+    for name, key in (("myvllm", "myvllm_tok_s"), ("HF transformers", "hf_tok_s"),
+                      ("vLLM", "vllm_tok_s")):
         if isinstance(results.get(key), float):
             names.append(name)
             values.append(results[key])
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(names, values, color=["tab:blue", "tab:gray"][: len(names)])
+    ax.bar(names, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(names)])
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"Qwen3-0.6B shapes, {results['device']}")
     for i, v in enumerate(values):
