@@ -248,3 +248,23 @@ def test_worker_dying_at_start_up_is_reported(path: str, tmp_path: Path,
     with pytest.raises(RuntimeError, match=r"worker rank 1 exited with code 3 during start-up"):
         LLM(path, tensor_parallel_size=2, **ENGINE_KW)
     assert_all_gone([])
+
+
+def test_a_worker_error_inside_a_step_is_reported_with_its_traceback() -> None:
+    """Rank 1 fails inside run() (it gets a garbage batch); rank 0's collective then fails
+    and the engine raises the worker's own error, and no worker is left running."""
+    llm = LLM(str(tiny_checkpoint("qwen3")), tensor_parallel_size=2, max_model_length=64,
+              max_num_batched_tokens=128)
+    pool = llm._pool
+    original_send = pool.send
+
+    def send_garbage_to_workers(method, *args):
+        if method == "run":
+            return original_send("run", "not a batch", *args[1:])
+        return original_send(method, *args)
+
+    pool.send = send_garbage_to_workers
+    with pytest.raises(RuntimeError, match=r"worker failed in run\(\), rank 1") as info:
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert "AttributeError" in str(info.value)
+    assert multiprocessing.active_children() == []

@@ -141,7 +141,15 @@ class LLMEngine:
             if self._pool.closed:
                 raise RuntimeError("This engine was shut down (exit() or an earlier failure).")
             self._pool.send(method, *args)
-        return getattr(self.model_runner, method)(*args)
+        try:
+            return getattr(self.model_runner, method)(*args)
+        except Exception as e:
+            # Rank 0's collective failed because a worker did: report the worker's error.
+            worker_error = self._pool.reported_error() if self._pool is not None else None
+            if worker_error is not None:
+                raise RuntimeError(f"tensor-parallel worker failed in {method}(), "
+                                   f"{worker_error}") from e
+            raise
 
     def exit(self) -> None:
         """Stop the worker processes and release the process group (idempotent)."""

@@ -169,6 +169,23 @@ class WorkerPool:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code "
                                    f"{process.exitcode}); this engine cannot continue") from e
 
+    def reported_error(self) -> str | None:
+        """The first error a worker sent since start-up (its traceback), without blocking.
+
+        A worker that fails inside a step sends its traceback, then exits; rank 0 notices
+        only when its own side of a collective fails (at once under gloo, at the collective
+        timeout under NCCL) and then asks here what really went wrong.
+        """
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                while conn.poll(0):
+                    kind, detail = conn.recv()
+                    if kind == "error":
+                        return f"rank {rank}:\n{detail}"
+            except (EOFError, OSError):
+                continue  # closed pipe and nothing left to read: that worker sent no error
+        return None
+
     def shutdown(self, wait_s: float = 5.0) -> None:
         """Ask workers to exit, wait up to wait_s, then terminate them (idempotent).
 
