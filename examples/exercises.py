@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # run without install
@@ -350,12 +349,12 @@ def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 
         print(f"{size:>10} {block_bytes:>12,} {num_blocks:>7} {num_blocks * size:>11,} "
               f"{per_seq:>10} {count:>13} {per_seq * size - seq_tokens:>16} "
               f"{second.num_cached_tokens:>10}")
-    print(f"\nanswer: 256 -> 16 multiplies the block count by 16 at the same bytes (the "
+    print("\nanswer: 256 -> 16 multiplies the block count by 16 at the same bytes (the "
           "memory budget, not the block size, fixes the KV memory), and the token capacity "
           "stays the same up to rounding")
     print(f"answer: but each sequence wastes at most block_size - 1 slots in its last block: "
           f"{fits[256]} sequences of {seq_tokens} tokens fit with 256, {fits[16]} with 16")
-    print(f"answer: the line is in ModelRunner.allocate_kv_cache: num_blocks = budget // "
+    print("answer: the line is in ModelRunner.allocate_kv_cache: num_blocks = budget // "
           "block_bytes, with block_bytes = kv_cache_block_bytes() = block_size * 2 * layers * "
           "kv_heads * head_dim * dtype size")
     print(f"answer: prefix caching shares only full blocks: a {shared_prefix}-token shared "
