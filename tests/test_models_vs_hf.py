@@ -207,3 +207,6 @@ def test_transformers4_config_json_gives_same_logits(kind: str, tmp_path: Path) 
             hidden = model(ids, torch.arange(len(ids)))
         logits.append(model.compute_logits(hidden))
     torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+    # And both equal transformers' own model of the original checkpoint.
+    expected = load_hf_reference(src)(ids[None]).logits[0]  # every position
+    torch.testing.assert_close(logits[1], expected, atol=1e-4, rtol=1e-4)

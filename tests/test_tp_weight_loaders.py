@@ -160,8 +160,10 @@ def test_lm_head_gathers_on_rank0(as_rank, monkeypatch) -> None:
         shard_logits[rank] = hidden @ heads[rank].weight.T
 
     def fake_gather(tensor, gather_list=None, dst=0):
+        # Rank 0's own slice is what it just computed; rank 1's comes from its head.
         if gather_list is not None:
-            for r in range(TP):
+            gather_list[0].copy_(tensor)
+            for r in range(1, TP):
                 gather_list[r].copy_(shard_logits[r])
 
     monkeypatch.setattr(embedding_head.dist, "gather", fake_gather)

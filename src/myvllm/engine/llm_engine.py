@@ -84,6 +84,9 @@ class LLMEngine:
         if eos is None:  # -1 when the checkpoint names no eos: stop on max_tokens only
             eos = eos_token_ids(self.model_path, hf_config, self.tokenizer) or -1
         max_len = min(config.max_model_length, hf_config.max_position_embeddings)
+        if max_len < config.max_model_length:
+            logger.info(f"max_model_length {config.max_model_length} -> {max_len}: the "
+                        "checkpoint's max_position_embeddings")
         config = dataclasses.replace(config, eos=eos, max_model_length=max_len)
         self.vocab_size: int = hf_config.vocab_size
 
@@ -200,8 +203,9 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # nothing queued: no forward pass
             return [], 0
-        for seq in seqs:
-            self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
+        if is_prefill:  # a sequence's first step is always a prefill
+            for seq in seqs:
+                self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
         token_ids = self._call("run", seqs, is_prefill)
         self.scheduler.postprocess(seqs, token_ids)
         finished = [

@@ -4,8 +4,9 @@ Both split the vocabulary (rows of the [vocab, hidden] table) over the TP ranks:
 
     rank 0: token ids [0, V/tp)     rank 1: [V/tp, 2V/tp)    ...
 
-When ``tp`` does not divide the vocabulary, each rank gets ceil(V/tp) rows and the last
-rank's tail rows are zero padding (their logits are cut off after the gather).
+When ``tp`` does not divide the vocabulary, each rank gets ceil(V/tp) rows and the rows past
+V (on the last rank, or the last few) are zero padding; their logits are cut off after the
+gather.
 
 Embedding: each rank looks up only the ids it owns, writes zeros for the others, and an
 all_reduce sums the partial rows (exactly one rank contributed a non-zero row per token).

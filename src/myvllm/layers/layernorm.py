@@ -5,8 +5,9 @@ A pre-norm decoder layer does, twice per layer:
     residual = residual + x          # the residual stream
     x        = rmsnorm(residual)     # what the next block sees
 
-Doing both in one call (``forward(x, residual)``) lets the add and the norm share one pass
-over memory; it returns both the normalised tensor and the new residual stream.
+Doing both in one call (``forward(x, residual)``) keeps that bookkeeping out of the decoder
+layers; it returns both the normalised tensor and the new residual stream. (Here it is still a
+handful of PyTorch ops; a fused kernel would make it one pass over memory.)
 
 Numerics follow HF transformers: the sum is rounded to the model dtype (that rounded value
 IS the residual stream), the norm is computed in float32, cast back, then scaled by the
