@@ -43,7 +43,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter if no GPU)")
     p.add_argument("--cases", type=str, nargs="+", default=None,
-                   help="BATCHxCONTEXT pairs (default 1x4096 1x32768 8x4096 64x4096 256x1024)")
+                   help="BATCHxCONTEXT pairs (default 1x4096 1x32768 8x4096 64x4096 256x1024); "
+                        "BATCHxLO-HI draws each context uniformly from LO..HI (seeded), as in "
+                        "the end-to-end workload")
     p.add_argument("--block-sizes", type=int, nargs="+", default=None,
                    help="KV cache block sizes (default 16 256; myvllm's Config default is 16)")
     p.add_argument("--num-heads", type=int, default=None, help="query heads (default 16)")
@@ -132,9 +134,22 @@ def naive_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def make_case(batch: int, ctx: int, block_size: int, hq: int, hkv: int, d: int,
+def parse_case(case: str) -> tuple[int, list[int]]:
+    """'64x4096' -> (64, [4096] * 64); '256x100-1024' -> (256, 256 seeded lengths in 100..1024)."""
+    batch_text, ctx_text = case.lower().split("x")
+    batch = int(batch_text)
+    if "-" not in ctx_text:
+        return batch, [int(ctx_text)] * batch
+    lo, hi = (int(v) for v in ctx_text.split("-"))
+    gen = torch.Generator().manual_seed(batch * 7919 + hi)
+    return batch, torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+
+
+def make_case(batch: int, lens: list[int], block_size: int, hq: int, hkv: int, d: int,
               dtype: torch.dtype, device: torch.device) -> dict:  # fmt: skip
-    """A paged cache whose blocks are handed out in shuffled order (as after many steps)."""
+    """A paged cache whose blocks are handed out in shuffled order (as after many steps);
+    every block table is as wide as the longest context."""
+    ctx = max(lens)
     gen = torch.Generator(device="cpu").manual_seed(batch * 100003 + ctx + block_size)
     per_seq = math.ceil(ctx / block_size)
     num_blocks = batch * per_seq
@@ -144,8 +159,13 @@ def make_case(batch: int, ctx: int, block_size: int, hq: int, hkv: int, d: int,
     order = torch.randperm(num_blocks, generator=gen)
     tables = order.view(batch, per_seq).to(device=device, dtype=torch.int32)
     q = torch.randn(batch, hq, d, generator=gen).to(device=device, dtype=dtype)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, lens=lens)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, lens=lens_t)
+
+
+def bytes_moved(lens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype) -> int:
+    """K and V actually read (each sequence's own context), plus q in and o out."""
+    return (2 * sum(lens) * hkv * d + 2 * len(lens) * hq * d) * dtype.itemsize
 
 
 def main() -> None:
@@ -190,19 +210,20 @@ def main() -> None:
     print("# max_err vs a float32 reference; a NO row is not timed")
     if not gpu:
         print("# CPU interpreter: the ms column measures Python, not a GPU")
-    print(f"{'batch':>5} {'ctx':>6} {'blk':>4}  {'impl':<20} {'correct':<7} {'max_err':>9} "
+    print(f"{'batch':>5} {'ctx':>9} {'blk':>4}  {'impl':<20} {'correct':<7} {'max_err':>9} "
           f"{'ms':>9} {'GB/s':>8} {'%copy':>6}  timed")
 
     all_ok = True
     for case in cases:
-        batch, ctx = (int(x) for x in case.lower().split("x"))
+        batch, lens = parse_case(case)
+        ctx = case.lower().split("x")[1]  # for the table: "4096" or "100-1024"
         for block_size in block_sizes:
-            c = make_case(batch, ctx, block_size, hq, hkv, d, dtype, device)
+            c = make_case(batch, lens, block_size, hq, hkv, d, dtype, device)
             args_ = (c["q"], c["k_cache"], c["v_cache"], c["tables"], c["lens"], scale)
             ref = paged_attention_decode_ref(c["q"].float(), c["k_cache"].float(),
                                              c["v_cache"].float(), *args_[3:])  # fmt: skip
-            host_lens = [ctx] * batch
-            nbytes = (2 * batch * ctx * hkv * d + 2 * batch * hq * d) * dtype.itemsize
+            host_lens = lens
+            nbytes = bytes_moved(lens, hq, hkv, d, dtype)
             splits = choose_num_splits(batch, hkv, c["tables"].shape[1] * block_size,
                                        num_sms(0) if gpu else 4)  # fmt: skip
             impls = [
@@ -218,7 +239,7 @@ def main() -> None:
                 out = fn()
                 err = (out.float() - ref).abs().max().item()
                 ok = bool(err <= TOL[dtype]) and not math.isnan(err)
-                head = f"{batch:>5} {ctx:>6} {block_size:>4}  {label:<20}"
+                head = f"{batch:>5} {ctx:>9} {block_size:>4}  {label:<20}"
                 if not ok:
                     all_ok = False
                     print(f"{head} {'NO':<7} {err:>9.2e}  (wrong: not timed)")
@@ -233,16 +254,16 @@ def main() -> None:
 
     if args.sweep and gpu:
         for case in cases:
-            batch, ctx = (int(x) for x in case.lower().split("x"))
+            batch, lens = parse_case(case)
             for block_size in block_sizes:
-                sweep(batch, ctx, block_size, hq, hkv, d, dtype, device, copy_gbs, DecodeConfig,
+                sweep(batch, lens, block_size, hq, hkv, d, dtype, device, copy_gbs, DecodeConfig,
                       paged_attention_decode_triton, make_case,
-                      choose_num_splits(batch, hkv, ctx, num_sms(0)))  # fmt: skip
+                      choose_num_splits(batch, hkv, max(lens), num_sms(0)))  # fmt: skip
     if not all_ok:
         raise SystemExit("some implementation is wrong (NO above)")
 
 
-def sweep(batch, ctx, block_size, hq, hkv, d, dtype, device, copy_gbs, config_cls, kernel,
+def sweep(batch, lens, block_size, hq, hkv, d, dtype, device, copy_gbs, config_cls, kernel,
           make, auto_splits) -> None:  # fmt: skip
     """Time our kernel over BLOCK_N x warps x stages x num_splits at one shape."""
     import itertools
@@ -250,8 +271,9 @@ def sweep(batch, ctx, block_size, hq, hkv, d, dtype, device, copy_gbs, config_cl
     split_choices = [1, 2, 4] if auto_splits == 1 else [auto_splits // 2, auto_splits,
                                                          auto_splits * 2]  # fmt: skip
 
-    c = make(batch, ctx, block_size, hq, hkv, d, dtype, device)
-    nbytes = (2 * batch * ctx * hkv * d + 2 * batch * hq * d) * dtype.itemsize
+    c = make(batch, lens, block_size, hq, hkv, d, dtype, device)
+    nbytes = bytes_moved(lens, hq, hkv, d, dtype)
+    ctx = f"{min(lens)}-{max(lens)}" if min(lens) != max(lens) else str(lens[0])
     print(f"# sweep {batch}x{ctx} block_size {block_size} (auto splits {auto_splits}): "
           f"block_n warps stages splits -> ms GB/s %copy")
     for bn, warps, stages, splits in itertools.product([32, 64, 128], [4, 8], [2, 3, 4],

@@ -322,6 +322,15 @@ def profile_decode(llm, prompts, params, steps: int, device: str) -> None:
     batch = len(llm.scheduler.running)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     llm.step()  # one decode step outside the profile
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    sync()
+    plain = (time.perf_counter() - start) / steps
+    print(f"decode steps at batch {len(llm.scheduler.running)}, no profiler: "
+          f"{plain * 1e3:.2f} ms per step")
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(steps):
@@ -330,7 +339,7 @@ def profile_decode(llm, prompts, params, steps: int, device: str) -> None:
     print(f"profile: {steps} decode steps at batch {batch}, {elapsed * 1e3:.2f} ms per step "
           "(with profiler overhead)")
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=20))
+    print(prof.key_averages().table(sort_by=sort, row_limit=40))
     while not llm.is_finished():  # finish the requests so the engine is clean again
         llm.step()
 

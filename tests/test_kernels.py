@@ -1,4 +1,5 @@
-"""The three Triton kernels against their PyTorch references, and the references against
+"""The Triton kernels (three attention kernels, three per-token layer ops) against their
+PyTorch references, and the references against
 deliberately dumb loop implementations (so the oracle itself is checked).
 
 On a machine without a GPU the Triton kernels run in Triton's CPU interpreter
@@ -65,6 +66,7 @@ KERNEL_MODULES = [
     "myvllm.kernels.prefill_attention",
     "myvllm.kernels.decode_attention",
     "myvllm.kernels.baselines",
+    "myvllm.kernels.layer_ops_triton",
 ]
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -397,3 +399,111 @@ def test_gqa_head_counts_must_divide(device) -> None:
     cu = cu_seqlens([4], device)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         triton_mod("prefill_attention").flash_attention_varlen_triton(q, k, k, cu, cu, 4, 4, 1.0)
+
+
+# ---------------------------------------------------------------- per-token layer ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 100), (3, 1024)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_triton(device, dtype, rows, hidden, with_residual) -> None:
+    torch.manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden) * 3).to(device=device, dtype=dtype)
+    residual = torch.randn(rows, hidden).to(device=device, dtype=dtype) if with_residual else None
+    weight = (1 + torch.randn(hidden) * 0.1).to(device=device, dtype=dtype)
+    got = triton_mod("layer_ops_triton").rms_norm_triton(x, weight, 1e-6, residual)
+    want = kernels.rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        # The new residual stream is the sum rounded once: bit-identical.
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, want, dtype)
+
+
+def test_rms_norm_ref_matches_the_formula() -> None:
+    x = torch.randn(4, 32, dtype=torch.float64)
+    weight = torch.rand(32, dtype=torch.float64)
+    rms = (x.pow(2).sum(-1, keepdim=True) / 32 + 1e-5).sqrt()
+    torch.testing.assert_close(kernels.rms_norm_ref(x, weight, 1e-5), x / rms * weight)
+
+
+def _cos_sin_table(max_position: int, head_dim: int, device) -> torch.Tensor:
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_triton(device, dtype, head_dim, with_norm) -> None:
+    torch.manual_seed(head_dim)
+    num_tokens, num_heads = 7, 3
+    # x is a strided view into a wider qkv-like row, as q and k are in the models.
+    qkv = torch.randn(num_tokens, (num_heads + 2) * head_dim).to(device=device, dtype=dtype)
+    x = qkv[:, head_dim: head_dim + num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 50, 51, 300, 511], device=device)
+    table = _cos_sin_table(512, head_dim, device)
+    weight = (1 + torch.randn(head_dim) * 0.1).to(device=device, dtype=dtype) if with_norm else None
+    got = triton_mod("layer_ops_triton").norm_rope_triton(x, positions, table, weight, 1e-6)
+    want = kernels.norm_rope_ref(x, positions, table, weight, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous()
+    assert_close(got, want, dtype)
+
+
+def test_norm_rope_ref_rotates_each_pair_by_its_angle() -> None:
+    head_dim, position = 8, 3
+    x = torch.randn(1, 1, head_dim, dtype=torch.float64)
+    table = _cos_sin_table(4, head_dim, "cpu").double()
+    out = kernels.norm_rope_ref(x, torch.tensor([position]), table)[0, 0]
+    for i in range(head_dim // 2):  # pair (x[i], x[i + D/2]) is rotated like a 2-D vector
+        angle = position / 10000 ** (2 * i / head_dim)
+        a, b = x[0, 0, i], x[0, 0, i + head_dim // 2]
+        assert torch.isclose(out[i], a * math.cos(angle) - b * math.sin(angle))
+        assert torch.isclose(out[i + head_dim // 2], b * math.cos(angle) + a * math.sin(angle))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 64), (3, 1500)])
+def test_silu_and_mul_triton(device, dtype, rows, inter) -> None:
+    torch.manual_seed(inter)
+    x = (torch.randn(rows, 2 * inter) * 4).to(device=device, dtype=dtype)
+    got = triton_mod("layer_ops_triton").silu_and_mul_triton(x)
+    want = kernels.silu_and_mul_ref(x)
+    assert got.shape == (rows, inter)
+    assert_close(got, want, dtype)
+    gate, up = x.double().chunk(2, dim=-1)
+    torch.testing.assert_close(want.double(), gate * torch.sigmoid(gate) * up,
+                               rtol=1e-2, atol=TOL[dtype])  # fmt: skip
+
+
+def test_layer_ops_dispatch_to_triton_when_forced(device, monkeypatch) -> None:
+    """The layer modules go through the dispatch, so MYVLLM_FORCE_TRITON reaches them."""
+    from myvllm.layers.activation import SiluAndMul
+    from myvllm.layers.layernorm import RMSNorm
+    from myvllm.layers.rotary_embedding import get_rope
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 64, device=device)
+    norm = RMSNorm(64).to(device)
+    rope = get_rope(32, 64, 10000.0).to(device)
+    q, k = torch.randn(3, 2 * 32, device=device), torch.randn(3, 32, device=device)
+    positions = torch.tensor([0, 5, 9], device=device)
+    q_norm = RMSNorm(32).to(device)
+
+    def run_all() -> list[torch.Tensor]:
+        return [norm(x), *norm(x, x), SiluAndMul()(x), *rope(positions, q, k, q_norm, q_norm)]
+
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
+    ref_out = run_all()
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
+    calls = []
+    mod = triton_mod("layer_ops_triton")
+    for name in ("rms_norm_triton", "norm_rope_triton", "silu_and_mul_triton"):
+        original = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    tri_out = run_all()
+    assert sorted(set(calls)) == ["norm_rope_triton", "rms_norm_triton", "silu_and_mul_triton"]
+    for a, b in zip(tri_out, ref_out):
+        assert a.shape == b.shape
+        assert_close(a, b, torch.float32)

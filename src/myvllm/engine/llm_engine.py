@@ -32,7 +32,8 @@ from myvllm.config import Config
 from myvllm.engine.model_runner import ModelRunner, resolve_device
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.tp_workers import WorkerPool, init_distributed, pick_init_method
+from myvllm.engine.tp_workers import (WorkerPool, init_distributed, pick_init_method,
+                                      release_process_group)
 from myvllm.models import get_model_class
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
@@ -57,14 +58,26 @@ def _tokenizer_if_any(model_path: str) -> Any:
     return None
 
 
-def _shutdown(pool: WorkerPool | None, owns_process_group: bool,
-              torch_threads: int | None) -> None:
+def _shutdown(pool: WorkerPool | None, owns_process_group: bool, torch_threads: int | None,
+              runner: ModelRunner | None = None, graceful: bool = True) -> None:
     """Release workers and the process group, restore the thread count; safe to call twice
-    (weakref.finalize runs it at most once)."""
+    (weakref.finalize runs it at most once).
+
+    graceful=False after an error: a worker may be stuck in a collective, so the workers are
+    stopped first and the group is aborted rather than torn down together.
+    """
+    graceful = graceful and (pool is None or pool.all_alive())
+    if pool is not None:
+        if graceful:
+            pool.request_exit()  # the workers destroy their side while we destroy ours
+        else:
+            pool.shutdown(wait_s=0)
+    if owns_process_group and dist.is_initialized():
+        if runner is not None:
+            runner.release_cuda_graphs()  # before the group: see release_cuda_graphs
+        release_process_group(graceful)
     if pool is not None:
         pool.shutdown()
-    if owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
 
@@ -112,7 +125,8 @@ class LLMEngine:
                 self._pool.wait_for("ready")
             num_blocks = self._call("initialize_cache")
         except BaseException:
-            _shutdown(self._pool, owns_group, torch_threads)
+            _shutdown(self._pool, owns_group, torch_threads, getattr(self, "model_runner", None),
+                      graceful=False)
             raise
         self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks)
         self.scheduler = Scheduler(self.config)
@@ -120,8 +134,11 @@ class LLMEngine:
         # recomputed later and may then hit its own freed blocks: that is not a prompt hit).
         self._first_cached: dict[int, int] = {}
         # Runs on exit(), on garbage collection, and at interpreter exit, whichever is first.
+        # The runner is passed only with tensor parallelism, where its graphs must go before
+        # the process group; otherwise the finalizer would keep its GPU memory alive.
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, owns_group,
-                                           torch_threads)
+                                           torch_threads,
+                                           self.model_runner if owns_group else None)
 
     @staticmethod
     def _check_tensor_parallel(config: Config, hf_config: Any) -> None:

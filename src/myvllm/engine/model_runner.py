@@ -444,6 +444,18 @@ class ModelRunner:
             torch.cuda.synchronize()
         self.graph_vars = graph_vars
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs (decode falls back to eager).
+
+        Called before the process group is destroyed: a graph that captured NCCL
+        collectives keeps the communicator in use, and destroying the group then hangs
+        (pytorch issue 115388; seen with tensor_parallel_size 2 on two H200s).
+        """
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            self.graphs.clear()
+            self.graph_vars = {}
+
     def replay_cudagraph(self, step: StepInputs, batch_size: int) -> torch.Tensor:
         """Copy the (already padded) step into the graph's static buffers, replay, return the
         hidden states of all batch_size rows.

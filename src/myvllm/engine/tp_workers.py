@@ -9,7 +9,8 @@
                                                collectives (all_reduce MIN of the block count)
     call("run", seqs, is_prefill) -- pipe -->  run(seqs, is_prefill): every rank computes its
                                                shard; all_reduce / gather inside the layers
-    shutdown(): "exit" -- pipe ------------->  leave the loop, destroy the process group
+    shutdown: "exit" -- pipe --------------->  leave the loop, destroy the process group
+              destroy the process group <===>  (all ranks at once: NCCL waits for peers)
 
 Commands travel over one multiprocessing Pipe per worker rather than a torch.distributed
 broadcast: a worker waits for the next command for as long as the engine is idle, and a
@@ -108,6 +109,8 @@ def worker_main(config: Config, rank: int, init_method: str, model_path: str,
         traceback.print_exc()
         os._exit(1)
     finally:
+        if runner is not None:
+            runner.release_cuda_graphs()  # before the group: see release_cuda_graphs
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -120,6 +123,7 @@ class WorkerPool:
         self.processes: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self.closed = False
+        self.exit_requested = False
         for rank in range(1, config.tensor_parallel_size):
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(
@@ -186,6 +190,22 @@ class WorkerPool:
                 continue  # closed pipe and nothing left to read: that worker sent no error
         return None
 
+    def all_alive(self) -> bool:
+        """Every worker still running and not yet told to stop."""
+        return not self.exit_requested and all(p.is_alive() for p in self.processes)
+
+    def request_exit(self) -> None:
+        """Send "exit" to every worker without waiting (idempotent): each one leaves its
+        loop and destroys its side of the process group while rank 0 destroys its own."""
+        if self.exit_requested:
+            return
+        self.exit_requested = True
+        for conn in self.conns:
+            try:
+                conn.send(("exit", ()))
+            except (OSError, ValueError):
+                pass  # that worker is already gone; shutdown() reaps it
+
     def shutdown(self, wait_s: float = 5.0) -> None:
         """Ask workers to exit, wait up to wait_s, then terminate them (idempotent).
 
@@ -194,12 +214,8 @@ class WorkerPool:
         """
         if self.closed:
             return
+        self.request_exit()
         self.closed = True
-        for conn in self.conns:
-            try:
-                conn.send(("exit", ()))
-            except (OSError, ValueError):
-                pass  # that worker is already gone; join/terminate below handles it
         for process in self.processes:
             process.join(timeout=wait_s)
             if process.is_alive():
@@ -210,3 +226,23 @@ class WorkerPool:
                 process.join()
         for conn in self.conns:
             conn.close()
+
+
+def release_process_group(graceful: bool) -> None:
+    """Destroy this rank's side of the process group.
+
+    Graceful: every rank is doing the same at this moment (rank 0 sent "exit" first). NCCL's
+    teardown waits for its peers, so rank 0 must not wait for the workers to finish first;
+    seen on two H200s: rank 0 destroying after the workers had been reaped hung for good.
+    Not graceful (a worker died, or was stopped mid-collective): NCCL would wait for the
+    missing peer forever, so abort the communicators instead; gloo's teardown is local.
+    """
+    if graceful or dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:  # torch < 2.6: leave the group; the process exit releases it
+        logger.warning("This torch cannot abort an NCCL process group; it stays initialized "
+                       "until the process exits.")
+        return
+    abort()

@@ -1,9 +1,18 @@
-"""The three attention kernels, each as Triton (GPU) and as plain PyTorch (CPU, test oracle).
+"""Every kernel of the engine, each as Triton (GPU) and as plain PyTorch (CPU, test oracle).
+
+The three attention kernels (references in reference.py):
 
     store_kvcache            write this step's K/V into the paged cache
     flash_attention_varlen   prefill: causal attention over variable-length sequences,
                              K/V contiguous, or read from the paged cache (cached prefix)
     paged_attention_decode   decode: one query token per sequence against its paged K/V
+
+and three small per-token ops of a decoder layer, fused into one kernel each on the GPU
+(references in layer_ops_reference.py):
+
+    rms_norm                 (residual add +) RMSNorm
+    norm_rope                (per-head RMSNorm +) rotary embedding of q or k
+    silu_and_mul             silu(gate) * up
 
 Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
 (and Triton is installed), otherwise the reference from kernels/reference.py. The
@@ -24,6 +33,7 @@ from functools import lru_cache
 
 import torch
 
+from .layer_ops_reference import norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 from .reference import (
     flash_attention_varlen_ref,
     paged_attention_decode_ref,
@@ -33,8 +43,14 @@ from .reference import (
 __all__ = [
     "flash_attention_varlen",
     "flash_attention_varlen_ref",
+    "norm_rope",
+    "norm_rope_ref",
     "paged_attention_decode",
     "paged_attention_decode_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
     "store_kvcache",
     "store_kvcache_ref",
     "triton_available",
@@ -128,3 +144,41 @@ def paged_attention_decode(
             q, k_cache, v_cache, block_tables, context_lens, scale
         )
     return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis; with residual, (rmsnorm(x + residual), x + residual)."""
+    if use_triton(x):
+        from . import layer_ops_triton as triton_impl
+
+        return triton_impl.rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def norm_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """x [N, H, D] -> RoPE(per-head RMSNorm(x)) [N, H, D] (no norm when norm_weight is None).
+
+    cos_sin_cache [max_position, D] float32 (cos | sin); token i rotates by row positions[i].
+    """
+    if use_triton(x):
+        from . import layer_ops_triton as triton_impl
+
+        return triton_impl.norm_rope_triton(x, positions, cos_sin_cache, norm_weight, eps)
+    return norm_rope_ref(x, positions, cos_sin_cache, norm_weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    if use_triton(x):
+        from . import layer_ops_triton as triton_impl
+
+        return triton_impl.silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)

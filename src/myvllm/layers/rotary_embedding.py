@@ -9,6 +9,8 @@ rotated by the angle  position * inv_freq[i]:
 cos and sin for every position up to max_position are computed once, in float32, and looked
 up per token with the token's absolute position (so a sequence whose prefix came from the
 cache still rotates its new tokens at positions num_cached_tokens, num_cached_tokens+1, ...).
+The rotation itself is kernels.norm_rope: one Triton kernel on the GPU, which also applies
+Qwen3's per-head q/k RMSNorm on the way; the PyTorch reference on the CPU.
 
 Supported scaling: None/"default" (plain RoPE) and "llama3" (Llama-3.1/3.2: long wavelengths
 are stretched by ``factor``, short ones kept, the band in between smoothly interpolated).
@@ -21,6 +23,8 @@ from functools import lru_cache
 
 import torch
 from torch import nn
+
+from myvllm.kernels import norm_rope
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -71,21 +75,26 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin_cache = cache.to(device=self.cos_sin_cache.device)
         return self
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [N, D/2]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes.
+
+        q_norm/k_norm (RMSNorm over head_dim, Qwen3) are applied to each head first: on the
+        GPU the norm and the rotation of all heads are one kernel per tensor.
+        """
         n = positions.shape[0]
-        q_rot = self._rotate(q.view(n, -1, self.head_dim), cos, sin).view(q.shape)
-        k_rot = self._rotate(k.view(n, -1, self.head_dim), cos, sin).view(k.shape)
-        return q_rot, k_rot
+        rotated = []
+        for x, norm in ((q, q_norm), (k, k_norm)):
+            weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+            out = norm_rope(x.view(n, -1, self.head_dim), positions, self.cos_sin_cache, weight, eps)
+            rotated.append(out.view(x.shape))
+        return rotated[0], rotated[1]
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

@@ -11,8 +11,8 @@ One decoder layer (pre-norm; the residual add is fused into the next RMSNorm):
 
     x, residual = input_layernorm(x, residual)
     q, k, v     = split(qkv_proj(x))
-    q, k        = q_norm(q), k_norm(k)        # per head: RMSNorm over head_dim  (Qwen3 only)
-    q, k        = rope(positions, q, k)
+    q, k        = rope(positions, q_norm(q), k_norm(k))   # per-head RMSNorm (Qwen3 only),
+                                                          # then RoPE: one kernel each on GPU
     x           = o_proj(attention(q, k, v))
     x, residual = post_attention_layernorm(x, residual)
     x           = down_proj(silu(gate) * up)   # gate, up = gate_up_proj(x)
@@ -68,9 +68,10 @@ class Qwen3Attention(nn.Module):
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        # Per-head RMSNorm (Qwen3), then RoPE: one fused kernel per tensor on the GPU.
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         o = self.attn(q, k, v)
         return self.o_proj(o)
 
