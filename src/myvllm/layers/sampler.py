@@ -15,7 +15,10 @@ its tokens do not depend on which other requests share the batch.
 
 Fast paths (the caller knows these on the host, so they cost no device sync):
 ``top_ks=None`` / ``top_ps=None`` skip the sort that the filters need, and
-``all_greedy=True`` makes the whole call one argmax.
+``all_greedy=True`` makes the whole call one argmax. On the GPU, a batch with neither
+filters nor per-request seeds is sampled by one Triton kernel (kernels/sample_kernel.py:
+the same trick in log space, one pass over the logits instead of about ten). Seeded rows
+always take the PyTorch path, so their tokens never depend on which path the batch took.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from myvllm.kernels import use_triton
 
 
 class Sampler(nn.Module):
@@ -43,12 +48,21 @@ class Sampler(nn.Module):
         ``all_greedy`` is a host-side hint; when None it is computed from ``temperatures``,
         which syncs with the device.
         """
-        greedy = logits.argmax(dim=-1)
         if all_greedy is None:
             all_greedy = bool((temperatures == 0).all())
         if all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
 
+        if top_ks is None and top_ps is None and generators is None and use_triton(logits):
+            # The common GPU case (temperature only, no per-request seeds): one Triton
+            # kernel, one pass over the logits (kernels/sample_kernel.py). Its noise is keyed
+            # by one seed per row drawn here from torch's generator.
+            from myvllm.kernels.sample_kernel import gumbel_sample_triton
+
+            seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), device=logits.device)
+            return gumbel_sample_triton(logits, temperatures, seeds)
+
+        greedy = logits.argmax(dim=-1)
         logits = logits.float()
         is_greedy = temperatures == 0
         # Greedy rows are replaced by `greedy` at the end; dividing them by 1 keeps them finite.
