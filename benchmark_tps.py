@@ -249,6 +249,9 @@ def main() -> None:
         print(f"batch-1 decode: {ms_per_token:.3f} ms/token (context 128, "
               f"{'eager' if llm.model_runner.enforce_eager else 'CUDA graphs'})")
         results["batch1_ms_per_token"] = ms_per_token
+        if args.profile:
+            sp = SamplingParams(temperature=0.0, max_tokens=args.profile + 8, ignore_eos=True)
+            profile_decode(llm, [prompt], [sp], args.profile, device)
         if device == "cuda":
             results["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             print(f"peak memory: {results['peak_memory_gib']:.1f} GiB "

@@ -40,6 +40,7 @@ def runner_without_model(block_size: int) -> ModelRunner:
     runner.block_size = block_size
     runner.device = torch.device("cpu")
     runner.pin_memory = False
+    runner.block_table_staging = None  # a GPU stages block tables in pinned memory
     runner.pad_decode = False  # a GPU pads decode batches to CUDA-graph sizes; see exercises.py
     return runner
 

@@ -38,6 +38,7 @@ def runner_without_model(block_size: int) -> ModelRunner:
     runner.block_size = block_size
     runner.device = torch.device("cpu")
     runner.pin_memory = False
+    runner.block_table_staging = None  # a GPU stages block tables in pinned memory
     return runner
 
 
@@ -235,6 +236,7 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     block_size, max_bs = 4, 4
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.pin_memory = block_size, torch.device("cpu"), False
+    runner.block_table_staging = None  # a GPU stages block tables in pinned memory
     # pad_decode: what a GPU does (pad to a captured graph size); off by default on a CPU.
     runner.pad_decode, runner.decode_sizes, runner.max_blocks_per_seq = True, [1, 2, 4], 4
     bm = BlockManager(8, block_size)

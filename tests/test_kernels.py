@@ -513,10 +513,10 @@ def test_layer_ops_dispatch_to_triton_when_forced(device, monkeypatch) -> None:
 # ---------------------------------------------------------------- sampling
 def test_gumbel_sample_greedy_rows_are_exact_argmax(device) -> None:
     torch.manual_seed(0)
-    vocab = 5000  # two tiles of 4096: the argmax may sit in either
+    vocab = 5000  # three chunks of 2048: the argmax may sit in any
     logits = torch.randn(4, vocab, device=device)
-    logits[1, 4500] = 10.0  # in the second tile
-    logits[2, 7] = logits[2, 4200] = 10.0  # a tie across tiles: the lower id wins
+    logits[1, 4500] = 10.0  # in the last chunk
+    logits[2, 7] = logits[2, 4200] = 10.0  # a tie across chunks: the lower id wins
     temps = torch.tensor([0.0, 0.0, 0.0, 0.0], device=device)
     seeds = torch.arange(4, device=device)
     out = triton_mod("sample_kernel").gumbel_sample_triton(logits, temps, seeds)

@@ -123,6 +123,17 @@ class ModelRunner:
         self.decode_sizes = cuda_graph_batch_sizes(config.max_num_sequences)
         self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
         self.graph_vars: dict[str, torch.Tensor] = {}
+        # Block tables are the largest per-step input (256 x 128 ints at the bench shape).
+        # On a GPU they are staged in one pinned buffer allocated here, not pinned per
+        # step: a per-step .pin_memory() measured ~0.3 ms of host time on the H200 machine.
+        self.max_staged = config.max_num_sequences * self.max_blocks_per_seq
+        self.block_table_staging: torch.Tensor | None = None
+        self.staging_copied: torch.cuda.Event | None = None
+        if self.pin_memory:
+            self.block_table_staging = torch.empty(self.max_staged, dtype=torch.int32,
+                                                   pin_memory=True)  # fmt: skip
+            self.block_table_staging_np = self.block_table_staging.numpy()  # same memory
+            self.staging_copied = torch.cuda.Event()
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
@@ -241,17 +252,29 @@ class ModelRunner:
                              padding_rows: int = 0) -> torch.Tensor:
         """Block tables padded with -1 to a rectangle (the kernels never read past the context).
 
-        Filled row by row into a numpy array: at batch 256 with 128-block rows a nested
+        Filled row by row through a numpy view: at batch 256 with 128-block rows a nested
         Python list would cost milliseconds per decode step.
         """
         width = width or max(len(seq.block_table) for seq in seqs)
-        tables = np.full((len(seqs) + padding_rows, width), -1, dtype=np.int32)
+        rows = len(seqs) + padding_rows
+        staged = self.block_table_staging is not None and rows * width <= self.max_staged
+        if staged:
+            # The previous step's copy out of this buffer must be done before we refill it
+            # (it almost always is: rank 0 waited for that step's tokens).
+            assert self.staging_copied is not None and self.block_table_staging is not None
+            self.staging_copied.synchronize()
+            tables = self.block_table_staging_np[: rows * width].reshape(rows, width)
+            host = self.block_table_staging[: rows * width].view(rows, width)
+        else:
+            tables = np.empty((rows, width), dtype=np.int32)
+            host = torch.from_numpy(tables)
+        tables.fill(-1)
         for row, seq in enumerate(seqs):
             tables[row, : len(seq.block_table)] = seq.block_table
-        tensor = torch.from_numpy(tables)
-        if self.pin_memory:
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        tensor = host.to(self.device, non_blocking=True)  # on a CPU: host itself
+        if staged:
+            self.staging_copied.record()
+        return tensor
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         """Flatten the uncached part of every prompt into one batch.
