@@ -11,7 +11,7 @@ One decoder layer (pre-norm; the residual add is fused into the next RMSNorm):
 
     x, residual = input_layernorm(x, residual)
     q, k, v     = split(qkv_proj(x))
-    q, k        = rope(positions, q_norm(q), k_norm(k))   # per-head RMSNorm (Qwen3 only),
+    q, k        = rope(positions, q, k, q_norm, k_norm)   # per-head RMSNorm (Qwen3 only),
                                                           # then RoPE: one kernel each on GPU
     x           = o_proj(attention(q, k, v))
     x, residual = post_attention_layernorm(x, residual)
