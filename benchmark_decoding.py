@@ -10,10 +10,11 @@ limit is HBM bandwidth. Implementations (one query token per sequence, paged KV 
   Triton GQA+split-K   myvllm's kernel: one program per (sequence, kv head, split) loads each
                        K/V tile once for the whole query-head group; split-K for small batches
 
-Columns: correct (max_err against a float32 reference), then for OK rows only: ms (median
-of CUDA-graph replays, as the engine runs decode; L2 flushed between runs), GB/s = (K+V bytes actually read + q + o) / time, and that as a
-percentage of the measured device-to-device copy bandwidth (a large tensor copy timed in the
-same run, counting read + write bytes).
+Columns: correct (max_err against the naive loop in float32, float64 for a float32 run), then
+for OK rows only: ms (median of CUDA-graph replays, as the engine runs decode; L2 flushed
+between runs), GB/s = (K+V bytes actually read + q + o) / time, and that as a percentage
+of the measured device-to-device copy bandwidth (a large tensor copy timed in the same run,
+counting read + write bytes).
 
 --quick: tiny shapes; on a machine without a GPU the Triton kernels run in Triton's CPU
 interpreter in float32 (timings there are not performance numbers). --sweep: also time a grid
@@ -118,8 +119,10 @@ def copy_bandwidth_gbs(device: torch.device) -> float | None:
 
 
 def naive_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: list[int], scale: float) -> torch.Tensor:  # fmt: skip
-    """One sequence at a time, all in PyTorch (context lengths as host ints)."""
+                 block_tables: torch.Tensor, context_lens: list[int], scale: float,
+                 compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """One sequence at a time, all in PyTorch (context lengths as host ints); the math runs in
+    compute_dtype (float64 makes it the oracle of a float32 run)."""
     batch, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -129,8 +132,9 @@ def naive_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         blocks = block_tables[b, pos // block_size].long()
         k = k_cache[blocks, pos % block_size].repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
         v = v_cache[blocks, pos % block_size].repeat_interleave(hq // hkv, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].float(), k.float()) * scale
-        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), v.float()).to(q.dtype)
+        scores = torch.einsum("hd,nhd->hn", q[b].to(compute_dtype), k.to(compute_dtype)) * scale
+        probs = torch.softmax(scores, -1)
+        out[b] = torch.einsum("hn,nhd->hd", probs, v.to(compute_dtype)).to(q.dtype)
     return out
 
 
@@ -207,7 +211,8 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs(device)
     if copy_gbs:
         print(f"# measured device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
-    print("# max_err vs a float32 reference; a NO row is not timed")
+    print("# max_err vs the naive loop in float32 (float64 for a float32 run); a NO row is "
+          "not timed")
     if not gpu:
         print("# CPU interpreter: the ms column measures Python, not a GPU")
     print(f"{'batch':>5} {'ctx':>9} {'blk':>4}  {'impl':<20} {'correct':<7} {'max_err':>9} "
@@ -220,8 +225,11 @@ def main() -> None:
         for block_size in block_sizes:
             c = make_case(batch, lens, block_size, hq, hkv, d, dtype, device)
             args_ = (c["q"], c["k_cache"], c["v_cache"], c["tables"], c["lens"], scale)
-            ref = paged_attention_decode_ref(c["q"].float(), c["k_cache"].float(),
-                                             c["v_cache"].float(), *args_[3:])  # fmt: skip
+            # The oracle is the one-sequence-at-a-time loop in float32, or in float64 for a
+            # float32 run (whose PyTorch rows must not be compared with themselves).
+            wide = torch.float64 if dtype == torch.float32 else torch.float32
+            ref = naive_decode(c["q"].to(wide), c["k_cache"], c["v_cache"], c["tables"], lens,
+                               scale, compute_dtype=wide).float()  # fmt: skip
             host_lens = lens
             nbytes = bytes_moved(lens, hq, hkv, d, dtype)
             splits = choose_num_splits(batch, hkv, c["tables"].shape[1] * block_size,
