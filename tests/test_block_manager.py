@@ -299,3 +299,21 @@ def test_misuse_raises() -> None:
         bm.allocate(b)
     with pytest.raises(ValueError):
         BlockManager(0, 4)
+
+
+def test_a_prompt_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """can_allocate and allocate (and a re-allocation after preemption) share the hashes."""
+    calls = []
+    original = BlockManager.compute_hash
+    monkeypatch.setattr(BlockManager, "compute_hash", staticmethod(
+        lambda token_ids, prefix=-1: calls.append(1) or original(token_ids, prefix)))
+    bm = BlockManager(8, 4)
+    seq = Sequence(PREFIX + [90, 91, 92, 93, 94], 4)  # three full blocks, one partial
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(calls) == 3 and seq.block_hashes == [bm.blocks[b].hash for b in seq.block_table[:3]]
+    bm.deallocate(seq)  # preempted: the same blocks are found again, nothing is re-hashed
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(calls) == 3 and seq.num_cached_tokens == 12
+    check_consistent(bm, seq)

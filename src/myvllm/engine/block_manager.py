@@ -98,7 +98,13 @@ class BlockManager:
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             full = len(token_ids) == self.block_size
-            h = self.compute_hash(token_ids, h) if self.enable_prefix_caching and full else -1
+            if not (self.enable_prefix_caching and full):
+                h = -1
+            elif i < len(seq.block_hashes):  # hashed on an earlier look (can_allocate)
+                h = seq.block_hashes[i]
+            else:  # full blocks come first, so block i is the next one to memoise
+                h = self.compute_hash(token_ids, h)
+                seq.block_hashes.append(h)
             hashes.append(h)
             if missed:
                 # The runner can skip only a leading run of cached tokens (the prefill

@@ -56,6 +56,10 @@ class Sequence:
         # 0 while waiting (again) after a preemption; kept after the sequence finishes.
         self.num_cached_tokens: int = 0
         self.block_table: list[int] = []
+        # Chained prefix-cache hashes of the leading full blocks, memoised by the BlockManager
+        # (a full block's tokens never change, so neither does its hash). Rank 0 only: not
+        # shipped to tensor-parallel workers.
+        self.block_hashes: list[int] = []
         self.sampling_params: SamplingParams = (sampling_params if sampling_params is not None
                                                 else SamplingParams())
         # True while the next forward for this sequence is a prefill (new, or re-queued after
