@@ -528,16 +528,13 @@ def load_model(model: nn.Module, path: str | os.PathLike[str]) -> None:
             if name.endswith(IGNORED_TENSOR_SUFFIXES):
                 continue
             target, shard_id = _packed_target(name, packed)
-            if target in aliases:
-                # Not loaded (the tied parameter is the embedding), but kept to compare: load it
-                # as that parameter would be loaded on this rank, into a scratch copy.
-                alias = all_params[target]
-                scratch = nn.Parameter(torch.empty_like(alias), requires_grad=False)
-                getattr(alias, "weight_loader", default_weight_loader)(scratch, tensor)
-                tied_copies[target] = scratch.data
-                continue
-            param = params[target]
+            param = all_params[target]
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            if target in aliases:
+                # Not loaded (the tied parameter is the embedding), but kept to compare: it is
+                # loaded as that parameter would be on this rank, into a scratch copy.
+                param = nn.Parameter(torch.empty_like(param), requires_grad=False)
+                tied_copies[target] = param.data
             try:
                 if shard_id is None:
                     weight_loader(param, tensor)
