@@ -161,8 +161,14 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step's tokens before planning the next one")
     parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
     parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="after the throughput run, run the workload again one step at a "
+                             "time, time each phase of every step, print a summary by batch "
+                             "size and write the steps to FILE as JSON")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the throughput run, profile STEPS decode steps at the full "
                              "batch with torch.profiler and print where the time goes")
@@ -193,6 +199,7 @@ def main() -> None:
         # 0.6 of the GPU for myvllm (weights, activations, KV cache) leaves room for the
         # transformers model that runs in the same process.
         llm = LLM(str(path), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.6,
+                  async_scheduling=False if args.no_async_scheduling else None,
                   max_model_length=args.max_input_len + args.max_output_len,
                   max_num_sequences=256 if not args.quick else 8,
                   max_num_batched_tokens=16384 if not args.quick else 512)
@@ -233,6 +240,8 @@ def main() -> None:
             print("myvllm:       throughput not reported: the correctness check failed")
         results["myvllm_tok_s"] = ours_tps if correct else None
 
+        if args.timeline:
+            step_timeline(llm, prompts, params, device, Path(args.timeline))
         if args.profile:
             profile_decode(llm, prompts, params, args.profile, device)
 
@@ -312,6 +321,79 @@ def run_vllm(path: Path, prompts: list[list[int]], max_tokens: list[int],
     tps = sum(max_tokens) / (time.perf_counter() - start)
     print(f"vLLM:         {tps:,.0f} output tok/s ({len(prompts)} sequences)")
     return tps
+
+
+def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
+    """Where the end-to-end time goes: every step of the workload, phase by phase.
+
+    Host phases of one LLMEngine.step(): schedule (Scheduler.schedule), prepare (the
+    runner's host -> device inputs), launch (the rest of ModelRunner.run: queueing the
+    forward pass and the sampler), wait (SampledTokens.token_ids: the host idles until the
+    device is done), postprocess. With async scheduling the wait is for the step queued by
+    the call before.
+    """
+    from myvllm.engine.model_runner import SampledTokens
+
+    runner, scheduler = llm.model_runner, llm.scheduler
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    originals = {}
+    for owner, name in ((scheduler, "schedule"), (scheduler, "postprocess"), (runner, "run"),
+                        (runner, "prepare_prefill"), (runner, "prepare_decode"),
+                        (runner, "prepare_sample"), (SampledTokens, "token_ids")):
+        originals[(owner, name)] = getattr(owner, name)
+        setattr(owner, name, timed(name, getattr(owner, name)))
+    steps = []
+    try:
+        for prompt, param in zip(prompts, params):
+            llm.add_request(prompt, param)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        run_start = time.perf_counter()
+        while not llm.is_finished():
+            spent.clear()
+            running = list(scheduler.running)
+            start = time.perf_counter()
+            _, num_tokens = llm.step()
+            total = time.perf_counter() - start
+            prepare = sum(spent.get(k, 0.0) for k in
+                          ("prepare_prefill", "prepare_decode", "prepare_sample"))
+            steps.append(dict(
+                prefill=num_tokens > 0, tokens=abs(num_tokens),
+                context=sum(len(s) for s in running) if num_tokens < 0 else None,
+                total_ms=total * 1e3, schedule_ms=spent.get("schedule", 0.0) * 1e3,
+                prepare_ms=prepare * 1e3, launch_ms=(spent.get("run", 0.0) - prepare) * 1e3,
+                wait_ms=spent.get("token_ids", 0.0) * 1e3,
+                postprocess_ms=spent.get("postprocess", 0.0) * 1e3))
+        run_s = time.perf_counter() - run_start
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
+    path.write_text(json.dumps(steps))
+    print(f"timeline: {len(steps)} steps in {run_s:.2f} s (written to {path})")
+    buckets = [("prefill", lambda s: s["prefill"])] + [
+        (f"decode batch {lo}-{hi}",
+         lambda s, lo=lo, hi=hi: not s["prefill"] and lo <= s["tokens"] <= hi)
+        for lo, hi in ((241, 256), (129, 240), (33, 128), (9, 32), (1, 8))]
+    keys = ("total_ms", "schedule_ms", "prepare_ms", "launch_ms", "wait_ms", "postprocess_ms")
+    print(f"{'steps':>22} {'count':>6} {'total s':>8} " + " ".join(f"{k[:-3]:>11}" for k in keys)
+          + "   (mean ms per step)")
+    for name, select in buckets:
+        chosen = [s for s in steps if select(s)]
+        if not chosen:
+            continue
+        means = [sum(s[k] for s in chosen) / len(chosen) for k in keys]
+        print(f"{name:>22} {len(chosen):>6} {sum(s['total_ms'] for s in chosen) / 1e3:>8.2f} "
+              + " ".join(f"{m:>11.3f}" for m in means))
 
 
 def profile_decode(llm, prompts, params, steps: int, device: str) -> None:

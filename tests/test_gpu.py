@@ -168,9 +168,13 @@ def run_greedy(path: Path, prompts: list[list[int]], **kwargs) -> list:
 def eager_and_graph_engines(qwen3_random_checkpoint: Path):
     from myvllm import LLM
 
-    eager = LLM(str(qwen3_random_checkpoint), enforce_eager=True, **ENGINE_ARGS)
+    # The graph engine overlaps host and device (async scheduling, the default on a GPU);
+    # the eager one reads every step's tokens before planning the next: the plainest path.
+    eager = LLM(str(qwen3_random_checkpoint), enforce_eager=True, async_scheduling=False,
+                **ENGINE_ARGS)
     graph = LLM(str(qwen3_random_checkpoint), enforce_eager=False, **ENGINE_ARGS)
     assert sorted(graph.model_runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph.async_scheduling and not eager.async_scheduling
     yield eager, graph
     eager.exit()
     graph.exit()
@@ -198,6 +202,33 @@ def test_cuda_graph_tokens_equal_eager(eager_and_graph_engines, batch_size: int)
     assert replays and replays[0] == expected, f"replayed {replays[:3]}, expected {expected}"
     eager_out = eager.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in graph_out] == [o["token_ids"] for o in eager_out]
+
+
+def test_async_scheduling_gives_sync_tokens_with_eos_and_mixed_lengths(
+        eager_and_graph_engines, qwen3_random_checkpoint: Path) -> None:
+    """CUDA graphs with and without async scheduling, 64 sequences that stop at different
+    steps (max_tokens, and eos = a token the model emits often)."""
+    from collections import Counter
+
+    from myvllm import LLM, SamplingParams
+
+    _, graph = eager_and_graph_engines
+    rng = random.Random(11)
+    prompts = [[rng.randint(0, 150000) for _ in range(rng.randint(5, 200))] for _ in range(64)]
+    lengths = [rng.randint(1, 40) for _ in prompts]
+    probe = graph.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n,
+                                                    ignore_eos=True) for n in lengths],
+                           use_tqdm=False)
+    eos = Counter(t for o in probe for t in o["token_ids"][1:]).most_common(1)[0][0]
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths]
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(qwen3_random_checkpoint), eos=eos, async_scheduling=async_scheduling,
+                  **ENGINE_ARGS)
+        outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.exit()
+    assert outs[0] == outs[1]
+    assert any(len(o) < n for o, n in zip(outs[0], lengths)), "no sequence stopped on eos"
 
 
 def test_prefix_cache_hit_gives_cold_tokens(qwen3_random_checkpoint: Path) -> None:

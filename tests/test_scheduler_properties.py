@@ -74,11 +74,17 @@ def run_alone(prompt: list[int], params: SamplingParams, max_model_length: int) 
 
 
 class FakeRunner:
-    """Stands in for ModelRunner.run(): a slot -> value 'KV cache' and the fake model."""
+    """Stands in for ModelRunner.run(): a slot -> value 'KV cache' and the fake model.
+
+    Like the real runner it remembers the tokens it sampled last: under overlapped
+    scheduling a sequence's last token may still be pending (unknown to the host), and the
+    runner feeds it from there.
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.kv: dict[int, int] = {}
+        self.last_sampled: dict[int, int] = {}  # seq_id -> token of the last step
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -86,12 +92,19 @@ class FakeRunner:
     def read(self, seq: Sequence, pos: int) -> int:
         return SEED if pos < 0 else self.kv.get(self.slot(seq, pos), -1)
 
+    def tokens(self, seq: Sequence) -> list[int]:
+        """All of seq's tokens, a pending one included (at most one is pending here)."""
+        assert seq.num_pending_tokens <= 1, seq
+        return seq.token_ids + ([self.last_sampled[seq.seq_id]] if seq.num_pending_tokens else [])
+
     def run(self, seqs: list[Sequence], is_prefill: bool, sch: Scheduler) -> list[int]:
         bm = sch.block_manager
         written: set[int] = set()
         out = []
+        overlapped = any(seq.num_pending_tokens for seq in seqs)
         # What a tensor-parallel worker receives: prefill -> all tokens, decode -> last only.
-        workers = pickle.loads(pickle.dumps(seqs))
+        # (Overlapped scheduling runs on rank 0 alone, with the sequences themselves.)
+        workers = seqs if overlapped else pickle.loads(pickle.dumps(seqs))
         for w in workers:
             assert len(w.block_table) == w.num_blocks, w
             if is_prefill:
@@ -101,7 +114,7 @@ class FakeRunner:
                 new_tokens = w.token_ids[start:]
             else:
                 start = len(w) - 1
-                new_tokens = [w.last_token]
+                new_tokens = [self.tokens(w)[-1] if w.num_pending_tokens else w.last_token]
             v = self.read(w, start - 1)  # the cached context this pass builds on
             for pos, token in enumerate(new_tokens, start):
                 block_id = w.block_table[pos // self.block_size]
@@ -117,7 +130,8 @@ class FakeRunner:
                 assert written.isdisjoint(other.block_table), other
         for seq in seqs:
             values = [self.read(seq, p) for p in range(len(seq))]
-            assert values == kv_chain(seq.token_ids), f"{seq}: wrong K/V in the cache"
+            assert values == kv_chain(self.tokens(seq)), f"{seq}: wrong K/V in the cache"
+        self.last_sampled = {seq.seq_id: t for seq, t in zip(seqs, out)}
         return out
 
 
@@ -178,7 +192,8 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
         covered = len(s) if s.seq_id in scheduled_ids else len(s) - 1
         assert math.ceil(covered / bs) <= len(s.block_table) <= s.num_blocks, s
         if caching:
-            full = covered // bs
+            # a block with a pending token is registered once the token is known
+            full = min(covered, len(s.token_ids)) // bs
             for i, h in enumerate(chain_hashes(s.token_ids, bs, full)):
                 block = bm.blocks[s.block_table[i]]
                 assert block.hash == h and block.token_ids == s.block(i), (s, i)
@@ -243,7 +258,12 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
     return config, requests
 
 
-def drive(config_kw: dict, requests: list[Request]) -> None:
+def drive(config_kw: dict, requests: list[Request], overlapped: bool = False) -> None:
+    """Run the workload to the end, checking every step.
+
+    overlapped: as LLMEngine with async_scheduling, schedule and run step N+1 before step
+    N's tokens are handed to postprocess (each sequence of a step counts a pending token).
+    """
     config = Config(**config_kw)
     sch = Scheduler(config)
     bs = config.block_size
@@ -253,7 +273,8 @@ def drive(config_kw: dict, requests: list[Request]) -> None:
     pending = list(requests)
     step = 0
     max_steps = 20 * sum(len(r.prompt) + r.params.max_tokens for r in requests) + 50
-    while pending or not sch.is_finished():
+    in_flight: tuple[list[Sequence], list[int]] | None = None
+    while pending or not sch.is_finished() or in_flight:
         while pending and pending[0].arrival <= step:
             r = pending.pop(0)
             seq = Sequence(r.prompt, bs, r.params)
@@ -269,7 +290,7 @@ def drive(config_kw: dict, requests: list[Request]) -> None:
                 continue
             assert fits, f"accepted a sequence that can never be prefilled: {seq}"
             accepted.append((seq, r))
-        if sch.is_finished():
+        if sch.is_finished() and not in_flight:
             step = pending[0].arrival if pending else step
             continue
         seqs = [s for s, _ in accepted]
@@ -277,12 +298,21 @@ def drive(config_kw: dict, requests: list[Request]) -> None:
         # rule 1: when the waiting head can be admitted, the step must be a prefill
         head = sch.waiting[0] if sch.waiting else None
         must_prefill = (head is not None and len(sch.running) < sch.max_num_sequences
+                        and not head.num_pending_tokens
                         and len(head) <= sch.max_num_batched_tokens
                         and sch.block_manager.can_allocate(head))
         num_running_before = len(sch.running)
 
         batch, is_prefill = sch.schedule()
-        assert batch, "schedule() returned an empty batch while work remains"
+        if not batch:
+            # only while a step is in flight: its tokens decide what can run next
+            assert in_flight, "schedule() returned an empty batch while work remains"
+            event("overlapped: nothing to schedule until the step in flight is read")
+            sch.postprocess(*in_flight)
+            check_invariants(sch, seqs, [], caching)
+            in_flight = None
+            step += 1
+            continue
         assert is_prefill == must_prefill
         if is_prefill:
             assert sum(len(s) for s in batch) <= sch.max_num_batched_tokens
@@ -298,7 +328,14 @@ def drive(config_kw: dict, requests: list[Request]) -> None:
         if is_prefill and any(s.num_cached_tokens for s in batch):
             event("prefix cache hit")
         tokens = runner.run(batch, is_prefill, sch)
-        sch.postprocess(batch, tokens)
+        if overlapped:
+            for seq in batch:
+                seq.add_pending_token()
+            if in_flight:
+                sch.postprocess(*in_flight)
+            in_flight = (batch, tokens)
+        else:
+            sch.postprocess(batch, tokens)
         check_invariants(sch, seqs, [], caching)
         step += 1
         assert step < max_steps, "no termination"
@@ -330,6 +367,20 @@ def drive(config_kw: dict, requests: list[Request]) -> None:
       Request(2, [3, 3], SamplingParams(max_tokens=7, ignore_eos=True))]))
 def test_random_workloads(workload: tuple[dict, list[Request]]) -> None:
     drive(*workload)
+
+
+@SETTINGS
+@given(workloads())
+@example(  # the two-requests-share-the-pool case above, with the steps overlapped
+    (dict(block_size=2, enable_prefix_caching=True, max_model_length=20, num_kvcache_blocks=5,
+          max_num_batched_tokens=20, max_num_sequences=4, eos=EOS),
+     [Request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)),
+      Request(0, [1, 2, 3, 4, 6], SamplingParams(max_tokens=6, ignore_eos=True)),
+      Request(1, [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True))]))
+def test_random_workloads_overlapped(workload: tuple[dict, list[Request]]) -> None:
+    """The same properties when step N+1 is scheduled before step N's tokens are read
+    (async scheduling): pending tokens, surplus steps after eos, late block registration."""
+    drive(*workload, overlapped=True)
 
 
 def test_fake_model_emits_eos_sometimes() -> None:

@@ -89,6 +89,11 @@ class Config:
     """Reuse the K/V of full blocks whose tokens (and whole prefix) match an earlier or
     concurrent request. False = every prompt is computed from scratch."""
 
+    async_scheduling: bool | None = None
+    """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where
+    it pays, a GPU with tensor_parallel_size 1; True also on a CPU (for tests); it is not
+    available with tensor parallelism. Greedy and seeded tokens are the same either way."""
+
     def __post_init__(self) -> None:
         if self.model is not None:
             if not isinstance(self.model, (str, os.PathLike)):
@@ -110,6 +115,12 @@ class Config:
                              f"got {g!r}")
         _check_bool("enforce_eager", self.enforce_eager)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.async_scheduling is not None:
+            _check_bool("async_scheduling", self.async_scheduling)
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("Config.async_scheduling=True needs tensor_parallel_size 1: the "
+                             "worker ranks read each step's input tokens from rank 0's "
+                             "message, so they must be known when it is sent.")
         if self.dtype not in DTYPES:
             raise ValueError(f"Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -222,9 +222,10 @@ class BlockManager:
         # allocate() always sets it again.
 
     # ------------------------------------------------------------------ decode
-    # Both are called AFTER the new token was appended to seq (it is counted in num_tokens)
-    # but before its K/V is written. Its slot is position num_tokens - 1, in logical block
-    # (num_tokens - 1) // block_size. That block is new exactly when the table is one short:
+    # Both are called AFTER the new token was counted in seq.num_tokens (appended, or pending:
+    # see Sequence.add_pending_token) but before its K/V is written. Its slot is position
+    # num_tokens - 1, in logical block (num_tokens - 1) // block_size. That block is new
+    # exactly when the table is one short:
     #
     #     len(seq.block_table) < seq.num_blocks
     #
@@ -244,12 +245,28 @@ class BlockManager:
                                "covers one new token per step")
         if missing == 1:
             seq.block_table.append(self._allocate_fresh_block())
-        if self.enable_prefix_caching and seq.num_tokens % self.block_size == 0:
-            # The last block is full once this step writes the new token's K/V: register it
-            # so later requests can share it (its K/V exists before any later step runs).
-            last = self.blocks[seq.block_table[-1]]
-            prefix = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
-            token_ids = seq.block(seq.num_blocks - 1)
+        # This step writes the K/V of every position below num_tokens.
+        self.register_full_blocks(seq, num_written=seq.num_tokens)
+
+    def register_full_blocks(self, seq: Sequence, num_written: int) -> None:
+        """Make seq's newly full blocks findable by later requests.
+
+        A block may be registered once its tokens are all known (a pending token's value is
+        not) and the K/V of all of them is written by a step queued before any later one
+        (num_written: positions below it). append() calls this as it schedules the step that
+        writes the block's last slot; with overlapped scheduling that slot's token is often
+        still pending then, and Scheduler.postprocess calls this again once it is known.
+        A running sequence's block_hashes are those of its full blocks registered so far
+        (allocate() registered every full block of the prompt), in order.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(len(seq.token_ids), num_written) // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            prefix = seq.block_hashes[i - 1] if i > 0 else -1
+            token_ids = seq.block(i)
             h = self.compute_hash(token_ids, prefix)
-            last.update(h, token_ids)
-            self.hash_to_block_id[h] = last.block_id
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            block.update(h, token_ids)
+            self.hash_to_block_id[h] = block.block_id

@@ -2,11 +2,14 @@
 
     generate(prompts)
       -> validate every prompt, then add_request() each: Sequence -> scheduler.waiting
-      -> while not scheduler.is_finished(): step()
+      -> while not is_finished(): step()
              seqs, is_prefill = scheduler.schedule()
-             token_ids = model_runner.run(seqs, is_prefill)   (and every TP worker)
-             scheduler.postprocess(seqs, token_ids)
+             sampled = model_runner.run(seqs, is_prefill)     (and every TP worker)
+             scheduler.postprocess(seqs, sampled.token_ids())
       -> outputs in input order: text, token_ids, num_cached_tokens
+
+With async_scheduling the last line runs one step later, so the host plans and queues step
+N+1 while the device still computes step N (see step()).
 
 The ModelRunner is created before the Scheduler because only the runner can tell how many
 KV-cache blocks fit in memory, and the scheduler's BlockManager is built with that count.
@@ -41,6 +44,15 @@ from myvllm.utils.loader import eos_token_ids, load_hf_config, load_tokenizer, r
 logger = logging.getLogger("myvllm")
 
 Prompt = str | list[int]
+
+
+@dataclasses.dataclass
+class _QueuedStep:
+    """A step whose tokens are on their way (ModelRunner.run returned, nobody waited)."""
+
+    seqs: list[Sequence]
+    num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
+    sampled: Any  # SampledTokens (rank 0's run() result)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -130,6 +142,9 @@ class LLMEngine:
             raise
         self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks)
         self.scheduler = Scheduler(self.config)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else use_cuda and config.tensor_parallel_size == 1)
+        self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
         # num_cached_tokens of each sequence at its first prefill (a preempted sequence is
         # recomputed later and may then hit its own freed blocks: that is not a prompt hit).
         self._first_cached: dict[int, int] = {}
@@ -216,30 +231,50 @@ class LLMEngine:
         Each output has seq_id, token_ids (completion only) and num_cached_tokens. The token
         count is positive for a prefill step (prompt tokens computed) and negative for a
         decode step (one per sequence), so callers can tell them apart.
+
+        With async_scheduling, both describe the step queued by the previous call: this call
+        plans and queues the next step first, and only then waits for the previous one's
+        tokens, so the device always has the next step to run while the host works:
+
+            host:    schedule N+1 | queue N+1 | wait N, postprocess N | schedule N+2 | ...
+            device:  ....... step N ........ | ........ step N+1 ......... | ...
+
+        Step N+1 is planned before step N's tokens are known: each sequence counts its token
+        as pending (Sequence.add_pending_token), the runner feeds it from the device, and a
+        sequence that ends on eos has one surplus step computed, whose token is dropped.
         """
         seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:  # nothing queued: no forward pass
-            return [], 0
-        if is_prefill:  # a sequence's first step is always a prefill
+        queued = None
+        if seqs:
+            if is_prefill:  # a sequence's first step is always a prefill
+                for seq in seqs:
+                    self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
+            num_tokens = (sum(len(seq) - seq.num_cached_tokens for seq in seqs) if is_prefill
+                          else -len(seqs))
+            sampled = self._call("run", seqs, is_prefill)
             for seq in seqs:
-                self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
-        token_ids = self._call("run", seqs, is_prefill)
-        self.scheduler.postprocess(seqs, token_ids)
+                seq.add_pending_token()
+            queued = _QueuedStep(seqs, num_tokens, sampled)
+        if self.async_scheduling:
+            queued, self._in_flight = self._in_flight, queued
+        if queued is None:  # nothing queued (or the first step of a run, still in flight)
+            return [], 0
+        return self._read_back(queued)
+
+    def _read_back(self, step: _QueuedStep) -> tuple[list[dict[str, Any]], int]:
+        """Wait for a queued step's tokens and hand them to the scheduler."""
+        finished_seqs = self.scheduler.postprocess(step.seqs, step.sampled.token_ids())
         finished = [
             {"seq_id": seq.seq_id, "token_ids": seq.completion_token_ids,
              "num_cached_tokens": self._first_cached.pop(seq.seq_id)}
-            for seq in seqs if seq.is_finished
+            for seq in finished_seqs
         ]
         if finished:
             self.model_runner.release_generators([out["seq_id"] for out in finished])
-        if is_prefill:
-            num_tokens = sum(len(seq) - 1 - seq.num_cached_tokens for seq in seqs)
-        else:
-            num_tokens = -len(seqs)
-        return finished, num_tokens
+        return finished, step.num_tokens
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._in_flight is None
 
     def generate(
         self,
@@ -317,6 +352,13 @@ class LLMEngine:
         been interrupted in different places (one inside a collective, one not), so the
         workers are stopped and the engine refuses further work.
         """
+        # A step in flight is abandoned: its sequences forget their pending token and the
+        # next step recomputes it (the device runs steps in order, so nothing it still
+        # writes can land on a later step's data).
+        if self._in_flight is not None:
+            for seq in self._in_flight.seqs:
+                seq.drop_pending_tokens()
+            self._in_flight = None
         for seq in seqs:
             self.scheduler.abort(seq)
             self._first_cached.pop(seq.seq_id, None)

@@ -76,6 +76,27 @@ def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:
     return sizes
 
 
+class SampledTokens:
+    """The token ids of one step, on their way from the device to the host.
+
+    run() returns as soon as the step is queued; token_ids() waits for the copy. Between the
+    two the host can plan the next step (overlapped scheduling, see LLMEngine.step).
+    """
+
+    def __init__(self, tokens: torch.Tensor, pin_memory: bool) -> None:
+        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pin_memory)
+        self.host.copy_(tokens, non_blocking=pin_memory)
+        self.copied: torch.cuda.Event | None = None
+        if pin_memory:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def token_ids(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 @dataclass
 class StepInputs:
     """What prepare_prefill / prepare_decode hand to run_model."""
@@ -117,6 +138,10 @@ class ModelRunner:
         # Per-request seeded generators (rank 0 samples, so only rank 0 fills this).
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The last step's sampled tokens, still on the device, and each sequence's row in
+        # them: a decode step feeds a pending token (Sequence.add_pending_token) from here.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_sampled_rows: dict[int, int] = {}
         # Pad decode batches to graph shapes on a GPU (see decode_batch_size); a CPU has no
         # graphs and gains nothing from padding (tests switch it on to exercise the padding).
         self.pad_decode = self.device.type == "cuda"
@@ -341,9 +366,15 @@ class ModelRunner:
         return next((bs for bs in self.decode_sizes if bs >= num_seqs), num_seqs)
 
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-        """One new token per sequence; its K/V goes to the slot after the last one used."""
+        """One new token per sequence; its K/V goes to the slot after the last one used.
+
+        A sequence whose last token is still pending (overlapped scheduling) gets it from
+        the previous step's sampled tokens on the device, without a round trip to the host.
+        """
         padding = self.decode_batch_size(len(seqs)) - len(seqs)
-        input_ids = [seq.last_token for seq in seqs] + [0] * padding
+        pending_rows = [row for row, seq in enumerate(seqs) if seq.num_pending_tokens]
+        input_ids = [seq.last_token if seq.num_pending_tokens == 0 else 0 for seq in seqs]
+        input_ids += [0] * padding
         positions = [len(seq) - 1 for seq in seqs] + [0] * padding
         context_lens = [len(seq) for seq in seqs] + [0] * padding
         slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
@@ -356,8 +387,13 @@ class ModelRunner:
             context_lens=self.to_device(context_lens, torch.int32),
             block_tables=block_tables,
         )
-        return StepInputs(self.to_device(input_ids, torch.int64),
-                          self.to_device(positions, torch.int64), context)
+        input_ids_device = self.to_device(input_ids, torch.int64)
+        if pending_rows:
+            assert self.last_sampled is not None, "a pending token but no step before"
+            source_rows = [self.last_sampled_rows[seqs[row].seq_id] for row in pending_rows]
+            input_ids_device[self.to_device(pending_rows, torch.int64)] = (
+                self.last_sampled[self.to_device(source_rows, torch.int64)])
+        return StepInputs(input_ids_device, self.to_device(positions, torch.int64), context)
 
     def prepare_sample(self, seqs: list[Sequence]) -> dict[str, object]:
         """Sampling settings as device tensors, plus host-side hints for the fast paths.
@@ -411,8 +447,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[:num_seqs])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Compute one token for every sequence; rank 0 returns them, other ranks None."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
+        """Queue one step that computes a token for every sequence.
+
+        Rank 0 returns the tokens as SampledTokens (call .token_ids() to wait for them),
+        other ranks None. Nothing here waits for the device.
+        """
         step = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
         sample_args = self.prepare_sample(seqs) if self.rank == 0 else None
         with forward_context(**step.context):
@@ -421,7 +461,10 @@ class ModelRunner:
             return None
         assert logits is not None and sample_args is not None
         # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
-        return self.sampler(logits, **sample_args).tolist()
+        tokens = self.sampler(logits, **sample_args)
+        self.last_sampled = tokens
+        self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        return SampledTokens(tokens, self.pin_memory)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()

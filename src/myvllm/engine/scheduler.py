@@ -110,7 +110,8 @@ class Scheduler:
         num_batched_tokens = 0
         while self.waiting and len(self.running) < self.max_num_sequences:
             seq = self.waiting[0]
-            if (num_batched_tokens + len(seq) > self.max_num_batched_tokens
+            if (seq.num_pending_tokens  # preempted while its last token was in flight
+                    or num_batched_tokens + len(seq) > self.max_num_batched_tokens
                     or not self.block_manager.can_allocate(seq)):
                 break  # the head stays at the head of waiting
             self.waiting.popleft()
@@ -125,8 +126,14 @@ class Scheduler:
         # Decode: one token for each running sequence, in running order.
         preempted = False
         scheduled: list[Sequence] = []
+        waiting_for_last_token: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_sequences:
             seq = self.running.popleft()
+            if self.reaches_stop_length(seq):
+                # Only with overlapped scheduling: its pending token is its last one.
+                # postprocess finishes it once that token reaches the host.
+                waiting_for_last_token.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 # Rule 3: free blocks by sending the tail of running back to waiting.
                 preempted = True
@@ -140,9 +147,13 @@ class Scheduler:
                 scheduled.append(seq)
         # The scheduled ones go back in front, in their order; any beyond max_num_sequences
         # (possible only if the limit was lowered) keep their places behind them.
-        self.running.extendleft(reversed(scheduled))
+        self.running.extendleft(reversed(scheduled + waiting_for_last_token))
         if scheduled:
             return scheduled, False
+        if any(seq.num_pending_tokens for seq in (*self.running, *self.waiting)):
+            # Overlapped scheduling: nothing can run until the step in flight is read back
+            # (it frees blocks, finishes sequences, resolves the tokens a prefill needs).
+            return [], False
 
         if not preempted:
             # Rule 4.
@@ -172,29 +183,51 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ after the forward
+    def reaches_stop_length(self, seq: Sequence) -> bool:
+        """Has seq reached max_tokens or max_model_length, counting a pending token?"""
+        return (seq.num_completion_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.max_model_length)
+
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append each sequence's new token; finish and release the ones that stop.
 
         Stops on eos (unless ignore_eos), on max_tokens completion tokens, or on reaching
         max_model_length tokens. Returns the sequences that finished in this step.
+
+        With overlapped scheduling a sequence may have finished (on eos) after this step was
+        queued: its token here is surplus and dropped.
         """
         if len(seqs) != len(token_ids):
             raise ValueError(f"postprocess got {len(token_ids)} tokens for {len(seqs)} sequences")
         finished: list[Sequence] = []
         for seq, token_id in zip(seqs, token_ids, strict=True):
+            if seq.is_finished:
+                continue
             seq.append_token(token_id)
+            if seq.status == SequenceStatus.WAITING:
+                seq.needs_prefill = True  # preempted while this token was pending
             params = seq.sampling_params
+            num_known = len(seq.token_ids)
             if ((not params.ignore_eos and token_id in self.eos_token_ids)
-                    or seq.num_completion_tokens >= params.max_tokens
-                    or seq.num_tokens >= self.max_model_length):
+                    or num_known - seq.num_prompt_tokens >= params.max_tokens
+                    or num_known >= self.max_model_length):
                 self.finish(seq)
                 finished.append(seq)
+            elif seq.block_table:
+                # The token just read may complete a block whose last slot a step already
+                # queued is writing (overlapped scheduling); the newest position is written
+                # by the next step, so it does not count yet.
+                self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.drop_pending_tokens()  # a surplus step may be in flight for it
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop seq wherever it is (e.g. generate() interrupted); its blocks are released."""

@@ -66,6 +66,8 @@ class Sequence:
         # preemption); False once a token has been appended after that prefill. It only
         # decides what __getstate__ ships to tensor-parallel workers.
         self.needs_prefill: bool = True
+        # Counted in num_tokens but not yet in token_ids (see add_pending_token).
+        self.num_pending_tokens: int = 0
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -75,10 +77,37 @@ class Sequence:
         return self.token_ids[key]
 
     def append_token(self, token_id: int) -> None:
+        """Record the next sampled token.
+
+        If a slot was reserved for it (add_pending_token), the token fills the oldest
+        reserved slot; otherwise the sequence grows by one.
+        """
         self.token_ids.append(token_id)
         self.last_token = token_id
-        self.num_tokens += 1
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
+        else:
+            self.num_tokens += 1
         self.needs_prefill = False
+
+    # A pending token has been sampled on the device but not yet read by the host. With
+    # overlapped ("async") scheduling the engine plans step N+1 before step N's tokens reach
+    # the host, so each sequence of step N counts one token it cannot see yet:
+    #
+    #     token_ids  = [t0 t1 t2 t3 t4]      what the host knows
+    #     num_tokens = 6                     + 1 pending: its K/V slot, its place in a block
+    #
+    # The scheduler and the BlockManager plan with num_tokens (lengths are all they need);
+    # the runner feeds a pending token from the device; postprocess fills it in.
+    def add_pending_token(self) -> None:
+        self.num_tokens += 1
+        self.num_pending_tokens += 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget tokens that will never be read (the sequence finished, or its step was
+        abandoned); the next step recomputes from the last known token."""
+        self.num_tokens -= self.num_pending_tokens
+        self.num_pending_tokens = 0
 
     @property
     def is_finished(self) -> bool:
@@ -112,7 +141,8 @@ class Sequence:
         return self.num_tokens - (self.num_blocks - 1) * self.block_size
 
     def block(self, i: int) -> list[int]:
-        """Token ids of logical block i (the last one may be partial)."""
+        """Token ids of logical block i (the last one may be partial, or short by the
+        pending tokens)."""
         if not 0 <= i < self.num_blocks:
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -135,6 +165,9 @@ class Sequence:
     # them raises AttributeError instead of returning wrong data) and its sampling_params
     # is None.
     def __getstate__(self) -> tuple[Any, ...]:
+        if self.num_pending_tokens:
+            raise RuntimeError(f"sequence {self.seq_id} has a pending token: tensor-parallel "
+                               "workers need every input token on the host (no async_scheduling)")
         tokens: list[int] | int | None = (self.token_ids if self.needs_prefill
                                           else self.last_token)
         return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
@@ -144,6 +177,7 @@ class Sequence:
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
          self.num_cached_tokens, self.block_table, self.needs_prefill, tokens) = state
         self.status = SequenceStatus.RUNNING
+        self.num_pending_tokens = 0
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
         if self.needs_prefill:
             self.token_ids = tokens

@@ -1,0 +1,130 @@
+"""Overlapped ("async") scheduling gives the tokens of the plain loop, on the CPU.
+
+With async_scheduling the engine queues step N+1 before it reads step N's tokens: sequences
+count a pending token, the runner feeds it from the device, a sequence that stops on eos
+gets one surplus step. The oracle is the same engine with async_scheduling=False, under the
+conditions where that bookkeeping can go wrong: preemption in a tiny KV pool, eos, prefix
+hits on blocks completed by decoding, seeded sampling. (tests/test_scheduler_properties.py
+checks the same with a fake model over random workloads.)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from helpers_models import tiny_checkpoint
+from test_engine import random_prompts
+
+from myvllm import LLM, Config, SamplingParams
+
+ENGINE_KW = dict(block_size=4, max_model_length=64, max_num_batched_tokens=64,
+                 max_num_sequences=4)
+
+
+def engine(async_scheduling: bool, **overrides: Any) -> LLM:
+    kw = {**ENGINE_KW, **overrides}
+    return LLM(str(tiny_checkpoint("qwen3")), async_scheduling=async_scheduling, **kw)
+
+
+def record_overlap(llm: LLM) -> list[str]:
+    """Log the order of ModelRunner.run and Scheduler.postprocess calls."""
+    calls: list[str] = []
+    run, postprocess = llm.model_runner.run, llm.scheduler.postprocess
+    llm.model_runner.run = lambda *a: (calls.append("run"), run(*a))[1]  # type: ignore
+    llm.scheduler.postprocess = lambda *a: (calls.append("post"), postprocess(*a))[1]  # type: ignore
+    return calls
+
+
+def overlapped(calls: list[str]) -> bool:
+    """Was some step queued before the previous step's tokens were read?"""
+    return any(a == b == "run" for a, b in zip(calls, calls[1:]))
+
+
+def test_async_gives_the_sync_tokens_with_preemption_and_eos() -> None:
+    prompts = random_prompts([5, 11, 17, 3, 9, 14], seed=3)
+    max_tokens = [12, 20, 7, 25, 16, 10]
+    # Find a token the model emits often, and make it eos, so some sequences stop early.
+    probe = engine(False, num_kvcache_blocks=64, eos=-1)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
+    counts = Counter(t for o in probe.generate(prompts, greedy, use_tqdm=False)
+                     for t in o["token_ids"][1:])
+    eos = counts.most_common(1)[0][0]
+
+    results = {}
+    for mode in (False, True):
+        # ~30 blocks would be needed at the peak; 14 force preemptions.
+        llm = engine(mode, num_kvcache_blocks=14, eos=eos)
+        preempted: list[int] = []
+        preempt = llm.scheduler.preempt
+        llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))[1]
+        calls = record_overlap(llm)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert preempted, "the small KV pool was meant to force a preemption"
+        assert overlapped(calls) == mode
+        manager = llm.scheduler.block_manager
+        assert len(manager.free_block_ids) == len(manager.blocks), "a block leaked"
+        assert not llm.scheduler.running and not llm.scheduler.waiting
+        results[mode] = outs
+        llm.exit()
+    sync, overlapping = results[False], results[True]
+    assert [o["token_ids"] for o in overlapping] == [o["token_ids"] for o in sync]
+    assert any(len(o["token_ids"]) < n for o, n in zip(sync, max_tokens)), "no eos stop"
+    assert all(o["token_ids"][-1] == eos or len(o["token_ids"]) == n
+               for o, n in zip(overlapping, max_tokens))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_blocks_completed_while_decoding_are_shared_later(async_scheduling: bool) -> None:
+    """A prompt equal to an earlier prompt + completion hits the blocks that decoding
+    filled. Under async scheduling those are registered only once their last token is read
+    back (Scheduler.postprocess), so this checks that late registration."""
+    llm = engine(async_scheduling, num_kvcache_blocks=64)
+    prompt = random_prompts([6], seed=8)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    follow_up = prompt + first["token_ids"] + [5]  # 18 tokens
+    second = llm.generate([follow_up], params, use_tqdm=False)[0]
+    # The first sequence had 6 + 11 = 17 tokens, the K/V of 16 written (never that of its
+    # last token): 4 full blocks. The 4th was completed by the last step, with its last
+    # token still pending when that step was scheduled: only the late registration in
+    # postprocess can make it findable.
+    assert second["num_cached_tokens"] == 16
+    cold = engine(async_scheduling, num_kvcache_blocks=64, enable_prefix_caching=False)
+    assert second["token_ids"] == cold.generate([follow_up], params, use_tqdm=False)[0]["token_ids"]
+
+
+def test_seeded_sampling_is_the_same_with_async_scheduling() -> None:
+    prompts = random_prompts([6, 9, 4], seed=2)
+    params = [SamplingParams(temperature=1.0, max_tokens=n, seed=100 + n) for n in (9, 13, 5)]
+    outs = [[o["token_ids"] for o in engine(mode, num_kvcache_blocks=64, eos=-1).generate(
+        prompts, params, use_tqdm=False)] for mode in (False, True)]
+    assert outs[0] == outs[1]
+
+
+def test_step_by_step_with_async_scheduling() -> None:
+    """add_request + step(): each step reports the step queued before it; all finish."""
+    llm = engine(True, num_kvcache_blocks=64)
+    prompts = random_prompts([6, 10, 3], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = engine(False, num_kvcache_blocks=64).generate(prompts, params, use_tqdm=False)
+    seq_ids = [llm.add_request(p, params) for p in prompts]
+    assert llm.step() == ([], 0)  # the prefill is queued, nothing is read back yet
+    assert not llm.is_finished()
+    outputs: dict[int, dict] = {}
+    reported = []
+    while not llm.is_finished():
+        finished, num_tokens = llm.step()
+        reported.append(num_tokens)
+        outputs.update({out["seq_id"]: out for out in finished})
+    assert reported[0] == sum(len(p) for p in prompts)  # the prefill, read one call later
+    assert [outputs[i]["token_ids"] for i in seq_ids] == [o["token_ids"] for o in expected]
+    assert llm.step() == ([], 0)
+
+
+def test_async_scheduling_is_refused_with_tensor_parallelism() -> None:
+    with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size 1"):
+        Config(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+        Config(async_scheduling="yes")
