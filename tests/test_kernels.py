@@ -68,6 +68,7 @@ KERNEL_MODULES = [
     "myvllm.kernels.baselines",
     "myvllm.kernels.layer_ops_triton",
     "myvllm.kernels.sample_kernel",
+    "myvllm.kernels.skinny_gemm_kernel",
 ]
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -438,18 +439,28 @@ def _cos_sin_table(max_position: int, head_dim: int, device) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_norm_rope_triton(device, dtype, head_dim, with_norm) -> None:
+    """q and k in one launch, each with its own head count and norm weight."""
     torch.manual_seed(head_dim)
-    num_tokens, num_heads = 7, 3
-    # x is a strided view into a wider qkv-like row, as q and k are in the models.
-    qkv = torch.randn(num_tokens, (num_heads + 2) * head_dim).to(device=device, dtype=dtype)
-    x = qkv[:, head_dim: head_dim + num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    num_tokens, num_q_heads, num_k_heads = 7, 3, 2
+    # q and k are strided views into one qkv row, as in the models.
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_k_heads) * head_dim)
+    qkv = qkv.to(device=device, dtype=dtype)
+    q_size, k_size = num_q_heads * head_dim, num_k_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, q_size: q_size + k_size].view(num_tokens, num_k_heads, head_dim)
     positions = torch.tensor([0, 1, 2, 50, 51, 300, 511], device=device)
     table = _cos_sin_table(512, head_dim, device)
-    weight = (1 + torch.randn(head_dim) * 0.1).to(device=device, dtype=dtype) if with_norm else None
-    got = triton_mod("layer_ops_triton").norm_rope_triton(x, positions, table, weight, 1e-6)
-    want = kernels.norm_rope_ref(x, positions, table, weight, 1e-6)
-    assert got.shape == x.shape and got.is_contiguous()
-    assert_close(got, want, dtype)
+
+    def weight() -> torch.Tensor | None:
+        return (1 + torch.randn(head_dim) * 0.1).to(device=device, dtype=dtype) if with_norm else None
+
+    q_weight, k_weight = weight(), weight()
+    got_q, got_k = triton_mod("layer_ops_triton").norm_rope_triton(
+        q, k, positions, table, q_weight, k_weight, 1e-6)
+    for got, x, w in ((got_q, q, q_weight), (got_k, k, k_weight)):
+        want = kernels.norm_rope_ref(x, positions, table, w, 1e-6)
+        assert got.shape == x.shape and got.is_contiguous()
+        assert_close(got, want, dtype)
 
 
 def test_norm_rope_ref_rotates_each_pair_by_its_angle() -> None:
@@ -505,9 +516,73 @@ def test_layer_ops_dispatch_to_triton_when_forced(device, monkeypatch) -> None:
         monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     tri_out = run_all()
     assert sorted(set(calls)) == ["norm_rope_triton", "rms_norm_triton", "silu_and_mul_triton"]
+    assert calls.count("norm_rope_triton") == 1, "q and k are meant to be one launch"
     for a, b in zip(tri_out, ref_out):
         assert a.shape == b.shape
         assert_close(a, b, torch.float32)
+
+
+# ---------------------------------------------------------------- small-batch matmul
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 96), (3, 37, 600), (8, 130, 1024)])
+def test_skinny_gemm_triton(device, dtype, rows, n, k) -> None:
+    """N and K not multiples of the tiles: the masks must hold; any row count 1..8."""
+    torch.manual_seed(rows * n)
+    x = torch.randn(rows, k).to(device=device, dtype=dtype)
+    w = (torch.randn(n, k) / math.sqrt(k)).to(device=device, dtype=dtype)
+    got = triton_mod("skinny_gemm_kernel").skinny_gemm_triton(x, w)
+    want = kernels.skinny_gemm_ref(x, w)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert_close(got, want, dtype)
+    torch.testing.assert_close(want.double(), x.double() @ w.double().t(),
+                               rtol=1e-2, atol=TOL[dtype])  # fmt: skip
+    # Other tile shapes, as a tuning sweep would try them, give the same result.
+    for config in [(2, 64, 1), (16, 128, 2)]:
+        assert_close(triton_mod("skinny_gemm_kernel").skinny_gemm_triton(x, w, config), want, dtype)
+
+
+def test_skinny_gemm_refuses_what_it_does_not_handle(device) -> None:
+    gemm = triton_mod("skinny_gemm_kernel").skinny_gemm_triton
+    with pytest.raises(ValueError, match="1..8"):
+        gemm(torch.zeros(9, 16, device=device), torch.zeros(4, 16, device=device))
+    with pytest.raises(ValueError, match="must be"):
+        gemm(torch.zeros(2, 16, device=device), torch.zeros(4, 15, device=device))
+
+
+def test_skinny_gemm_dispatch_to_triton_when_forced(device, monkeypatch) -> None:
+    x, w = torch.randn(2, 48, device=device), torch.randn(20, 48, device=device)
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
+    calls = []
+    mod = triton_mod("skinny_gemm_kernel")
+    original = mod.skinny_gemm_triton
+    monkeypatch.setattr(mod, "skinny_gemm_triton", lambda *a: calls.append(1) or original(*a))
+    assert_close(kernels.skinny_gemm(x, w), kernels.skinny_gemm_ref(x, w), torch.float32)
+    assert calls == [1]
+
+
+def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) -> None:
+    """layers.linear routes CUDA matmuls to skinny_gemm exactly where prefers_skinny_gemm
+    says so (1 row, not the LM head; 2-4 rows with outputs <= inputs), never on a CPU."""
+    import myvllm.layers.linear as linear_mod
+
+    assert kernels.prefers_skinny_gemm(1, 4096, 1024)  # qkv_proj at batch 1
+    assert not kernels.prefers_skinny_gemm(1, 151936, 1024)  # the LM head
+    assert kernels.prefers_skinny_gemm(4, 1024, 3072)  # down_proj at batch 4
+    assert not kernels.prefers_skinny_gemm(2, 6144, 1024)  # gate_up_proj at batch 2
+    assert not kernels.prefers_skinny_gemm(8, 1024, 2048)
+    calls = []
+    monkeypatch.setattr(linear_mod, "skinny_gemm", lambda x, w: calls.append(x.shape[0]) or
+                        kernels.skinny_gemm_ref(x, w))
+    w = torch.randn(4, 6)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 6)
+        torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t())  # CPU: never
+    assert calls == []
+    if HAS_CUDA:
+        for rows in (1, 3, 8):
+            linear_mod.linear(torch.randn(rows, 6, device="cuda"), w.cuda())
+        linear_mod.linear(torch.randn(1, 6, device="cuda"), w.cuda(), torch.zeros(4, device="cuda"))
+        assert calls == [1, 3]
 
 
 # ---------------------------------------------------------------- sampling

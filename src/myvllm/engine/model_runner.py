@@ -170,6 +170,8 @@ class ModelRunner:
         if self.device.type == "cuda":  # on a CPU there is no peak to measure
             self.warmup_model()
         num_blocks = self.allocate_kv_cache()
+        if self.device.type == "cuda":
+            self.warmup_cached_prefix_prefill()
         if self.rank == 0:
             gib = num_blocks * self.kv_cache_block_bytes() / 2**30
             logger.info(f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
@@ -203,15 +205,41 @@ class ModelRunner:
         seqs = [Sequence([0] * n, self.block_size) for n in lengths]
         # No KV cache exists yet: prefill attends over the fresh K/V and writes nothing.
         self.run_prefill_without_cache(seqs)
+        # Triton compiles one variant of a kernel per "specialisation" of its arguments: a
+        # token count divisible by 16 or not gives the prefill kernel a different variant,
+        # and compiling it takes ~2 s on the H200 machine. Compile both here, not in the
+        # first request: the step above has max_num_batched_tokens tokens, this one 17.
+        self.run_prefill_without_cache([Sequence([0] * 17, self.block_size)])
         rows = config.max_num_sequences
-        logits = torch.zeros(rows, self.hf_config.vocab_size, device=self.device)
+        # In the model's dtype, as the LM head returns them (the sampler's float() copy of
+        # bf16 logits is part of the peak).
+        logits = torch.zeros(rows, self.hf_config.vocab_size, device=self.device,
+                             dtype=self.dtype)
         ones = torch.ones(rows, device=self.device)
         self.sampler(logits, ones, top_ps=ones * 0.9, all_greedy=False)
+        self.sampler(logits, ones, all_greedy=False)  # the sampling kernel, compiled now
         del logits, ones
         torch.cuda.synchronize()
         # Give the freed activations back, or they would count twice when the KV cache is
         # sized: once as memory in use, once as the peak to leave room for.
         torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def warmup_cached_prefix_prefill(self) -> None:
+        """Compile the prefill kernel's variant that reads a cached prefix through the block
+        tables (~2 s), here rather than in the first request with a prefix-cache hit.
+
+        A made-up sequence whose first block counts as cached writes K/V into blocks 0-2;
+        no hash points at them, so the BlockManager hands them out as fresh blocks later.
+        """
+        seq = Sequence([0] * (2 * self.block_size + 1), self.block_size)
+        if self.num_kvcache_blocks < seq.num_blocks:
+            return  # a cache too small to matter; the first hit compiles it
+        seq.block_table = list(range(seq.num_blocks))
+        seq.num_cached_tokens = self.block_size
+        step = self.prepare_prefill([seq])
+        with forward_context(**step.context):
+            self.model.compute_logits(self.model(step.input_ids, step.positions))
 
     def run_prefill_without_cache(self, seqs: list[Sequence]) -> None:
         step = self.prepare_prefill(seqs)

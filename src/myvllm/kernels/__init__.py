@@ -11,8 +11,13 @@ and three small per-token ops of a decoder layer, fused into one kernel each on 
 (references in layer_ops_reference.py):
 
     rms_norm                 (residual add +) RMSNorm
-    norm_rope                (per-head RMSNorm +) rotary embedding of q or k
+    norm_rope                (per-head RMSNorm +) rotary embedding of q and k
     silu_and_mul             silu(gate) * up
+
+and the matmul of a small decode batch (reference in layer_ops_reference.py too):
+
+    skinny_gemm              x W^T for x of 1..8 rows (layers/linear.py uses it on a GPU
+                             where prefers_skinny_gemm says it beats cuBLAS)
 
 Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
 (and Triton is installed), otherwise the reference from kernels/reference.py. The
@@ -33,7 +38,7 @@ from functools import lru_cache
 
 import torch
 
-from .layer_ops_reference import norm_rope_ref, rms_norm_ref, silu_and_mul_ref
+from .layer_ops_reference import norm_rope_ref, rms_norm_ref, silu_and_mul_ref, skinny_gemm_ref
 from .reference import (
     flash_attention_varlen_ref,
     paged_attention_decode_ref,
@@ -51,6 +56,9 @@ __all__ = [
     "rms_norm_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "prefers_skinny_gemm",
+    "skinny_gemm",
+    "skinny_gemm_ref",
     "store_kvcache",
     "store_kvcache_ref",
     "triton_available",
@@ -158,21 +166,26 @@ def rms_norm(
 
 
 def norm_rope(
-    x: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-) -> torch.Tensor:
-    """x [N, H, D] -> RoPE(per-head RMSNorm(x)) [N, H, D] (no norm when norm_weight is None).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D], k [N, Hk, D] -> RoPE(per-head RMSNorm(x)) of each, contiguous (no norm
+    when the weights are None). On the GPU both are one kernel launch.
 
     cos_sin_cache [max_position, D] float32 (cos | sin); token i rotates by row positions[i].
     """
-    if use_triton(x):
+    if use_triton(q):
         from . import layer_ops_triton as triton_impl
 
-        return triton_impl.norm_rope_triton(x, positions, cos_sin_cache, norm_weight, eps)
-    return norm_rope_ref(x, positions, cos_sin_cache, norm_weight, eps)
+        return triton_impl.norm_rope_triton(q, k, positions, cos_sin_cache, q_norm_weight,
+                                            k_norm_weight, eps)
+    return (norm_rope_ref(q, positions, cos_sin_cache, q_norm_weight, eps),
+            norm_rope_ref(k, positions, cos_sin_cache, k_norm_weight, eps))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -182,3 +195,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return triton_impl.silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+def prefers_skinny_gemm(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether skinny_gemm beats cuBLAS for x [num_rows, in] @ W[out, in]^T on a GPU.
+
+    Measured on the H200 (bf16, inside CUDA graphs; docs/benchmarks.md): at 1 row it wins on
+    every layer of Qwen3-0.6B (1.0-4.7x), not on the LM head (151,936 outputs); at 2-4 rows
+    only where outputs <= inputs (o_proj 2.4-2.6x, down_proj up to 1.5x); at 8 rows never.
+    """
+    if num_rows == 1:
+        return out_features <= 8 * in_features
+    return num_rows <= 4 and out_features <= in_features
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] for 1 <= M <= 8 (kernels/skinny_gemm_kernel.py)."""
+    if use_triton(x):
+        from . import skinny_gemm_kernel as triton_impl
+
+        return triton_impl.skinny_gemm_triton(x, weight)
+    return skinny_gemm_ref(x, weight)

@@ -60,3 +60,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N]: float32 products and sums, rounded once."""
+    return (x.float() @ weight.float().t()).to(x.dtype)

@@ -13,7 +13,7 @@ the model dtype BEFORE the weight multiply, as HF does), so the results agree wi
 references to float32 round-off in the reductions, not just "closely".
 
     rms_norm:     one program per row             [x (+ residual)] -> norm, new residual
-    norm_rope:    one program per (token, head)   x1 | x2 halves -> normed -> rotated
+    norm_rope:    one program per (token, head of q or k)   x1 | x2 -> normed -> rotated
     silu_and_mul: one program per (row, column tile)
 """
 
@@ -87,26 +87,40 @@ def rms_norm_triton(
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr,  # [N, H, D], any token/head strides, contiguous D
+    q_ptr,  # [N, Hq, D], any token/head strides, contiguous D
+    k_ptr,  # [N, Hk, D], likewise
     positions_ptr,  # [N]
     cos_sin_ptr,  # [max_position, D] float32: cos | sin
-    weight_ptr,  # [D], read when HAS_NORM
-    out_ptr,  # [N, H, D] contiguous
-    stride_xn,
-    stride_xh,
-    num_heads,
+    q_weight_ptr,  # [D], read when HAS_NORM
+    k_weight_ptr,
+    q_out_ptr,  # [N, Hq, D] contiguous
+    k_out_ptr,  # [N, Hk, D] contiguous
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    num_q_heads,
+    num_k_heads,
     eps,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,  # next power of two >= HEAD_DIM // 2
     HAS_NORM: tl.constexpr,
 ):
+    # One launch for q and k: programs 0..Hq-1 of a token take q's heads, the rest k's.
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if head < num_q_heads:
+        src = q_ptr + token * stride_qn + head * stride_qh
+        weight_ptr = q_weight_ptr
+        dst = q_out_ptr + (token * num_q_heads + head) * HEAD_DIM
+    else:
+        src = k_ptr + token * stride_kn + (head - num_q_heads) * stride_kh
+        weight_ptr = k_weight_ptr
+        dst = k_out_ptr + (token * num_k_heads + head - num_q_heads) * HEAD_DIM
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, HALF_PAD)
     mask = offs < half
-    dtype = out_ptr.dtype.element_ty
-    src = x_ptr + token * stride_xn + head * stride_xh
+    dtype = q_out_ptr.dtype.element_ty
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
@@ -120,37 +134,48 @@ def _norm_rope_kernel(
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + position * HEAD_DIM + offs, mask=mask, other=0.0)
     sin = tl.load(cos_sin_ptr + position * HEAD_DIM + half + offs, mask=mask, other=0.0)
-    dst = out_ptr + (token * num_heads + head) * HEAD_DIM
     tl.store(dst + offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(dst + half + offs, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 def norm_rope_triton(
-    x: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-) -> torch.Tensor:
-    num_tokens, num_heads, head_dim = x.shape
-    if x.stride(-1) != 1 or not cos_sin_cache.is_contiguous():
-        raise ValueError("norm_rope: x needs a contiguous head_dim axis, cos_sin_cache must "
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim or k.dtype != q.dtype:
+        raise ValueError(f"norm_rope: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} "
+                         f"{k.dtype} need the same tokens, head_dim and dtype")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or not cos_sin_cache.is_contiguous():
+        raise ValueError("norm_rope: q and k need a contiguous head_dim axis, cos_sin_cache must "
                          "be contiguous")
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != head_dim:
         raise ValueError(f"norm_rope: cos_sin_cache must be float32 [max_position, {head_dim}], "
                          f"got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("norm_rope: give both q and k norm weights, or neither")
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
     if num_tokens == 0:
-        return out
-    _norm_rope_kernel[(num_tokens, num_heads)](
-        x, positions, cos_sin_cache, norm_weight if norm_weight is not None else x, out,
-        x.stride(0), x.stride(1), num_heads, eps,
+        return q_out, k_out
+    has_norm = q_norm_weight is not None
+    _norm_rope_kernel[(num_tokens, num_q_heads + num_k_heads)](
+        q, k, positions, cos_sin_cache,
+        q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
+        q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        num_q_heads, num_k_heads, eps,
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        HAS_NORM=norm_weight is not None,
+        HAS_NORM=has_norm,
         num_warps=1,
     )  # fmt: skip
-    return out
+    return q_out, k_out
 
 
 @triton.jit

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from myvllm.kernels import prefers_skinny_gemm, skinny_gemm
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 
@@ -38,13 +39,20 @@ CPU_WXT_MAX_ROWS = 256
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b, the matmul of every linear layer and the LM head.
 
-    On a GPU this is F.linear. On a CPU, for 2..256 rows (decode, short prefills), MKL streams
+    On a GPU this is F.linear, except for a decode batch of a few rows: there cuBLAS reads
+    some weights at a third of the memory bandwidth or less, and kernels.skinny_gemm, which
+    streams them, is used where it measured faster (kernels.prefers_skinny_gemm).
+    On a CPU, for 2..256 rows (decode, short prefills), MKL streams
     the row-major [out, in] weight much faster as W x^T than as x W^T: on the 2-core AMD EPYC
     machines we develop on, 2-3x at 4 rows (gate_up_proj of SmolLM2: 1.2 ms -> 0.5 ms), and
     decode on a CPU is bound by reading the weights; from ~512 rows F.linear wins again.
     Same math, different summation order.
     """
-    if x.is_cuda or x.dim() != 2 or not 2 <= x.size(0) <= CPU_WXT_MAX_ROWS:
+    if x.is_cuda:
+        if x.dim() == 2 and bias is None and prefers_skinny_gemm(x.size(0), *weight.shape):
+            return skinny_gemm(x, weight)
+        return F.linear(x, weight, bias)
+    if x.dim() != 2 or not 2 <= x.size(0) <= CPU_WXT_MAX_ROWS:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     if bias is not None:

@@ -86,15 +86,19 @@ class RotaryEmbedding(nn.Module):
         """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes.
 
         q_norm/k_norm (RMSNorm over head_dim, Qwen3) are applied to each head first: on the
-        GPU the norm and the rotation of all heads are one kernel per tensor.
+        GPU the norm and the rotation of all heads of q and k are one kernel.
         """
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("RotaryEmbedding: give both q_norm and k_norm, or neither")
         n = positions.shape[0]
-        rotated = []
-        for x, norm in ((q, q_norm), (k, k_norm)):
-            weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-            out = norm_rope(x.view(n, -1, self.head_dim), positions, self.cos_sin_cache, weight, eps)
-            rotated.append(out.view(x.shape))
-        return rotated[0], rotated[1]
+        q_weight = q_norm.weight if q_norm is not None else None
+        k_weight = k_norm.weight if k_norm is not None else None
+        eps = q_norm.eps if q_norm is not None else 0.0
+        if k_norm is not None and k_norm.eps != eps:
+            raise ValueError(f"RotaryEmbedding: q_norm.eps {eps} != k_norm.eps {k_norm.eps}")
+        q_out, k_out = norm_rope(q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim),
+                                 positions, self.cos_sin_cache, q_weight, k_weight, eps)
+        return q_out.view(q.shape), k_out.view(k.shape)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
