@@ -58,3 +58,29 @@ def test_bundled_gguf_matches_transformers(gguf_path: str) -> None:
         print(f"max |ours - HF| = {err:.3g}, max |logit| = {scale:.3g}")
         torch.testing.assert_close(logits, want, atol=1e-3, rtol=1e-4)
         assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
+def test_config_tokenizer_and_weights_share_one_gguf_parse(gguf_path: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLMEngine builds inside gguf_parsed_once: transformers' config and tokenizer loads and
+    our weight loader then parse the file once between them (each parse is ~6 s on 2 cores)."""
+    import gguf
+
+    from myvllm.utils.loader import gguf_parsed_once, load_hf_config
+
+    parses: list[str] = []
+
+    class CountingReader(gguf.GGUFReader):  # type: ignore[misc,valid-type]
+        def __init__(self, path, *args, **kwargs):
+            parses.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    with gguf_parsed_once():
+        load_hf_config(gguf_path)
+        load_tokenizer(gguf_path)
+        model = load_ours(gguf_path)
+        assert gguf.GGUFReader(gguf_path) is gguf.GGUFReader(gguf_path)
+    assert len(parses) == 1, parses
+    assert gguf.GGUFReader is CountingReader  # put back on the way out
+    assert model.config.num_hidden_layers == 30

@@ -39,7 +39,8 @@ from myvllm.engine.tp_workers import (WorkerPool, init_distributed, pick_init_me
                                       release_process_group)
 from myvllm.models import get_model_class
 from myvllm.sampling_parameters import SamplingParams
-from myvllm.utils.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
+from myvllm.utils.loader import (eos_token_ids, gguf_parsed_once, load_hf_config,
+                                 load_tokenizer, resolve_model_path)
 
 logger = logging.getLogger("myvllm")
 
@@ -96,6 +97,10 @@ def _shutdown(pool: WorkerPool | None, owns_process_group: bool, torch_threads: 
 
 class LLMEngine:
     def __init__(self, model: Config | str | None = None, **kwargs: Any) -> None:
+        with gguf_parsed_once():  # config, tokenizer and weights share one parse of a GGUF
+            self._build(model, **kwargs)
+
+    def _build(self, model: Config | str | None, **kwargs: Any) -> None:
         if isinstance(model, Config):
             config = dataclasses.replace(model, **kwargs) if kwargs else model
         else:
