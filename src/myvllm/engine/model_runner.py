@@ -205,10 +205,10 @@ class ModelRunner:
         seqs = [Sequence([0] * n, self.block_size) for n in lengths]
         # No KV cache exists yet: prefill attends over the fresh K/V and writes nothing.
         self.run_prefill_without_cache(seqs)
-        # Triton compiles one variant of a kernel per "specialisation" of its arguments: a
-        # token count divisible by 16 or not gives the prefill kernel a different variant,
-        # and compiling it takes ~2 s on the H200 machine. Compile both here, not in the
-        # first request: the step above has max_num_batched_tokens tokens, this one 17.
+        # Triton compiles one variant of a kernel per "specialisation" of its arguments (an
+        # int divisible by 16 or not, equal to 1, ...), ~2 s for the prefill kernel on the
+        # H200 machine. A small one-sequence prefill meets specialisations the large one
+        # does not (on the H200 it compiled one more variant): better here than mid-request.
         self.run_prefill_without_cache([Sequence([0] * 17, self.block_size)])
         rows = config.max_num_sequences
         # In the model's dtype, as the LM head returns them (the sampler's float() copy of
