@@ -32,8 +32,17 @@ def record_overlap(llm: LLM) -> list[str]:
     """Log the order of ModelRunner.run and Scheduler.postprocess calls."""
     calls: list[str] = []
     run, postprocess = llm.model_runner.run, llm.scheduler.postprocess
-    llm.model_runner.run = lambda *a: (calls.append("run"), run(*a))[1]  # type: ignore
-    llm.scheduler.postprocess = lambda *a: (calls.append("post"), postprocess(*a))[1]  # type: ignore
+
+    def logged_run(*args: Any) -> Any:
+        calls.append("run")
+        return run(*args)
+
+    def logged_postprocess(*args: Any) -> Any:
+        calls.append("post")
+        return postprocess(*args)
+
+    llm.model_runner.run = logged_run  # type: ignore[method-assign]
+    llm.scheduler.postprocess = logged_postprocess  # type: ignore[method-assign]
     return calls
 
 
@@ -58,7 +67,12 @@ def test_async_gives_the_sync_tokens_with_preemption_and_eos() -> None:
         llm = engine(mode, num_kvcache_blocks=14, eos=eos)
         preempted: list[int] = []
         preempt = llm.scheduler.preempt
-        llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))[1]
+
+        def counting_preempt(seq: Any) -> None:
+            preempted.append(seq.seq_id)
+            preempt(seq)
+
+        llm.scheduler.preempt = counting_preempt  # type: ignore[method-assign]
         calls = record_overlap(llm)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert preempted, "the small KV pool was meant to force a preemption"
