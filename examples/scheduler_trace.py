@@ -2,6 +2,7 @@
 
     uv run python examples/scheduler_trace.py            # the default story (below)
     uv run python examples/scheduler_trace.py --help     # knobs: block size, pool size, ...
+    uv run python examples/scheduler_trace.py --overlap  # the same with async scheduling
 
 The engine's loop is three calls (LLMEngine.step):
 
@@ -65,8 +66,9 @@ def show_blocks(sch: Scheduler, names: dict[int, str]) -> None:
     print(f"    free list (handed out from the left): {list(bm.free_block_ids)}")
     for seq in list(sch.running) + list(sch.waiting):
         where = "running" if seq in sch.running else "waiting"
+        pending = f" ({seq.num_pending_tokens} pending)" if seq.num_pending_tokens else ""
         print(f"    {names[seq.seq_id]}: {where:7}  tokens={seq.num_tokens:<3} "
-              f"block_table={seq.block_table}")
+              f"block_table={seq.block_table}{pending}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=6, help="completion tokens per request")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--overlap", action="store_true",
+                        help="as async scheduling does: schedule step N+1 before step N's "
+                             "tokens are read back (they count as pending meanwhile)")
     args = parser.parse_args(argv)
 
     config = Config(num_kvcache_blocks=args.num_blocks, block_size=args.block_size,
@@ -99,10 +104,11 @@ def main(argv: list[str] | None = None) -> None:
           f"every request generates {args.max_tokens} tokens\n")
 
     step = 0
+    in_flight: tuple[int, list[Sequence], list[int]] | None = None  # --overlap: not read yet
     while True:
         step += 1
         new = arrivals.pop(step, [])
-        if sch.is_finished() and not arrivals:
+        if sch.is_finished() and not arrivals and in_flight is None:
             if late is None:
                 break
             new, late = [late], None
@@ -116,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         sch.preempted_now.clear()
         seqs, is_prefill = sch.schedule()
         kind = "PREFILL" if is_prefill else "DECODE"
-        print(f"step {step}: {kind} batch={[names[s.seq_id] for s in seqs]}")
+        if seqs:
+            print(f"step {step}: {kind} batch={[names[s.seq_id] for s in seqs]}")
+        else:  # only with --overlap: what can run next depends on the step in flight
+            print(f"step {step}: nothing to schedule before the step in flight is read back")
         if is_prefill:
             for seq in seqs:
                 computed = seq.num_tokens - seq.num_cached_tokens
@@ -128,7 +137,23 @@ def main(argv: list[str] | None = None) -> None:
         for victim in sch.preempted_now:
             print(f"    PREEMPTED {names[victim.seq_id]} (tail of running): blocks freed, "
                   f"back to the front of waiting with {victim.num_tokens} tokens to recompute")
-        finished = sch.postprocess(seqs, [fake_token(s) for s in seqs])
+        tokens = [fake_token(s) for s in seqs]  # what the model would sample in this step
+        if args.overlap:
+            # Queue this step, then read back the previous one: until then its tokens are
+            # pending, counted in num_tokens (the plan above used them) but not yet known.
+            for seq in seqs:
+                seq.add_pending_token()
+            if seqs:
+                pending = [names[s.seq_id] for s in seqs]
+                print(f"    queued; pending tokens for {pending} until the next step reads them")
+            done, in_flight = in_flight, (step, seqs, tokens) if seqs else None
+            if done is None:
+                show_blocks(sch, names)
+                print()
+                continue
+            done_step, seqs, tokens = done
+            print(f"    read back step {done_step}: tokens {tokens}")
+        finished = sch.postprocess(seqs, tokens)
         for seq in finished:
             print(f"    {names[seq.seq_id]} finished: completion {seq.completion_token_ids}")
         show_blocks(sch, names)
