@@ -223,3 +223,27 @@ def test_cuda_graph_batch_sizes_cover_every_batch() -> None:
     assert cuda_graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert cuda_graph_batch_sizes(5) == [1, 2, 4, 5]
     assert cuda_graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_cached_prefix_warmup_writes_only_blocks_nobody_owns_yet() -> None:
+    """ModelRunner.warmup_cached_prefix_prefill (run at start-up on a GPU, after the KV cache
+    exists and before any request, to compile the prefill kernel's cached-prefix variant)
+    runs here on the CPU: it writes K/V only into the first blocks, registers no hash, and
+    the engine then generates what a fresh engine does."""
+    prompts = random_prompts([6, 9], seed=3)
+    fresh = LLM(str(tiny_checkpoint("qwen3")), block_size=4, num_kvcache_blocks=16,
+                max_model_length=64, max_num_batched_tokens=64)
+    expected = fresh.generate(prompts, GREEDY, use_tqdm=False)
+
+    llm = LLM(str(tiny_checkpoint("qwen3")), block_size=4, num_kvcache_blocks=16,
+              max_model_length=64, max_num_batched_tokens=64)
+    runner = llm.model_runner
+    runner.k_cache.zero_()
+    runner.v_cache.zero_()
+    runner.warmup_cached_prefix_prefill()  # 2 * 4 + 1 tokens: blocks 0, 1, 2
+    written = (runner.k_cache != 0) | (runner.v_cache != 0)  # [layers, blocks, ...]
+    written_blocks = written.flatten(2).any(dim=-1).any(dim=0).nonzero().flatten().tolist()
+    assert written_blocks and set(written_blocks) <= {0, 1, 2}
+    assert not llm.scheduler.block_manager.hash_to_block_id
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
