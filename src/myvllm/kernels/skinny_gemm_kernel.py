@@ -2,8 +2,9 @@
 
 Why: at batch 1 a decode step multiplies one row of activations by every weight matrix, so
 its time is the time to read the weights (0.9 GB for Qwen3-0.6B's layers). cuBLAS's kernels
-for such shapes read them at 1.2-1.6 TB/s on an H200 (docs/benchmarks.md), a third of what
-the memory delivers: they are built for tiles of 64+ rows. Here each program owns a few
+for such shapes read them at 0.3-2.6 TB/s on an H200, 1.15 TB/s over a whole decode step
+(docs/benchmarks.md), where the memory delivers ~4: few output features (o_proj's 1024)
+leave most SMs idle or need a split-K pass. Here each program owns a few
 output features (BLOCK_N rows of W) and streams those rows once, for all M rows of x:
 
     x [M, K]  (M <= 8: tiny, stays in cache)         W [N, K], row-major
