@@ -1,8 +1,9 @@
-"""Smoke test of the kernel benchmark scripts: `--quick` runs, exits 0, and every
+"""Smoke test of the benchmark scripts: `--quick` runs, exits 0, and every
 implementation it checks is marked correct (OK) before any timing is trusted."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,3 +29,36 @@ def test_benchmark_quick_mode_is_correct(script: str) -> None:
     assert verdicts, f"no result rows printed:\n{output[-4000:]}"
     assert "NO" not in verdicts, output[-4000:]
     assert verdicts.count("OK") >= 4, output[-4000:]
+
+
+def test_benchmark_tps_quick_mode(tmp_path: Path) -> None:
+    """The end-to-end benchmark on a tiny CPU model: correctness OK before any throughput,
+    transformers in the same run, the timeline of every step, the JSON results."""
+    timeline, results = tmp_path / "timeline.json", tmp_path / "results.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmark_tps.py"), "--quick", "--timeline", str(timeline),
+         "--json", str(results)],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "-> OK" in result.stdout, output[-4000:]
+    for line in ("myvllm:", "in a second run", "transformers:", "ratio:", "batch-1 decode:"):
+        assert line in result.stdout, f"{line!r} missing:\n{output[-4000:]}"
+    steps = json.loads(timeline.read_text())
+    assert any(s["prefill"] for s in steps) and any(not s["prefill"] for s in steps)
+    assert all(s["total_ms"] > 0 for s in steps)
+    numbers = json.loads(results.read_text())
+    assert numbers["correct"] is True and numbers["myvllm_tok_s"] > 0 and numbers["hf_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_benchmark_tps_bundled_cpu_comparison() -> None:
+    """--bundled: the CPU target of SPEC 8 (SmolLM2 GGUF against transformers) still runs."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmark_tps.py"), "--bundled"],
+        capture_output=True, text=True, timeout=900, cwd=REPO, env=dict(os.environ),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "-> OK" in result.stdout and "ratio:" in result.stdout, output[-4000:]
