@@ -78,6 +78,12 @@ def make_workload(num_seqs: int, min_len: int, max_input: int, max_output: int,
     return prompts, max_tokens
 
 
+def fresh_copy(prompts: list[list[int]]) -> list[list[int]]:
+    """The same workload with every token id XOR 1: equal lengths, and the prefix cache,
+    which still holds the original prompts, serves none of it."""
+    return [[t ^ 1 for t in p] for p in prompts]
+
+
 def hf_generate(model, prompts: list[list[int]], max_new: int, greedy: bool,
                 pad_id: int) -> list[list[int]]:
     """Left-padded static batch, exactly max_new new tokens per row (eos ignored)."""
@@ -239,12 +245,10 @@ def main() -> None:
         else:
             print("myvllm:       throughput not reported: the correctness check failed")
         results["myvllm_tok_s"] = ours_tps if correct else None
-        # The first run also pays for Triton compiling kernel variants it meets for the first
-        # time (shapes, alignments); a second run over a fresh copy of the workload (token
-        # ids XOR 1: no prefix-cache hits) shows the steady state.
-        fresh = [[t ^ 1 for t in p] for p in prompts]
+        # The first run also pays for anything done once per process (e.g. Triton compiling
+        # a kernel variant met for the first time); a second run shows the steady state.
         start = time.perf_counter()
-        llm.generate(fresh, params, use_tqdm=False)
+        llm.generate(fresh_copy(prompts), params, use_tqdm=False)
         second_tps = sum(max_tokens) / (time.perf_counter() - start)
         if correct:
             print(f"myvllm:       {second_tps:,.0f} output tok/s in a second run (fresh prompts)")
@@ -364,10 +368,8 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
         setattr(owner, name, timed(name, getattr(owner, name)))
     steps = []
     try:
-        # A fresh copy of the workload (every token id XOR 1), so that the prefix cache,
-        # which still holds the throughput run's prompts, serves none of it.
-        for prompt, param in zip(prompts, params):
-            llm.add_request([t ^ 1 for t in prompt], param)
+        for prompt, param in zip(fresh_copy(prompts), params):
+            llm.add_request(prompt, param)
         if device == "cuda":
             torch.cuda.synchronize()
         run_start = time.perf_counter()

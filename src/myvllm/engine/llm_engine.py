@@ -32,7 +32,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from myvllm.config import Config
-from myvllm.engine.model_runner import ModelRunner, resolve_device
+from myvllm.engine.model_runner import ModelRunner, SampledTokens, resolve_device
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.tp_workers import (WorkerPool, init_distributed, pick_init_method,
@@ -53,7 +53,7 @@ class _QueuedStep:
 
     seqs: list[Sequence]
     num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
-    sampled: Any  # SampledTokens (rank 0's run() result)
+    sampled: SampledTokens  # rank 0's run() result
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -190,7 +190,8 @@ class ModelRunner:
 
         That is a prefill of max_num_batched_tokens tokens (whole max_model_length sequences
         plus a remainder), then the sampler on max_num_sequences rows of logits with top-p
-        (its sort makes several vocabulary-sized copies). One name, max_num_batched_tokens,
+        (its sort makes several vocabulary-sized copies). A small prefill and the sampling
+        kernel follow, so Triton compiles their variants now. One name, max_num_batched_tokens,
         bounds both the scheduler's prefill batches and this warm-up (the original read a
         misspelled second key here).
         """

@@ -129,7 +129,7 @@ class Scheduler:
         waiting_for_last_token: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_sequences:
             seq = self.running.popleft()
-            if self.reaches_stop_length(seq):
+            if self.reaches_stop_length(seq, seq.num_tokens):
                 # Only with overlapped scheduling: its pending token is its last one.
                 # postprocess finishes it once that token reaches the host.
                 waiting_for_last_token.append(seq)
@@ -183,10 +183,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ after the forward
-    def reaches_stop_length(self, seq: Sequence) -> bool:
-        """Has seq reached max_tokens or max_model_length, counting a pending token?"""
-        return (seq.num_completion_tokens >= seq.sampling_params.max_tokens
-                or seq.num_tokens >= self.max_model_length)
+    def reaches_stop_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Would seq at num_tokens tokens have reached max_tokens or max_model_length?
+
+        schedule() counts a pending token (seq.num_tokens), postprocess only known ones.
+        """
+        return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                or num_tokens >= self.max_model_length)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append each sequence's new token; finish and release the ones that stop.
@@ -206,11 +209,8 @@ class Scheduler:
             seq.append_token(token_id)
             if seq.status == SequenceStatus.WAITING:
                 seq.needs_prefill = True  # preempted while this token was pending
-            params = seq.sampling_params
-            num_known = len(seq.token_ids)
-            if ((not params.ignore_eos and token_id in self.eos_token_ids)
-                    or num_known - seq.num_prompt_tokens >= params.max_tokens
-                    or num_known >= self.max_model_length):
+            if ((not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids)
+                    or self.reaches_stop_length(seq, len(seq.token_ids))):
                 self.finish(seq)
                 finished.append(seq)
             elif seq.block_table:

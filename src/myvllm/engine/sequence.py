@@ -66,7 +66,8 @@ class Sequence:
         # preemption); False once a token has been appended after that prefill. It only
         # decides what __getstate__ ships to tensor-parallel workers.
         self.needs_prefill: bool = True
-        # Counted in num_tokens but not yet in token_ids (see add_pending_token).
+        # Counted in num_tokens but not yet in token_ids (see add_pending_token). Kept as a
+        # count, not num_tokens - len(token_ids): a worker's copy has no token_ids.
         self.num_pending_tokens: int = 0
 
     # ------------------------------------------------------------------ token access
