@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # run w
 import torch  # noqa: E402
 
 from myvllm.config import Config  # noqa: E402
+from myvllm.engine.decode_buffers import DecodeBuffers  # noqa: E402
 from myvllm.engine.model_runner import ModelRunner  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
@@ -40,8 +41,11 @@ def runner_without_model(block_size: int) -> ModelRunner:
     runner.block_size = block_size
     runner.device = torch.device("cpu")
     runner.pin_memory = False
-    runner.block_table_staging = None  # a GPU stages block tables in pinned memory
+    runner.rank = 0  # rank 0 samples: prepare_decode reads temperatures
     runner.pad_decode = False  # a GPU pads decode batches to CUDA-graph sizes; see exercises.py
+    # Where decode steps put their inputs (room for 8 sequences of up to 8 blocks).
+    runner.decode_buffers = DecodeBuffers(8, 8, runner.device, pin_memory=False)
+    runner.last_sampled_rows = {}
     return runner
 
 

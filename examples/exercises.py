@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from myvllm.config import Config  # noqa: E402
 from myvllm.engine.block_manager import BlockManager  # noqa: E402
+from myvllm.engine.decode_buffers import DecodeBuffers, DecodeViews  # noqa: E402
 from myvllm.engine.model_runner import ModelRunner  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
@@ -32,13 +33,12 @@ from myvllm.sampling_parameters import SamplingParams  # noqa: E402
 
 
 def runner_without_model(block_size: int) -> ModelRunner:
-    """A ModelRunner shell: enough for prepare_prefill/prepare_decode/replay_cudagraph/
-    kv_cache_block_bytes, without building a model (ModelRunner.__init__ would load one)."""
+    """A ModelRunner shell: enough for prepare_prefill/kv_cache_block_bytes, without
+    building a model (ModelRunner.__init__ would load one)."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size = block_size
     runner.device = torch.device("cpu")
     runner.pin_memory = False
-    runner.block_table_staging = None  # a GPU stages block tables in pinned memory
     return runner
 
 
@@ -211,15 +211,13 @@ class FakeDecodeGraph:
     the static buffers for ALL bs rows, padding rows included. Its 'model' is tiny: the K
     (and V) of a row is its input token id, written to the row's slot by store_kvcache."""
 
-    def __init__(self, graph_vars: dict[str, torch.Tensor], bs: int,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.vars, self.bs, self.k_cache, self.v_cache = graph_vars, bs, k_cache, v_cache
+    def __init__(self, views: DecodeViews, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.views, self.k_cache, self.v_cache = views, k_cache, v_cache
 
     def replay(self) -> None:
-        ids = self.vars["input_ids"][: self.bs].float()
-        kv = ids[:, None, None].expand(self.bs, 1, HEAD_DIM).contiguous()
-        store_kvcache(kv, kv, self.k_cache, self.v_cache, self.vars["slot_mapping"][: self.bs])
-        self.vars["outputs"][: self.bs] = ids[:, None]
+        ids = self.views.input_ids.float()
+        kv = ids[:, None, None].expand(len(ids), 1, HEAD_DIM).contiguous()
+        store_kvcache(kv, kv, self.k_cache, self.v_cache, self.views.slot_mapping)
 
 
 def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -233,42 +231,39 @@ def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 
 def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     """padding_slot: "-1" (as written), "stale" (the original without its fill), or "0"."""
-    block_size, max_bs = 4, 4
+    block_size, max_bs, width = 4, 4, 4
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size, runner.device, runner.pin_memory = block_size, torch.device("cpu"), False
-    runner.block_table_staging = None  # a GPU stages block tables in pinned memory
     # pad_decode: what a GPU does (pad to a captured graph size); off by default on a CPU.
-    runner.pad_decode, runner.decode_sizes, runner.max_blocks_per_seq = True, [1, 2, 4], 4
+    runner.pad_decode, runner.decode_sizes, runner.max_blocks_per_seq = True, [1, 2, 4], width
+    # The static buffers every decode step (and graph) reads, as ModelRunner.__init__ makes them.
+    runner.decode_buffers = DecodeBuffers(max_bs, width, runner.device, pin_memory=False)
+    runner.last_sampled_rows, runner.rank = {}, 0
     bm = BlockManager(8, block_size)
     k_cache = torch.zeros(8, block_size, 1, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
-    # The static buffers, as ModelRunner.capture_cudagraph creates them.
-    graph_vars = dict(
-        input_ids=torch.zeros(max_bs, dtype=torch.int64),
-        positions=torch.zeros(max_bs, dtype=torch.int64),
-        slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
-        context_lens=torch.zeros(max_bs, dtype=torch.int32),
-        block_tables=torch.full((max_bs, 4), -1, dtype=torch.int32),
-        outputs=torch.zeros(max_bs, 1),
-    )
-    runner.graph_vars = graph_vars
-    runner.graphs = {bs: FakeDecodeGraph(graph_vars, bs, k_cache, v_cache) for bs in (1, 2, 4)}
+    static = runner.decode_buffers.views(max_bs, width)  # what the batch-4 graph reads
+    static.slot_mapping.fill_(-1)  # as capture_cudagraph leaves it
+    runner.graphs = {bs: FakeDecodeGraph(runner.decode_buffers.views(bs, width), k_cache, v_cache)
+                     for bs in (1, 2, 4)}
+    runner.graph_hidden = {bs: torch.zeros(bs, 1) for bs in (1, 2, 4)}  # the graphs' outputs
 
     def decode(seqs: list[Sequence], token: int) -> list[int]:
         for i, seq in enumerate(seqs):
             seq.append_token(token + i)
             assert bm.can_append(seq)
             bm.append(seq)
+        before = static.slot_mapping.clone()  # what the static buffer held from the last step
         step = runner.prepare_decode(seqs)  # padded to a graph size, padding slots -1
         slots = step.context["slot_mapping"]
-        assert isinstance(slots, torch.Tensor)
+        assert isinstance(slots, torch.Tensor) and slots.data_ptr() == static.slot_mapping.data_ptr()
         pad = slots == -1
-        if padding_slot == "stale":  # what the static buffer still held from the last step
-            slots[pad] = graph_vars["slot_mapping"][: len(slots)][pad]
+        if padding_slot == "stale":
+            slots[pad] = before[pad]
         elif padding_slot == "0":
             slots[pad] = 0
         runner.replay_cudagraph(step, len(slots))  # the real method
-        return graph_vars["slot_mapping"].tolist()
+        return static.slot_mapping.tolist()
 
     a, b, c, d = (Sequence([10 * i + 1, 10 * i + 2], block_size) for i in (1, 2, 3, 4))
     for seq in (a, b, c, d):
@@ -307,7 +302,7 @@ def graph_padding() -> None:
     print(f"answer: with slot 0 it overwrites A's first K ({results['-1'][1]:g} -> "
           f"{results['0'][1]:g}); any real slot belongs to someone")
     print("answer: our -1 is written by ModelRunner.prepare_decode (padding rows: slot -1, "
-          "context length 0) and capture_cudagraph (buffers created full of -1); it is "
+          "context length 0) and capture_cudagraph (captures on slots of -1); it is "
           "honored by store_kvcache: kernels/store_kvcache_kernel.py (mask slot >= 0) and "
           "kernels/reference.py (keep = slot_mapping >= 0)")
 

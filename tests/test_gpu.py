@@ -231,6 +231,31 @@ def test_async_scheduling_gives_sync_tokens_with_eos_and_mixed_lengths(
     assert any(len(o) < n for o, n in zip(outs[0], lengths)), "no sequence stopped on eos"
 
 
+def test_cuda_graph_sampling(eager_and_graph_engines) -> None:
+    """Sampling with CUDA graphs. Temperature only: the graph samples (one Triton kernel),
+    reproducibly under torch.manual_seed, and not just the argmax. top-p with per-request
+    seeds: the PyTorch sampler outside the graph, whose tokens equal the eager engine's."""
+    from myvllm import SamplingParams
+
+    eager, graph = eager_and_graph_engines
+    rng = random.Random(5)
+    prompts = [[rng.randint(0, 150000) for _ in range(rng.randint(5, 100))] for _ in range(5)]
+    hot = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append([o["token_ids"] for o in graph.generate(prompts, hot, use_tqdm=False)])
+    greedy = [o["token_ids"] for o in graph.generate(prompts, SamplingParams(**GREEDY_24),
+                                                     use_tqdm=False)]
+    assert runs[0] == runs[1]
+    assert [t[:16] for t in greedy] != runs[0]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    graph_out = graph.generate(prompts, seeded, use_tqdm=False)
+    eager_out = eager.generate(prompts, seeded, use_tqdm=False)
+    assert [o["token_ids"] for o in graph_out] == [o["token_ids"] for o in eager_out]
+
+
 def test_prefix_cache_hit_gives_cold_tokens(qwen3_random_checkpoint: Path) -> None:
     """A second request reuses the first request's 192-token prefix (12 full blocks of 16)
     and gives exactly the tokens of an engine without prefix caching. In fp32: a hit changes

@@ -560,6 +560,95 @@ def test_skinny_gemm_dispatch_to_triton_when_forced(device, monkeypatch) -> None
     assert calls == [1]
 
 
+# The fused prologues: K = 96 is not a power of two, and the configs below split it into
+# several tiles (the last one partly masked), N = 8 / 40 into one / several programs.
+FUSED_CONFIGS = [None, (2, 64, 1), (16, 32, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(8, 64), (40, 96)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_skinny_gemm_triton(device, dtype, rows, n, k, with_residual) -> None:
+    """One launch gives rms_norm_ref then skinny_gemm_ref; the new residual is bit-exact."""
+    torch.manual_seed(rows * n + k)
+    x = (torch.randn(rows, k) * 3).to(device=device, dtype=dtype)
+    residual = torch.randn(rows, k).to(device=device, dtype=dtype) if with_residual else None
+    norm_weight = (1 + torch.randn(k) * 0.1).to(device=device, dtype=dtype)
+    w = (torch.randn(n, k) / math.sqrt(k)).to(device=device, dtype=dtype)
+    want = kernels.rms_norm_skinny_gemm_ref(x, norm_weight, 1e-6, w, residual)
+    for config in FUSED_CONFIGS:
+        got = triton_mod("skinny_gemm_kernel").rms_norm_skinny_gemm_triton(
+            x, norm_weight, 1e-6, w, residual, config)
+        if with_residual:
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+            got = got[0]
+        assert got.shape == (rows, n) and got.dtype == dtype
+        assert_close(got, want[0] if with_residual else want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(8, 64), (40, 96)])
+def test_silu_and_mul_skinny_gemm_triton(device, dtype, rows, n, k) -> None:
+    torch.manual_seed(rows * n + k)
+    x = (torch.randn(rows, 2 * k) * 2).to(device=device, dtype=dtype)
+    # silu(gate) * up has a std of ~3: outputs of order 1, so the fp16 tolerance is ~1 ulp.
+    w = (torch.randn(n, k) / (4 * math.sqrt(k))).to(device=device, dtype=dtype)
+    want = kernels.silu_and_mul_skinny_gemm_ref(x, w)
+    for config in FUSED_CONFIGS:
+        got = triton_mod("skinny_gemm_kernel").silu_and_mul_skinny_gemm_triton(x, w, config)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        assert_close(got, want, dtype)
+
+
+def test_skinny_gemm_prologues_refuse_what_they_do_not_handle(device) -> None:
+    mod = triton_mod("skinny_gemm_kernel")
+    x, w = torch.zeros(2, 16, device=device), torch.zeros(4, 16, device=device)
+    norm_weight = torch.ones(16, device=device)
+    norm_gemm, silu_gemm = mod.rms_norm_skinny_gemm_triton, mod.silu_and_mul_skinny_gemm_triton
+    with pytest.raises(ValueError, match="1..8"):
+        norm_gemm(torch.zeros(9, 16, device=device), norm_weight, 1e-6, w)
+    with pytest.raises(ValueError, match="1..8"):
+        silu_gemm(torch.zeros(0, 32, device=device), w)
+    with pytest.raises(ValueError, match=r"must be \[M, K\]"):
+        norm_gemm(x, norm_weight, 1e-6, torch.zeros(4, 15, device=device))
+    with pytest.raises(ValueError, match="norm_weight"):
+        norm_gemm(x, torch.ones(15, device=device), 1e-6, w)
+    with pytest.raises(ValueError, match="residual"):
+        norm_gemm(x, norm_weight, 1e-6, w, torch.zeros(3, 16, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        norm_gemm(torch.zeros(16, 2, device=device).t(), norm_weight, 1e-6, w)
+    with pytest.raises(ValueError, match=r"must be \[M, 2K\]"):
+        silu_gemm(x, w)  # x must hold gate | up: 2 * 16 columns
+
+
+def test_skinny_gemm_prologues_dispatch_to_triton_when_forced(device, monkeypatch) -> None:
+    torch.manual_seed(0)
+    x, residual = torch.randn(2, 48, device=device), torch.randn(2, 48, device=device)
+    norm_weight, w = torch.rand(48, device=device), torch.randn(20, 48, device=device)
+    gate_up = torch.randn(2, 96, device=device)
+
+    def run_all() -> list[torch.Tensor]:
+        return [kernels.rms_norm_skinny_gemm(x, norm_weight, 1e-6, w),
+                *kernels.rms_norm_skinny_gemm(x, norm_weight, 1e-6, w, residual),
+                kernels.silu_and_mul_skinny_gemm(gate_up, w)]  # fmt: skip
+
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
+    ref_out = run_all()
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
+    calls = []
+    mod = triton_mod("skinny_gemm_kernel")
+    for name in ("rms_norm_skinny_gemm_triton", "silu_and_mul_skinny_gemm_triton"):
+        original = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    tri_out = run_all()
+    assert calls == ["rms_norm_skinny_gemm_triton"] * 2 + ["silu_and_mul_skinny_gemm_triton"]
+    for a, b in zip(tri_out, ref_out):
+        assert a.shape == b.shape
+        assert_close(a, b, torch.float32)
+
+
 def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) -> None:
     """layers.linear routes CUDA matmuls to skinny_gemm exactly where prefers_skinny_gemm
     says so (1 row, not the LM head; 2-4 rows with outputs <= inputs), never on a CPU."""
@@ -583,6 +672,50 @@ def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) ->
             linear_mod.linear(torch.randn(rows, 6, device="cuda"), w.cuda())
         linear_mod.linear(torch.randn(1, 6, device="cuda"), w.cuda(), torch.zeros(4, device="cuda"))
         assert calls == [1, 3]
+
+
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_fused_layers_compute_the_unfused_layers(device, monkeypatch, first_layer) -> None:
+    """layers/fused.py: norm_linear and silu_and_mul_linear, where they fuse (forced here,
+    on the interpreter on a CPU), give what RMSNorm -> linear and SiluAndMul -> linear give,
+    in one kernel each; the new residual stream is the exact rounded sum."""
+    import myvllm.layers.fused as fused
+    from myvllm.layers.activation import SiluAndMul
+    from myvllm.layers.layernorm import RMSNorm
+    from myvllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(1)
+    hidden, inter = 64, 96
+    norm = RMSNorm(hidden).to(device)
+    norm.weight.data = torch.rand(hidden, device=device) + 0.5
+    gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter]).to(device)
+    down_proj = RowParallelLinear(inter, hidden).to(device)
+    for layer in (gate_up_proj, down_proj):
+        layer.weight.data = torch.randn_like(layer.weight) / layer.weight.shape[1] ** 0.5
+    x = torch.randn(1, hidden, device=device)
+    residual = None if first_layer else torch.randn(1, hidden, device=device)
+
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
+    if residual is None:
+        want_residual, normed = x, norm(x)
+    else:
+        normed, want_residual = norm(x, residual)
+    want_gate_up = gate_up_proj(normed)
+    want_out = down_proj(SiluAndMul()(want_gate_up))
+
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
+    monkeypatch.setattr(fused, "uses_skinny_gemm", lambda x, w, b: True)  # as on a GPU
+    calls = []
+    mod = triton_mod("skinny_gemm_kernel")
+    for name in ("rms_norm_skinny_gemm_triton", "silu_and_mul_skinny_gemm_triton"):
+        original = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    gate_up, new_residual = fused.norm_linear(norm, gate_up_proj, x, residual)
+    out = fused.silu_and_mul_linear(SiluAndMul(), down_proj, gate_up)
+    assert calls == ["rms_norm_skinny_gemm_triton", "silu_and_mul_skinny_gemm_triton"]
+    assert torch.equal(new_residual, want_residual)
+    assert_close(gate_up, want_gate_up, torch.float32)
+    assert_close(out, want_out, torch.float32)
 
 
 # ---------------------------------------------------------------- sampling

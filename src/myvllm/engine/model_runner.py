@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from myvllm.config import Config
+from myvllm.engine.decode_buffers import DecodeBuffers, DecodeViews, SampledTokens
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
@@ -76,27 +77,6 @@ def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:
     return sizes
 
 
-class SampledTokens:
-    """The token ids of one step, on their way from the device to the host.
-
-    run() returns as soon as the step is queued; token_ids() waits for the copy. Between the
-    two the host can plan the next step (overlapped scheduling, see LLMEngine.step).
-    """
-
-    def __init__(self, tokens: torch.Tensor, pin_memory: bool) -> None:
-        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pin_memory)
-        self.host.copy_(tokens, non_blocking=pin_memory)
-        self.copied: torch.cuda.Event | None = None
-        if pin_memory:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-
-    def token_ids(self) -> list[int]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host.tolist()
-
-
 @dataclass
 class StepInputs:
     """What prepare_prefill / prepare_decode hand to run_model."""
@@ -104,6 +84,10 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     context: dict[str, object]
+    decode: DecodeViews | None = None  # a decode step's views of the DecodeBuffers
+
+
+__all__ = ["ModelRunner", "SampledTokens", "StepInputs"]
 
 
 class ModelRunner:
@@ -138,27 +122,23 @@ class ModelRunner:
         # Per-request seeded generators (rank 0 samples, so only rank 0 fills this).
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # The last step's sampled tokens, still on the device, and each sequence's row in
-        # them: a decode step feeds a pending token (Sequence.add_pending_token) from here.
-        self.last_sampled: torch.Tensor | None = None
+        self.graph_hidden: dict[int, torch.Tensor] = {}  # each graph's output (static)
+        # Each sequence's row in the last step's sampled tokens (the DecodeBuffers pool): a
+        # decode step feeds a pending token (Sequence.add_pending_token) from there.
         self.last_sampled_rows: dict[int, int] = {}
         # Pad decode batches to graph shapes on a GPU (see decode_batch_size); a CPU has no
         # graphs and gains nothing from padding (tests switch it on to exercise the padding).
         self.pad_decode = self.device.type == "cuda"
         self.decode_sizes = cuda_graph_batch_sizes(config.max_num_sequences)
         self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
-        self.graph_vars: dict[str, torch.Tensor] = {}
-        # Block tables are the largest per-step input (256 x 128 ints at the bench shape).
-        # On a GPU they are staged in one pinned buffer allocated here, not pinned per
-        # step: a per-step .pin_memory() measured ~0.3 ms of host time on the H200 machine.
-        self.block_table_staging: torch.Tensor | None = None
-        self.staging_copied: torch.cuda.Event | None = None
-        if self.pin_memory:
-            self.block_table_staging = torch.empty(
-                config.max_num_sequences * self.max_blocks_per_seq, dtype=torch.int32,
-                pin_memory=True)  # fmt: skip
-            self.block_table_staging_np = self.block_table_staging.numpy()  # same memory
-            self.staging_copied = torch.cuda.Event()
+        # A decode step's inputs and sampled tokens live in fixed buffers: no allocation per
+        # step, and a CUDA graph reads them in place (engine/decode_buffers.py).
+        self.decode_buffers = DecodeBuffers(config.max_num_sequences, self.max_blocks_per_seq,
+                                            self.device, self.pin_memory)
+        # With one GPU a decode graph runs the whole step: model, LM head and the sampling
+        # kernel. With tensor parallelism the LM head gathers the logits to rank 0 over NCCL,
+        # and that gather stays outside the graph.
+        self.sample_in_graph = get_tp_size() == 1
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
@@ -302,34 +282,16 @@ class ModelRunner:
         tensor = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
         return tensor.to(self.device, non_blocking=True)
 
-    def prepare_block_tables(self, seqs: list[Sequence], width: int | None = None,
-                             padding_rows: int = 0) -> torch.Tensor:
+    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Block tables padded with -1 to a rectangle (the kernels never read past the context).
 
-        Filled row by row through a numpy view: at batch 256 with 128-block rows a nested
-        Python list would cost milliseconds per decode step.
+        For a prefill with a cached prefix; decode steps fill theirs in DecodeBuffers.
         """
-        width = width or max(len(seq.block_table) for seq in seqs)
-        rows = len(seqs) + padding_rows
-        staging = self.block_table_staging
-        staged = staging is not None and rows * width <= staging.numel()
-        if staged:
-            # The previous step's copy out of this buffer must be done before we refill it
-            # (it almost always is: rank 0 waited for that step's tokens).
-            assert self.staging_copied is not None and staging is not None
-            self.staging_copied.synchronize()
-            tables = self.block_table_staging_np[: rows * width].reshape(rows, width)
-            host = staging[: rows * width].view(rows, width)
-        else:
-            tables = np.empty((rows, width), dtype=np.int32)
-            host = torch.from_numpy(tables)
-        tables.fill(-1)
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)
         for row, seq in enumerate(seqs):
             tables[row, : len(seq.block_table)] = seq.block_table
-        tensor = host.to(self.device, non_blocking=True)  # on a CPU: host itself
-        if staged:
-            self.staging_copied.record()
-        return tensor
+        return torch.from_numpy(tables).to(self.device)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         """Flatten the uncached part of every prompt into one batch.
@@ -397,32 +359,42 @@ class ModelRunner:
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
         """One new token per sequence; its K/V goes to the slot after the last one used.
 
-        A sequence whose last token is still pending (overlapped scheduling) gets it from
-        the previous step's sampled tokens on the device, without a round trip to the host.
+        The values go to the fixed DecodeBuffers (two host-to-device copies, no allocation).
+        A sequence whose last token is still pending (overlapped scheduling) reads it from
+        the sampled-token pool on the device, without a round trip to the host.
         """
-        padding = self.decode_batch_size(len(seqs)) - len(seqs)
-        pending_rows = [row for row, seq in enumerate(seqs) if seq.num_pending_tokens]
+        bs = self.decode_batch_size(len(seqs))
+        padding = bs - len(seqs)
+        pool_size = self.decode_buffers.max_bs
+        token_index = []  # see DecodeBuffers: where each row's input id is read from
+        for row, seq in enumerate(seqs):
+            if seq.num_pending_tokens == 0:
+                token_index.append(pool_size + row)  # the host id below
+            else:
+                assert seq.seq_id in self.last_sampled_rows, "a pending token but no step"
+                token_index.append(self.last_sampled_rows[seq.seq_id])
+        token_index += [pool_size + row for row in range(len(seqs), bs)]
         input_ids = [seq.last_token if seq.num_pending_tokens == 0 else 0 for seq in seqs]
         input_ids += [0] * padding
         positions = [len(seq) - 1 for seq in seqs] + [0] * padding
         context_lens = [len(seq) for seq in seqs] + [0] * padding
         slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
                         for seq in seqs] + [-1] * padding
-        width = self.max_blocks_per_seq if self.pad_decode else None
-        block_tables = self.prepare_block_tables(seqs, width, padding)
-        context = dict(
-            is_prefill=False,
-            slot_mapping=self.to_device(slot_mapping, torch.int32),
-            context_lens=self.to_device(context_lens, torch.int32),
-            block_tables=block_tables,
-        )
-        input_ids_device = self.to_device(input_ids, torch.int64)
-        if pending_rows:
-            assert self.last_sampled is not None, "a pending token but no step before"
-            source_rows = [self.last_sampled_rows[seqs[row].seq_id] for row in pending_rows]
-            input_ids_device[self.to_device(pending_rows, torch.int64)] = (
-                self.last_sampled[self.to_device(source_rows, torch.int64)])
-        return StepInputs(input_ids_device, self.to_device(positions, torch.int64), context)
+        # Only rank 0 samples (a worker's copy of a Sequence carries no sampling_params).
+        temperatures = [seq.sampling_params.temperature if self.rank == 0 else 0.0
+                        for seq in seqs] + [0.0] * padding
+        width = (self.max_blocks_per_seq if self.pad_decode
+                 else max(len(seq.block_table) for seq in seqs))
+        views = self.decode_buffers.copy_in(
+            bs, width, [input_ids, positions, token_index], [slot_mapping, context_lens],
+            temperatures, [seq.block_table for seq in seqs])
+        return self.decode_step_inputs(views)
+
+    @staticmethod
+    def decode_step_inputs(views: DecodeViews) -> StepInputs:
+        context = dict(is_prefill=False, slot_mapping=views.slot_mapping,
+                       context_lens=views.context_lens, block_tables=views.block_tables)
+        return StepInputs(views.input_ids, views.positions, context, views)
 
     def prepare_sample(self, seqs: list[Sequence]) -> dict[str, object]:
         """Sampling settings as device tensors, plus host-side hints for the fast paths.
@@ -458,22 +430,28 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
 
     # ------------------------------------------------------------------ forward
-    @torch.inference_mode()
-    def run_model(self, step: StepInputs, is_prefill: bool, num_seqs: int) -> torch.Tensor | None:
-        """Forward pass -> logits of the num_seqs real sequences (rank 0; None elsewhere).
+    def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
+                       ) -> torch.Tensor:
+        """One decode step on the DecodeBuffers: what a decode CUDA graph captures.
 
-        Prefill: the LM head keeps each sequence's last token. Decode: eager, or the replay
-        of the graph captured for this (padded) batch size; padding rows are dropped before
-        the LM head.
+        The model's hidden states for all (padded) rows are returned. With `sample`, the LM
+        head and the sampler (temperature only: on a GPU one Triton kernel; greedy rows take
+        the argmax) also run, and the tokens go to the sampled-token pool. A graph is
+        captured with all_greedy=False, so it serves greedy and sampled batches alike.
         """
-        if is_prefill:
-            return self.model.compute_logits(self.model(step.input_ids, step.positions))
-        padded_size = step.input_ids.size(0)
-        if self.enforce_eager or padded_size not in self.graphs:
-            hidden = self.model(step.input_ids, step.positions)
-        else:
-            hidden = self.replay_cudagraph(step, padded_size)
-        return self.model.compute_logits(hidden[:num_seqs])
+        hidden = self.model(step.input_ids, step.positions)
+        if sample:
+            views = step.decode
+            assert views is not None
+            logits = self.model.compute_logits(hidden)
+            views.sampled.copy_(self.sampler(logits, views.temperatures, all_greedy=all_greedy))
+        return hidden
+
+    @staticmethod
+    def needs_full_sampler(seqs: list[Sequence]) -> bool:
+        """top-k, top-p and per-request seeds need the PyTorch sampler (layers/sampler.py)."""
+        return any(seq.sampling_params.top_k > 0 or seq.sampling_params.top_p < 1.0
+                   or seq.sampling_params.seed is not None for seq in seqs)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
@@ -481,19 +459,41 @@ class ModelRunner:
 
         Rank 0 returns the tokens as SampledTokens (call .token_ids() to wait for them),
         other ranks None. Nothing here waits for the device.
+
+            prefill   model -> LM head (last token of each sequence) -> Sampler
+            decode    one GPU, temperature-only sampling: the whole step is one graph
+                      replay (decode_forward); otherwise the model (a graph replay), then
+                      the LM head and the Sampler outside it
         """
-        step = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        sample_args = self.prepare_sample(seqs) if self.rank == 0 else None
-        with forward_context(**step.context):
-            logits = self.run_model(step, is_prefill, len(seqs))
+        num_seqs = len(seqs)
+        logits = None
+        if is_prefill:
+            step = self.prepare_prefill(seqs)
+            with forward_context(**step.context):
+                logits = self.model.compute_logits(self.model(step.input_ids, step.positions))
+        else:
+            step = self.prepare_decode(seqs)
+            full_sampler = not self.sample_in_graph or self.needs_full_sampler(seqs)
+            with forward_context(**step.context):
+                bs = step.input_ids.size(0)
+                if self.enforce_eager or bs not in self.graphs:
+                    sample = not full_sampler
+                    all_greedy = sample and all(seq.sampling_params.temperature == 0
+                                                for seq in seqs)
+                    hidden = self.decode_forward(step, sample, all_greedy)
+                else:
+                    hidden = self.replay_cudagraph(step, bs)
+                if full_sampler:  # on every rank: with TP the LM head is collective
+                    # All bs rows, as in decode_forward, so both paths compute the same.
+                    logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
-        assert logits is not None and sample_args is not None
-        # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
-        tokens = self.sampler(logits, **sample_args)
-        self.last_sampled = tokens
+        pool = self.decode_buffers.sampled
+        if logits is not None:
+            # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
+            pool[:num_seqs].copy_(self.sampler(logits[:num_seqs], **self.prepare_sample(seqs)))
         self.last_sampled_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
-        return SampledTokens(tokens, self.pin_memory)
+        return self.decode_buffers.read_back(num_seqs)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -505,40 +505,31 @@ class ModelRunner:
         change with every batch. Decode is also where launch overhead dominates: at batch 1
         the GPU work per layer is tiny and hundreds of kernel launches would take longer
         than the math.
+
+        Every graph reads its inputs from, and writes its tokens to, the DecodeBuffers: the
+        views for (bs, max_blocks_per_seq) are the same memory at every step.
         """
-        max_bs = self.config.max_num_sequences
-        max_blocks = self.max_blocks_per_seq
-        hidden_size = self.hf_config.hidden_size
-        device = self.device
-        graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=device),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=device),
-            block_tables=torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=device),
-            outputs=torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=device),
-        )
         pool = None
         for bs in reversed(self.decode_sizes):
+            views = self.decode_buffers.views(bs, self.max_blocks_per_seq)
+            # Captured on padding rows: slot -1 (store nothing), context 0 (attend to nothing).
+            views.slot_mapping.fill_(-1)
+            views.context_lens.zero_()
+            views.block_tables.fill_(-1)
+            views.temperatures.zero_()
+            views.input_ids.zero_()
+            views.positions.zero_()
+            step = self.decode_step_inputs(views)
             graph = torch.cuda.CUDAGraph()
-            context = dict(
-                is_prefill=False,
-                slot_mapping=graph_vars["slot_mapping"][:bs],
-                context_lens=graph_vars["context_lens"][:bs],
-                block_tables=graph_vars["block_tables"][:bs],
-            )
-            with forward_context(**context):
+            with forward_context(**step.context):
                 # Warm-up outside the graph (autotuning, lazy init), then capture.
-                graph_vars["outputs"][:bs] = self.model(graph_vars["input_ids"][:bs],
-                                                        graph_vars["positions"][:bs])
+                self.decode_forward(step, sample=self.sample_in_graph)
                 with torch.cuda.graph(graph, pool):
-                    graph_vars["outputs"][:bs] = self.model(graph_vars["input_ids"][:bs],
-                                                            graph_vars["positions"][:bs])
+                    self.graph_hidden[bs] = self.decode_forward(step, sample=self.sample_in_graph)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
-        self.graph_vars = graph_vars
 
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs (decode falls back to eager).
@@ -550,22 +541,17 @@ class ModelRunner:
         if self.graphs:
             torch.cuda.synchronize(self.device)
             self.graphs.clear()
-            self.graph_vars = {}
+            self.graph_hidden.clear()
 
     def replay_cudagraph(self, step: StepInputs, batch_size: int) -> torch.Tensor:
-        """Copy the (already padded) step into the graph's static buffers, replay, return the
-        hidden states of all batch_size rows.
+        """Replay the graph of this (padded) batch size; returns the hidden states of all
+        batch_size rows.
 
-        prepare_decode padded the batch to this graph's size: rows past the real sequences
-        carry slot -1, so store_kvcache writes nothing for them (stale buffer contents
-        would otherwise overwrite a live sequence's K/V), and context length 0.
+        There is nothing to copy first: prepare_decode wrote the step into the very buffers
+        the graph was captured on, padding rows included (slot -1, so store_kvcache writes
+        nothing for them: stale values would overwrite a live sequence's K/V; context
+        length 0).
         """
-        graph_vars = self.graph_vars
-        context = step.context
-        graph_vars["input_ids"][:batch_size] = step.input_ids
-        graph_vars["positions"][:batch_size] = step.positions
-        graph_vars["slot_mapping"][:batch_size] = context["slot_mapping"]
-        graph_vars["context_lens"][:batch_size] = context["context_lens"]
-        graph_vars["block_tables"][:batch_size] = context["block_tables"]
+        assert step.decode is not None and step.decode.input_ids.size(0) == batch_size
         self.graphs[batch_size].replay()
-        return graph_vars["outputs"][:batch_size]
+        return self.graph_hidden[batch_size]

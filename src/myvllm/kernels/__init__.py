@@ -19,6 +19,13 @@ and the matmul of a small decode batch (reference in layer_ops_reference.py too)
     skinny_gemm              x W^T for x of 1..8 rows (layers/linear.py uses it on a GPU
                              where prefers_skinny_gemm says it beats cuBLAS)
 
+with two fused forms that apply the op before the matmul to x as the matmul loads it: one
+launch instead of two, for batch-1 decode, which is launch-bound (same kernel, a constexpr
+prologue; references: the two references one after the other):
+
+    rms_norm_skinny_gemm     (residual add +) RMSNorm, then x W^T  (qkv_proj, gate_up_proj)
+    silu_and_mul_skinny_gemm silu(gate) * up, then x W^T           (down_proj)
+
 Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
 (and Triton is installed), otherwise the reference from kernels/reference.py. The
 environment variable MYVLLM_FORCE_TRITON overrides that choice at call time:
@@ -38,7 +45,14 @@ from functools import lru_cache
 
 import torch
 
-from .layer_ops_reference import norm_rope_ref, rms_norm_ref, silu_and_mul_ref, skinny_gemm_ref
+from .layer_ops_reference import (
+    norm_rope_ref,
+    rms_norm_ref,
+    rms_norm_skinny_gemm_ref,
+    silu_and_mul_ref,
+    silu_and_mul_skinny_gemm_ref,
+    skinny_gemm_ref,
+)
 from .reference import (
     flash_attention_varlen_ref,
     paged_attention_decode_ref,
@@ -54,8 +68,12 @@ __all__ = [
     "paged_attention_decode_ref",
     "rms_norm",
     "rms_norm_ref",
+    "rms_norm_skinny_gemm",
+    "rms_norm_skinny_gemm_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "silu_and_mul_skinny_gemm",
+    "silu_and_mul_skinny_gemm_ref",
     "prefers_skinny_gemm",
     "skinny_gemm",
     "skinny_gemm_ref",
@@ -216,3 +234,29 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return triton_impl.skinny_gemm_triton(x, weight)
     return skinny_gemm_ref(x, weight)
+
+
+def rms_norm_skinny_gemm(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x, norm_weight, eps, residual) @ weight [N, K]^T for x [M, K], 1 <= M <= 8, in
+    one launch on the GPU. Without residual -> [M, N]; with it -> ([M, N], x + residual)."""
+    if use_triton(x):
+        from . import skinny_gemm_kernel as triton_impl
+
+        return triton_impl.rms_norm_skinny_gemm_triton(x, norm_weight, eps, weight, residual)
+    return rms_norm_skinny_gemm_ref(x, norm_weight, eps, weight, residual)
+
+
+def silu_and_mul_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(x) @ weight [N, K]^T for x [M, 2K] = gate | up, 1 <= M <= 8, in one launch
+    on the GPU -> [M, N]."""
+    if use_triton(x):
+        from . import skinny_gemm_kernel as triton_impl
+
+        return triton_impl.silu_and_mul_skinny_gemm_triton(x, weight)
+    return silu_and_mul_skinny_gemm_ref(x, weight)

@@ -13,6 +13,12 @@ and are the oracle those kernels are tested against. Numerics follow HF transfor
   in the model dtype.
 - RoPE: the rotation runs in float32 on the float32 cos/sin table, then is cast back.
 - SiLU: F.silu rounds to the model dtype before the multiply, as HF's act_fn(gate) * up does.
+
+The small-batch matmul's reference is here too (skinny_gemm_ref), and so are those of its
+fused forms, which are simply the two references one after the other:
+
+    rms_norm_skinny_gemm       rms_norm, then x W^T       layer norms -> qkv_proj, gate_up_proj
+    silu_and_mul_skinny_gemm   silu_and_mul, then x W^T   act_fn -> down_proj
 """
 
 from __future__ import annotations
@@ -65,3 +71,23 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]: float32 products and sums, rounded once."""
     return (x.float() @ weight.float().t()).to(x.dtype)
+
+
+def rms_norm_skinny_gemm_ref(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm_ref then skinny_gemm_ref: x [M, K] -> [M, N]; with residual, that and the new
+    residual stream x + residual, as rms_norm_ref returns it."""
+    if residual is None:
+        return skinny_gemm_ref(rms_norm_ref(x, norm_weight, eps), weight)
+    normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual)
+    return skinny_gemm_ref(normed, weight), new_residual
+
+
+def silu_and_mul_skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul_ref then skinny_gemm_ref: x [M, 2K] = gate | up, weight [N, K] -> [M, N]."""
+    return skinny_gemm_ref(silu_and_mul_ref(x), weight)

@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Same math, different summation order.
     """
     if x.is_cuda:
-        if x.dim() == 2 and bias is None and prefers_skinny_gemm(x.size(0), *weight.shape):
+        if uses_skinny_gemm(x, weight, bias):
             return skinny_gemm(x, weight)
         return F.linear(x, weight, bias)
     if x.dim() != 2 or not 2 <= x.size(0) <= CPU_WXT_MAX_ROWS:
@@ -58,6 +58,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.contiguous()
+
+
+def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether linear(x, weight, bias) runs kernels.skinny_gemm (layers/fused.py asks too)."""
+    return (x.is_cuda and x.dim() == 2 and bias is None
+            and prefers_skinny_gemm(x.size(0), *weight.shape))
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -268,7 +274,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Add the bias on one rank only, or the all_reduce would add it tp times.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return self.reduce(linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs (in place)."""
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -30,6 +30,7 @@ from torch import nn
 from myvllm.layers.activation import SiluAndMul
 from myvllm.layers.attention import Attention
 from myvllm.layers.embedding_head import ParallelLMHead, VocabParallelEmbedding
+from myvllm.layers.fused import norm_linear, silu_and_mul_linear
 from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from myvllm.layers.rotary_embedding import get_rope
@@ -61,8 +62,8 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv = qkv_proj(input_layernorm(x)): the decoder layer runs it (layers/fused.py)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
@@ -80,8 +81,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up = gate_up_proj(post_attention_layernorm(x)), which the decoder layer runs
+        (fused where it can: layers/fused.py)."""
+        return silu_and_mul_linear(self.act_fn, self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,14 +98,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # Each RMSNorm runs inside the matmul after it where that is a skinny_gemm (a decode
+        # batch of one row on a GPU), else as its own kernel: layers/fused.py.
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj,
+                                    hidden_states, residual)
+        hidden_states = self.self_attn(positions, qkv)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                        hidden_states, residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

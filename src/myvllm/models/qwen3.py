@@ -12,10 +12,13 @@ One decoder layer (pre-norm; the residual add is fused into the next RMSNorm):
     x, residual = input_layernorm(x, residual)
     q, k, v     = split(qkv_proj(x))
     q, k        = rope(positions, q, k, q_norm, k_norm)   # per-head RMSNorm (Qwen3 only),
-                                                          # then RoPE: one kernel each on GPU
+                                                          # then RoPE: one kernel on GPU
     x           = o_proj(attention(q, k, v))
     x, residual = post_attention_layernorm(x, residual)
     x           = down_proj(silu(gate) * up)   # gate, up = gate_up_proj(x)
+
+At decode batch 1 on a GPU each RMSNorm runs inside the matmul after it, and silu(gate) * up
+inside down_proj (layers/fused.py): the same math in fewer kernel launches.
 
 Every hyper-parameter comes from the HF config object.
 """
@@ -30,6 +33,7 @@ from torch import nn
 from myvllm.layers.activation import SiluAndMul
 from myvllm.layers.attention import Attention
 from myvllm.layers.embedding_head import ParallelLMHead, VocabParallelEmbedding
+from myvllm.layers.fused import norm_linear, silu_and_mul_linear
 from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from myvllm.layers.rotary_embedding import get_rope
@@ -64,9 +68,10 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        n = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv = qkv_proj(input_layernorm(x)), which the decoder layer runs (fused where it
+        can: layers/fused.py)."""
+        n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -87,8 +92,10 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up = gate_up_proj(post_attention_layernorm(x)), which the decoder layer runs
+        (fused where it can: layers/fused.py)."""
+        return silu_and_mul_linear(self.act_fn, self.down_proj, gate_up)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -102,14 +109,14 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:  # first layer: the residual stream starts as the embeddings
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # Each RMSNorm runs inside the matmul after it where that is a skinny_gemm (a decode
+        # batch of one row on a GPU), else as its own kernel: layers/fused.py.
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj,
+                                    hidden_states, residual)
+        hidden_states = self.self_attn(positions, qkv)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                        hidden_states, residual)
+        return self.mlp(gate_up), residual
 
 
 class Qwen3Model(nn.Module):
