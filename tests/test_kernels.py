@@ -62,6 +62,7 @@ from myvllm.kernels import (  # noqa: E402
 )
 
 KERNEL_MODULES = [
+    "myvllm.kernels.pdl",  # first: the kernel modules import its pdl_wait when reloaded
     "myvllm.kernels.store_kvcache_kernel",
     "myvllm.kernels.prefill_attention",
     "myvllm.kernels.decode_attention",
@@ -716,6 +717,62 @@ def test_fused_layers_compute_the_unfused_layers(device, monkeypatch, first_laye
     assert torch.equal(new_residual, want_residual)
     assert_close(gate_up, want_gate_up, torch.float32)
     assert_close(out, want_out, torch.float32)
+
+
+def test_pdl_is_off_on_a_cpu_and_when_switched_off(monkeypatch) -> None:
+    from myvllm.kernels.pdl import pdl_enabled, pdl_launch_args
+
+    assert not pdl_enabled(torch.zeros(1))
+    assert pdl_launch_args(False) == {}  # the interpreter's launcher knows no launch_pdl
+    if HAS_CUDA:
+        on_hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl_enabled(torch.zeros(1, device="cuda")) == on_hopper
+        monkeypatch.setenv("MYVLLM_PDL", "0")
+        assert not pdl_enabled(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="programmatic dependent launch needs a GPU")
+def test_pdl_launches_give_the_same_bits(device, monkeypatch) -> None:
+    """The decode-path kernels back to back, launched with PDL and without: every output
+    equal to the bit (each kernel waits for the previous one before it reads its output)."""
+    from myvllm.kernels.pdl import pdl_enabled
+
+    torch.manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    hidden, heads, kv_heads, head_dim, block_size = 1024, 16, 8, 128, 16
+    w_qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, **bf) / 32
+    w_o = torch.randn(hidden, heads * head_dim, **bf) / 32
+    w_gate_up, w_down = torch.randn(6144, hidden, **bf) / 32, torch.randn(hidden, 3072, **bf) / 32
+    norm_w = torch.rand(hidden, **bf) + 0.5
+    cos_sin = torch.randn(256, head_dim, device=device)
+    k_cache = torch.randn(64, block_size, kv_heads, head_dim, **bf)
+    v_cache = torch.randn_like(k_cache)
+    x, residual = torch.randn(1, hidden, **bf), torch.randn(1, hidden, **bf)
+    block_tables = torch.arange(8, dtype=torch.int32, device=device)[None]
+    context_lens = torch.tensor([100], dtype=torch.int32, device=device)
+
+    def step() -> list[torch.Tensor]:
+        k_c, v_c = k_cache.clone(), v_cache.clone()
+        qkv, res = kernels.rms_norm_skinny_gemm(x, norm_w, 1e-6, w_qkv, residual)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k = kernels.norm_rope(q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim),
+                                 context_lens.long() - 1, cos_sin, norm_w[:head_dim],
+                                 norm_w[:head_dim], 1e-6)
+        kernels.store_kvcache(k, v.reshape(1, kv_heads, head_dim), k_c, v_c, context_lens - 1)
+        o = kernels.paged_attention_decode(q, k_c, v_c, block_tables, context_lens, 0.088)
+        h = kernels.skinny_gemm(o.reshape(1, -1), w_o)
+        h, res = kernels.rms_norm(h, norm_w, 1e-6, res)
+        gate_up = kernels.skinny_gemm(h, w_gate_up)
+        out = kernels.silu_and_mul_skinny_gemm(gate_up, w_down)
+        act = kernels.silu_and_mul(gate_up)
+        return [qkv, q, k, k_c, o, h, res, gate_up, out, act]
+
+    monkeypatch.setenv("MYVLLM_PDL", "0")
+    plain = step()
+    monkeypatch.delenv("MYVLLM_PDL")
+    assert pdl_enabled(x) == (torch.cuda.get_device_capability()[0] >= 9)
+    for a, b in zip(step(), plain):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- sampling

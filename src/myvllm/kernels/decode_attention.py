@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+
 LOG2E = math.log2(math.e)
 
 
@@ -66,7 +68,9 @@ def _paged_decode_split_kernel(
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,7 +143,9 @@ def _paged_decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -262,6 +268,7 @@ def paged_attention_decode_triton(
         )
     else:
         m_part = l_part = acc_part = o  # unused by the kernel in this mode
+    use_pdl = pdl_enabled(q)
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, o, m_part, l_part, acc_part,
         scale * LOG2E,
@@ -275,6 +282,8 @@ def paged_attention_decode_triton(
         PAGE=block_size,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_PDL=use_pdl,
+        **pdl_launch_args(use_pdl),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -285,6 +294,8 @@ def paged_attention_decode_triton(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            USE_PDL=use_pdl,
+            **pdl_launch_args(use_pdl),
             num_warps=4,
         )  # fmt: skip
     return o

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -37,7 +39,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # kernels/pdl.py (all three kernels here)
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden_size
@@ -67,10 +71,11 @@ def rms_norm_triton(
         return out if residual is None else (out, torch.empty_like(out))
     block = triton.next_power_of_2(hidden_size)
     num_warps = min(16, max(1, block // 256))
+    pdl = dict(USE_PDL=pdl_enabled(x), **pdl_launch_args(pdl_enabled(x)))
     if residual is None:
         _rms_norm_kernel[(x2d.shape[0],)](
             x2d, x2d, weight, out, out, x2d.stride(0), 0, hidden_size, eps,
-            HAS_RESIDUAL=False, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=False, BLOCK=block, num_warps=num_warps, **pdl,
         )  # fmt: skip
         return out
     r2d = residual.reshape(-1, hidden_size)
@@ -80,7 +85,7 @@ def rms_norm_triton(
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(x2d.shape[0],)](
         x2d, r2d, weight, out, new_residual, x2d.stride(0), r2d.stride(0), hidden_size, eps,
-        HAS_RESIDUAL=True, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=True, BLOCK=block, num_warps=num_warps, **pdl,
     )  # fmt: skip
     return out, new_residual
 
@@ -105,7 +110,9 @@ def _norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,  # next power of two >= HEAD_DIM // 2
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # One launch for q and k: programs 0..Hq-1 of a token take q's heads, the rest k's.
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -173,6 +180,8 @@ def norm_rope_triton(
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
+        USE_PDL=pdl_enabled(q),
+        **pdl_launch_args(pdl_enabled(q)),
         num_warps=1,
     )  # fmt: skip
     return q_out, k_out
@@ -185,7 +194,9 @@ def _silu_and_mul_kernel(
     stride_x,
     inter_size,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter_size
@@ -207,6 +218,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter_size))
     _silu_and_mul_kernel[(x2d.shape[0], triton.cdiv(inter_size, block))](
-        x2d, out, x2d.stride(0), inter_size, BLOCK=block, num_warps=4,
+        x2d, out, x2d.stride(0), inter_size, BLOCK=block, USE_PDL=pdl_enabled(x),
+        **pdl_launch_args(pdl_enabled(x)), num_warps=4,
     )  # fmt: skip
     return out

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+
 
 @triton.jit
 def _gumbel_sample_kernel(
@@ -35,7 +37,9 @@ def _gumbel_sample_kernel(
     vocab_size,
     NUM_CHUNKS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
@@ -80,7 +84,8 @@ def gumbel_sample_triton(
     best_index = torch.empty((batch, num_chunks), dtype=torch.int64, device=logits.device)
     _gumbel_sample_kernel[(batch, num_chunks)](
         logits, temperatures.float(), seeds, best_score, best_index, logits.stride(0),
-        vocab_size, NUM_CHUNKS=num_chunks, BLOCK=block, num_warps=4,
+        vocab_size, NUM_CHUNKS=num_chunks, BLOCK=block, USE_PDL=pdl_enabled(logits),
+        **pdl_launch_args(pdl_enabled(logits)), num_warps=4,
     )  # fmt: skip
     winner = best_score.argmax(dim=1, keepdim=True)
     return best_index.gather(1, winner).squeeze(1)

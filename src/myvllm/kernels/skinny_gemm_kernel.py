@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+
 # Largest row count the kernel accepts; kernels.prefers_skinny_gemm decides when it is used.
 MAX_ROWS = 8
 
@@ -76,6 +78,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr,  # "none" | "rms_norm" | "silu_and_mul", applied to x as loaded
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,  # kernels/pdl.py
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -84,6 +87,11 @@ def _skinny_gemm_kernel(
     m_mask = offs_m < M
     dtype = out_ptr.dtype.element_ty
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    # The first tile of W is loaded before pdl_wait: no kernel writes the weights, so with
+    # PDL this read overlaps the end of the previous kernel. Each iteration below loads the
+    # next tile before it uses the current one.
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    pdl_wait(USE_PDL)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     r_ptrs = residual_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
     if PROLOGUE == "rms_norm":  # pass 1: rstd of each row (and the new residual stream)
@@ -101,7 +109,9 @@ def _skinny_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         x_mask = m_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_ptrs += BLOCK_K  # the next tile (past the end of K: all masked, no memory traffic)
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (k0 + BLOCK_K + offs_k < K)[None, :],
+                         other=0.0)
         if PROLOGUE == "rms_norm":  # round where rms_norm_ref rounds: after the norm, after w
             x = _rms_norm_input(x_ptrs, r_ptrs, x_mask, out_ptr, HAS_RESIDUAL)
             norm_w = tl.load(norm_weight_ptr + k0 + offs_k, mask=k_mask, other=0.0)
@@ -115,7 +125,7 @@ def _skinny_gemm_kernel(
         else:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-        w_ptrs += BLOCK_K
+        w = w_next
         x_ptrs += BLOCK_K
         r_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
@@ -170,6 +180,7 @@ def _launch(
         0 if residual is None else residual.stride(0), eps,
         BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        USE_PDL=pdl_enabled(x), **pdl_launch_args(pdl_enabled(x)),
     )  # fmt: skip
     return out, new_residual
 

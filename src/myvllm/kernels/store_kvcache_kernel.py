@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+
 
 @triton.jit
 def _store_kvcache_kernel(
@@ -34,7 +36,9 @@ def _store_kvcache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_HD: tl.constexpr,  # next power of two >= num_kv_heads * head_dim
     ROW: tl.constexpr,  # num_kv_heads * head_dim
+    USE_PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     offs = tl.arange(0, BLOCK_HD)
@@ -83,5 +87,7 @@ def store_kvcache_triton(
         HEAD_DIM=head_dim,
         BLOCK_HD=triton.next_power_of_2(row),
         ROW=row,
+        USE_PDL=pdl_enabled(key),
+        **pdl_launch_args(pdl_enabled(key)),
         num_warps=4,
     )

@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (PDL): the next kernel starts while this one finishes.
+
+A decode step at batch 1 is ~200 kernels of a few microseconds each, and between two kernels
+of a CUDA graph the GPU idles while the first one's last programs drain and the second one's
+programs are launched. On Hopper and later GPUs a kernel launched with PDL may start before
+the kernel ahead of it in the stream has finished:
+
+    without PDL   kernel A  ########--|                     (-- : A's last programs drain,
+                                       kernel B  #######       then B is launched)
+    with PDL      kernel A  ########--|
+                          kernel B  ..wait|#######         (B launched early, waits for A)
+
+Each decode-path kernel of ours is launched with `launch_pdl=True` (pdl_launch_args) and calls
+pdl_wait first: `gdc_wait` returns once the previous kernel has completed and its writes are
+visible, and `gdc_launch_dependents` lets the next kernel launch. Before the wait a kernel may
+only read what no earlier kernel writes: skinny_gemm loads its first tile of weights there, so
+the weight stream starts while the previous kernel finishes. After the wait everything is
+ordered as without PDL, so results do not change; a kernel that is not launched with PDL
+(cuBLAS, PyTorch's) simply runs after its predecessor as usual.
+
+Off on a CPU (the interpreter), before Hopper, and when MYVLLM_PDL=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _device_supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_enabled(tensor: torch.Tensor) -> bool:
+    """Launch kernels on this tensor's device with PDL? (read at every launch: cheap)"""
+    if not tensor.is_cuda or os.environ.get("MYVLLM_PDL", "1") == "0":
+        return False
+    return _device_supports_pdl(tensor.device.index or 0)
+
+
+def pdl_launch_args(use_pdl: bool) -> dict[str, bool]:
+    """Extra launch arguments: {"launch_pdl": True} with PDL, else none (the CPU
+    interpreter's launcher knows no such argument)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel (and its writes), then let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
