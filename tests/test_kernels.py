@@ -719,14 +719,19 @@ def test_fused_layers_compute_the_unfused_layers(device, monkeypatch, first_laye
     assert_close(out, want_out, torch.float32)
 
 
-def test_pdl_is_off_on_a_cpu_and_when_switched_off(monkeypatch) -> None:
-    from myvllm.kernels.pdl import pdl_enabled, pdl_launch_args
+def test_pdl_is_off_on_a_cpu_for_many_rows_and_when_switched_off(monkeypatch) -> None:
+    from myvllm.kernels.pdl import PDL_MAX_ROWS, pdl_enabled, pdl_launch_args, pdl_wanted
 
     assert not pdl_enabled(torch.zeros(1))
     assert pdl_launch_args(False) == {}  # the interpreter's launcher knows no launch_pdl
+    assert pdl_wanted(1) and pdl_wanted(PDL_MAX_ROWS) and not pdl_wanted(PDL_MAX_ROWS + 1)
+    monkeypatch.setenv("MYVLLM_PDL", "0")
+    assert not pdl_wanted(1)
+    monkeypatch.delenv("MYVLLM_PDL")
     if HAS_CUDA:
         on_hopper = torch.cuda.get_device_capability()[0] >= 9
         assert pdl_enabled(torch.zeros(1, device="cuda")) == on_hopper
+        assert not pdl_enabled(torch.zeros(PDL_MAX_ROWS + 1, device="cuda"))
         monkeypatch.setenv("MYVLLM_PDL", "0")
         assert not pdl_enabled(torch.zeros(1, device="cuda"))
 

@@ -8,11 +8,15 @@ What happens to one step:
 
     scheduler.schedule() -> (seqs, is_prefill)
     ModelRunner.run(seqs, is_prefill)
-        prepare_prefill / prepare_decode   host lists -> pinned tensors -> device (non_blocking)
+        prepare_prefill                     host lists -> pinned tensors -> device (non_blocking)
+        prepare_decode                      host lists -> DecodeBuffers (fixed, two copies)
         with forward_context(...):          layers read cu_seqlens, slot_mapping, block_tables
-            run_model                       eager, or replay of a captured CUDA graph (decode)
-        prepare_sample + Sampler            rank 0 only
-    -> one new token id per sequence
+            prefill: model, LM head         eager
+            decode:  decode_forward         eager, or replay of a captured CUDA graph; on one
+                                            GPU it includes the LM head and the sampling kernel
+        prepare_sample + Sampler            rank 0: prefill, and decode batches with top-k,
+                                            top-p or seeds (or under TP)
+    -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
 
 The paged KV cache is one tensor per K and V, shaped
 (num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim); every Attention
@@ -79,7 +83,7 @@ def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:
 
 @dataclass
 class StepInputs:
-    """What prepare_prefill / prepare_decode hand to run_model."""
+    """What prepare_prefill / prepare_decode hand to the forward pass."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor

@@ -18,7 +18,11 @@ the weight stream starts while the previous kernel finishes. After the wait ever
 ordered as without PDL, so results do not change; a kernel that is not launched with PDL
 (cuBLAS, PyTorch's) simply runs after its predecessor as usual.
 
-Off on a CPU (the interpreter), before Hopper, and when MYVLLM_PDL=0.
+Only for launches over at most PDL_MAX_ROWS rows (tokens or sequences). PDL pays where a step
+is a chain of tiny kernels: at batch 1 it took decode from 0.99 to 0.74-0.84 ms per token on
+the H200, while at batch 256, where one long attention kernel dominates, it cost ~1.5% of
+throughput (docs/benchmarks.md). Also off on a CPU (the interpreter), before Hopper, and when
+MYVLLM_PDL=0. Whether a launch uses PDL never changes its result.
 """
 
 from __future__ import annotations
@@ -36,11 +40,20 @@ def _device_supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+# The launch-bound regime: decode batches up to 8 (the CUDA-graph sizes 1, 2, 4, 8, where
+# skinny_gemm serves the matmuls). Measured at 1 and 256 only; 8 is a judgement, not a sweep.
+PDL_MAX_ROWS = 8
+
+
+def pdl_wanted(num_rows: int) -> bool:
+    """PDL for a launch over num_rows rows (tokens, sequences), given a GPU that has it."""
+    return num_rows <= PDL_MAX_ROWS and os.environ.get("MYVLLM_PDL", "1") != "0"
+
+
 def pdl_enabled(tensor: torch.Tensor) -> bool:
-    """Launch kernels on this tensor's device with PDL? (read at every launch: cheap)"""
-    if not tensor.is_cuda or os.environ.get("MYVLLM_PDL", "1") == "0":
-        return False
-    return _device_supports_pdl(tensor.device.index or 0)
+    """Launch a kernel over this tensor (rows = its first dimension) with PDL?"""
+    return (tensor.is_cuda and pdl_wanted(tensor.shape[0])
+            and _device_supports_pdl(tensor.device.index or 0))
 
 
 def pdl_launch_args(use_pdl: bool) -> dict[str, bool]:
