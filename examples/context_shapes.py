@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # run w
 import torch  # noqa: E402
 
 from myvllm.config import Config  # noqa: E402
-from myvllm.engine.decode_buffers import DecodeBuffers  # noqa: E402
 from myvllm.engine.model_runner import ModelRunner  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
@@ -35,18 +34,10 @@ B = [31, 32, 33, 34, 35]
 
 
 def runner_without_model(block_size: int) -> ModelRunner:
-    """A ModelRunner with only what prepare_prefill/prepare_decode read: the block size and
-    where tensors go. ModelRunner.__init__ would build and load a whole model."""
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size = block_size
-    runner.device = torch.device("cpu")
-    runner.pin_memory = False
-    runner.rank = 0  # rank 0 samples: prepare_decode reads temperatures
-    runner.pad_decode = False  # a GPU pads decode batches to CUDA-graph sizes; see exercises.py
-    # Where decode steps put their inputs (room for 8 sequences of up to 8 blocks).
-    runner.decode_buffers = DecodeBuffers(8, 8, runner.device, pin_memory=False)
-    runner.last_sampled_rows = {}
-    return runner
+    """A ModelRunner that prepares batches but builds no model (ModelRunner.without_model).
+    On a CPU it does not pad decode batches to CUDA-graph sizes (see exercises.py)."""
+    return ModelRunner.without_model(Config(device="cpu", block_size=block_size,
+                                            max_model_length=64, max_num_sequences=8))
 
 
 def show(name: str, value: object) -> None:

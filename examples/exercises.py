@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from myvllm.config import Config  # noqa: E402
 from myvllm.engine.block_manager import BlockManager  # noqa: E402
-from myvllm.engine.decode_buffers import DecodeBuffers, DecodeViews  # noqa: E402
+from myvllm.engine.decode_buffers import DecodeViews  # noqa: E402
 from myvllm.engine.model_runner import ModelRunner  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
@@ -33,13 +33,8 @@ from myvllm.sampling_parameters import SamplingParams  # noqa: E402
 
 
 def runner_without_model(block_size: int) -> ModelRunner:
-    """A ModelRunner shell: enough for prepare_prefill/kv_cache_block_bytes, without
-    building a model (ModelRunner.__init__ would load one)."""
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size = block_size
-    runner.device = torch.device("cpu")
-    runner.pin_memory = False
-    return runner
+    """A ModelRunner that prepares batches but builds no model (ModelRunner.without_model)."""
+    return ModelRunner.without_model(Config(device="cpu", block_size=block_size))
 
 
 def article_can_append(bm: BlockManager, seq: Sequence) -> bool:
@@ -232,13 +227,11 @@ def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     """padding_slot: "-1" (as written), "stale" (the original without its fill), or "0"."""
     block_size, max_bs, width = 4, 4, 4
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size, runner.device, runner.pin_memory = block_size, torch.device("cpu"), False
-    # pad_decode: what a GPU does (pad to a captured graph size); off by default on a CPU.
-    runner.pad_decode, runner.decode_sizes, runner.max_blocks_per_seq = True, [1, 2, 4], width
-    # The static buffers every decode step (and graph) reads, as ModelRunner.__init__ makes them.
-    runner.decode_buffers = DecodeBuffers(max_bs, width, runner.device, pin_memory=False)
-    runner.last_sampled_rows, runner.rank = {}, 0
+    # Graph sizes 1, 2, 4; block tables 4 wide; the decode buffers every step (and graph) reads.
+    runner = ModelRunner.without_model(Config(device="cpu", block_size=block_size,
+                                              max_num_sequences=max_bs, max_model_length=16))
+    assert runner.decode_sizes == [1, 2, 4] and runner.max_blocks_per_seq == width
+    runner.pad_decode = True  # what a GPU does (pad to a captured graph size); off on a CPU
     bm = BlockManager(8, block_size)
     k_cache = torch.zeros(8, block_size, 1, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)

@@ -1,6 +1,10 @@
 """Decode at batch 1 and 256: host time per phase, with a sync between phases (GPU only).
 
 Run from the repository root: python3 docs/diagnostics/host_phases.py
+
+Written for the ModelRunner before async scheduling (commit faa5124's parent), whose output
+docs/benchmarks.md cites. It reads internals that have changed since (graph_vars, the
+separate LM head and sampler after a replay): to re-run it, check out that code.
 """
 import sys, time, tempfile, random
 from pathlib import Path

@@ -97,18 +97,7 @@ __all__ = ["ModelRunner", "SampledTokens", "StepInputs"]
 class ModelRunner:
     def __init__(self, config: Config, rank: int, model_path: str,
                  hf_config: Any | None = None) -> None:
-        self.config = config
-        self.rank = rank
-        self.block_size = config.block_size
-        self.device = resolve_device(config)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", rank)
-            torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config, self.device)
-        # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
-        self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
-        self.pin_memory = self.device.type == "cuda"
-
+        self._init_batching(config, rank)
         # Rank 0 gets the config the engine already parsed (a GGUF parse takes seconds).
         self.hf_config = hf_config if hf_config is not None else load_hf_config(model_path)
         model_class = get_model_class(getattr(self.hf_config, "architectures", None) or [])
@@ -125,6 +114,28 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # Per-request seeded generators (rank 0 samples, so only rank 0 fills this).
         self.generators: dict[int, torch.Generator] = {}
+
+    @classmethod
+    def without_model(cls, config: Config) -> ModelRunner:
+        """A runner that prepares batches (prepare_prefill, prepare_decode) but has no model:
+        for the examples that show what those build. Rank 0."""
+        runner = cls.__new__(cls)
+        runner._init_batching(config, rank=0)
+        return runner
+
+    def _init_batching(self, config: Config, rank: int) -> None:
+        """Device, dtype and everything batch preparation and CUDA graphs need."""
+        self.config = config
+        self.rank = rank
+        self.block_size = config.block_size
+        self.device = resolve_device(config)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config, self.device)
+        # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
+        self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
+        self.pin_memory = self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_hidden: dict[int, torch.Tensor] = {}  # each graph's output (static)
         # Each sequence's row in the last step's sampled tokens (the DecodeBuffers pool): a
