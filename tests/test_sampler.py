@@ -98,6 +98,19 @@ def test_temperature_sampling_matches_softmax() -> None:
     torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
 
 
+def test_unseeded_rows_beside_a_seeded_one_match_softmax() -> None:
+    """A batch with one seeded row: the other rows' noise is drawn once, from torch's
+    generator, and still gives the softmax distribution."""
+    torch.manual_seed(2)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    n = 20000
+    generators = [torch.Generator().manual_seed(0)] + [None] * (n - 1)
+    out = sampler(logits.repeat(n, 1), _rows(n, 0.7), generators=generators)
+    freq = torch.bincount(out[1:], minlength=5).float() / (n - 1)
+    expected = torch.softmax(logits / 0.7, dim=-1)
+    torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
+
+
 def test_top_k_distribution_renormalised() -> None:
     torch.manual_seed(1)
     logits = torch.tensor([1.0, 0.5, 0.0, 3.0])

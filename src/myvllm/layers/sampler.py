@@ -108,12 +108,17 @@ def _top_k_top_p(
 def _exponential_noise(
     probs: torch.Tensor, generators: Sequence[torch.Generator | None] | None
 ) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_()
-    if generators is not None:
+    if generators is None:
+        noise = torch.empty_like(probs).exponential_()
+    else:
         if len(generators) != probs.shape[0]:
             raise ValueError(
                 f"generators has {len(generators)} entries but the batch has {probs.shape[0]} rows"
             )
+        noise = torch.empty_like(probs)
+        unseeded = [row for row, generator in enumerate(generators) if generator is None]
+        if unseeded:  # one draw from torch's generator for all of them
+            noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
         for row, generator in enumerate(generators):
             if generator is not None:
                 if generator.device.type != probs.device.type:
