@@ -37,6 +37,7 @@ import torch
 # the block tables, in order; each is bs entries long.
 INT64_FIELDS = ("input_ids_host", "positions", "token_index")
 INT32_FIELDS = ("slot_mapping", "context_lens", "temperatures")
+N64, N32 = len(INT64_FIELDS), len(INT32_FIELDS)
 
 
 @dataclass
@@ -59,8 +60,8 @@ class DecodeBuffers:
                  pin_memory: bool) -> None:
         self.max_bs = max_batch_size
         self.max_width = max_width
-        int64_size = (1 + len(INT64_FIELDS)) * max_batch_size
-        int32_size = (len(INT32_FIELDS) + max_width) * max_batch_size
+        int64_size = (1 + N64) * max_batch_size
+        int32_size = (N32 + max_width) * max_batch_size
         self.int64 = torch.zeros(int64_size, dtype=torch.int64, device=device)
         self.int32 = torch.zeros(int32_size, dtype=torch.int32, device=device)
         # input_ids is written by a gather (index_select), so it cannot be a view of the
@@ -102,9 +103,10 @@ class DecodeBuffers:
             raise ValueError(f"decode step of {bs} rows x {width} blocks; the buffers hold "
                              f"1..{self.max_bs} rows x 1..{self.max_width} blocks")
         pool = self.max_bs
-        ids, positions, index = (self.int64[pool + i * bs: pool + (i + 1) * bs] for i in range(3))
-        slots, lens, temps = (self.int32[i * bs: (i + 1) * bs] for i in range(3))
-        tables = self.int32[3 * bs: 3 * bs + bs * width].view(bs, width)
+        ids, positions, index = (self.int64[pool + i * bs: pool + (i + 1) * bs]
+                                 for i in range(N64))
+        slots, lens, temps = (self.int32[i * bs: (i + 1) * bs] for i in range(N32))
+        tables = self.int32[N32 * bs: (N32 + width) * bs].view(bs, width)
         views = DecodeViews(self.input_ids[:bs], ids, positions, index, slots, lens,
                             temps.view(torch.float32), tables, self.int64[:bs])
         self._views[(bs, width)] = views
@@ -125,12 +127,12 @@ class DecodeBuffers:
             host64[i * bs: (i + 1) * bs] = values
         for i, values in enumerate(int32_rows):
             host32[i * bs: (i + 1) * bs] = values
-        host32[2 * bs: 3 * bs].view(np.float32)[:] = temperatures
-        tables = host32[3 * bs: 3 * bs + bs * width].reshape(bs, width)
+        host32[(N32 - 1) * bs: N32 * bs].view(np.float32)[:] = temperatures  # the last field
+        tables = host32[N32 * bs: (N32 + width) * bs].reshape(bs, width)
         tables.fill(-1)
         for row, table in enumerate(block_tables):
             tables[row, : len(table)] = table
-        n64, n32 = 3 * bs, 3 * bs + bs * width
+        n64, n32 = N64 * bs, (N32 + width) * bs
         non_blocking = event is not None
         self.int64[self.max_bs: self.max_bs + n64].copy_(self.host_int64[slot][:n64],
                                                          non_blocking=non_blocking)
