@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+from .pdl import pdl_args, pdl_wait
 
 LOG2E = math.log2(math.e)
 
@@ -268,7 +268,6 @@ def paged_attention_decode_triton(
         )
     else:
         m_part = l_part = acc_part = o  # unused by the kernel in this mode
-    use_pdl = pdl_enabled(q)
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, o, m_part, l_part, acc_part,
         scale * LOG2E,
@@ -282,8 +281,7 @@ def paged_attention_decode_triton(
         PAGE=block_size,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_PDL=use_pdl,
-        **pdl_launch_args(use_pdl),
+        **pdl_args(q),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -294,8 +292,7 @@ def paged_attention_decode_triton(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            USE_PDL=use_pdl,
-            **pdl_launch_args(use_pdl),
+            **pdl_args(q),
             num_warps=4,
         )  # fmt: skip
     return o

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+from .pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def rms_norm_triton(
         return out if residual is None else (out, torch.empty_like(out))
     block = triton.next_power_of_2(hidden_size)
     num_warps = min(16, max(1, block // 256))
-    pdl = dict(USE_PDL=pdl_enabled(x), **pdl_launch_args(pdl_enabled(x)))
+    pdl = pdl_args(x)
     if residual is None:
         _rms_norm_kernel[(x2d.shape[0],)](
             x2d, x2d, weight, out, out, x2d.stride(0), 0, hidden_size, eps,
@@ -180,8 +180,7 @@ def norm_rope_triton(
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
-        USE_PDL=pdl_enabled(q),
-        **pdl_launch_args(pdl_enabled(q)),
+        **pdl_args(q),
         num_warps=1,
     )  # fmt: skip
     return q_out, k_out
@@ -218,7 +217,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter_size))
     _silu_and_mul_kernel[(x2d.shape[0], triton.cdiv(inter_size, block))](
-        x2d, out, x2d.stride(0), inter_size, BLOCK=block, USE_PDL=pdl_enabled(x),
-        **pdl_launch_args(pdl_enabled(x)), num_warps=4,
+        x2d, out, x2d.stride(0), inter_size, BLOCK=block, **pdl_args(x),
+        num_warps=4,
     )  # fmt: skip
     return out

@@ -10,7 +10,8 @@ the kernel ahead of it in the stream has finished:
     with PDL      kernel A  ########--|
                           kernel B  ..wait|#######         (B launched early, waits for A)
 
-Each decode-path kernel of ours is launched with `launch_pdl=True` (pdl_launch_args) and calls
+Each decode-path kernel of ours is launched with `**pdl_args(tensor)` (USE_PDL and
+`launch_pdl=True`) and calls
 pdl_wait first: `gdc_wait` returns once the previous kernel has completed and its writes are
 visible, and `gdc_launch_dependents` lets the next kernel launch. Before the wait a kernel may
 only read what no earlier kernel writes: skinny_gemm loads its first tile of weights there, so
@@ -60,6 +61,12 @@ def pdl_launch_args(use_pdl: bool) -> dict[str, bool]:
     """Extra launch arguments: {"launch_pdl": True} with PDL, else none (the CPU
     interpreter's launcher knows no such argument)."""
     return {"launch_pdl": True} if use_pdl else {}
+
+
+def pdl_args(tensor: torch.Tensor) -> dict[str, bool]:
+    """A kernel launch's PDL arguments: its USE_PDL constexpr, and launch_pdl when on."""
+    use_pdl = pdl_enabled(tensor)
+    return {"USE_PDL": use_pdl, **pdl_launch_args(use_pdl)}
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+from .pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -91,8 +91,8 @@ def gumbel_sample_triton(
     best_index = torch.empty((batch, num_chunks), dtype=torch.int64, device=logits.device)
     _gumbel_sample_kernel[(batch, num_chunks)](
         logits, temperatures.float(), seeds, best_score, best_index, logits.stride(0),
-        vocab_size, NUM_CHUNKS=num_chunks, BLOCK=block, USE_PDL=pdl_enabled(logits),
-        **pdl_launch_args(pdl_enabled(logits)), num_warps=4,
+        vocab_size, NUM_CHUNKS=num_chunks, BLOCK=block, **pdl_args(logits),
+        num_warps=4,
     )  # fmt: skip
     winner = best_score.argmax(dim=1, keepdim=True)
     return best_index.gather(1, winner).squeeze(1)

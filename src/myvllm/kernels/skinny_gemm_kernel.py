@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+from .pdl import pdl_args, pdl_wait
 
 # Largest row count the kernel accepts; kernels.prefers_skinny_gemm decides when it is used.
 MAX_ROWS = 8
@@ -180,7 +180,7 @@ def _launch(
         0 if residual is None else residual.stride(0), eps,
         BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
-        USE_PDL=pdl_enabled(x), **pdl_launch_args(pdl_enabled(x)),
+        **pdl_args(x),
     )  # fmt: skip
     return out, new_residual
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_enabled, pdl_launch_args, pdl_wait
+from .pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -87,7 +87,6 @@ def store_kvcache_triton(
         HEAD_DIM=head_dim,
         BLOCK_HD=triton.next_power_of_2(row),
         ROW=row,
-        USE_PDL=pdl_enabled(key),
-        **pdl_launch_args(pdl_enabled(key)),
+        **pdl_args(key),
         num_warps=4,
     )
