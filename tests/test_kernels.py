@@ -787,24 +787,39 @@ def test_gumbel_sample_greedy_rows_are_exact_argmax(device) -> None:
     logits = torch.randn(4, vocab, device=device)
     logits[1, 4500] = 10.0  # in the last chunk
     logits[2, 7] = logits[2, 4200] = 10.0  # a tie across chunks: the lower id wins
-    temps = torch.tensor([0.0, 0.0, 0.0, 0.0], device=device)
+    logits[3, 3000] = logits[3, 3001] = 10.0  # a tie inside a chunk
+    temps = torch.zeros(4, device=device)
     seeds = torch.arange(4, device=device)
     out = triton_mod("sample_kernel").gumbel_sample_triton(logits, temps, seeds)
     assert out.dtype == torch.int64
-    assert out.tolist() == logits.argmax(-1).tolist() and out[2].item() == 7
+    assert out.tolist() == logits.argmax(-1).tolist()
+    assert out[2].item() == 7 and out[3].item() == 3000
 
 
-def test_gumbel_sample_matches_softmax_distribution(device) -> None:
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5], device=device)
+@pytest.mark.parametrize("chunk_size", [2048, 4])
+def test_gumbel_sample_matches_softmax_distribution(device, chunk_size) -> None:
+    """One chunk (2048), and three chunks of 4 tokens: a chunk, then a token inside it."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -0.5, 1.0, 0.2, -2.0], device=device)
     temperature, n = 0.7, 800  # the interpreter runs ~60 programs (rows) per second
     temps = torch.full((n,), temperature, device=device)
     seeds = torch.arange(n, device=device) * 7919  # one seed per row, as the sampler draws
-    out = triton_mod("sample_kernel").gumbel_sample_triton(logits.repeat(n, 1), temps, seeds)
-    freq = torch.bincount(out.cpu(), minlength=5).float() / n
+    out = triton_mod("sample_kernel").gumbel_sample_triton(logits.repeat(n, 1), temps, seeds,
+                                                           chunk_size)  # fmt: skip
+    freq = torch.bincount(out.cpu(), minlength=10).float() / n
     expected = torch.softmax(logits.cpu() / temperature, dim=-1)
-    # The standard error is at most 0.018 here; 0.07 is ~4 sigma, and half the gap to the
-    # distribution without the temperature (p0 0.70 vs 0.56).
+    # The standard error is at most 0.017 here; 0.07 is ~4 sigma, and half the gap to the
+    # distribution without the temperature (p0 0.40 vs 0.27).
     torch.testing.assert_close(freq, expected, atol=0.07, rtol=0)
+
+
+def test_gumbel_sample_skips_tokens_of_no_mass(device) -> None:
+    """-inf logits, whole chunks of them too, are never drawn."""
+    logits = torch.full((64, 40), float("-inf"))
+    logits[:, 21] = 0.0  # the only tokens with mass, in the third chunk of eight
+    logits[:, 30] = 0.5
+    out = triton_mod("sample_kernel").gumbel_sample_triton(
+        logits.to(device), torch.ones(64, device=device), torch.arange(64, device=device), 8)
+    assert set(out.tolist()) == {21, 30}
 
 
 def test_gumbel_sample_seed_decides_the_draw(device) -> None:
@@ -812,9 +827,16 @@ def test_gumbel_sample_seed_decides_the_draw(device) -> None:
     logits = torch.randn(1, 300, device=device).repeat(6, 1)
     temps = torch.ones(6, device=device)
     kernel = triton_mod("sample_kernel").gumbel_sample_triton
-    out = kernel(logits, temps, torch.tensor([5, 5, 5, 6, 7, 8], device=device)).tolist()
+    out = kernel(logits, temps, torch.tensor([5, 5, 5, 6, 7, 8], device=device), 64).tolist()
     assert out[0] == out[1] == out[2]  # same seed, same row -> same token
     assert len(set(out)) > 1  # other seeds draw other tokens somewhere (300-way choice)
+
+
+def test_gumbel_sample_rejects_a_chunk_size_not_a_power_of_two(device) -> None:
+    kernel = triton_mod("sample_kernel").gumbel_sample_triton
+    one = torch.ones(1, device=device)
+    with pytest.raises(ValueError, match="power of two"):
+        kernel(torch.zeros(1, 10, device=device), one, one.long(), 6)
 
 
 def test_sampler_uses_the_kernel_only_without_filters_or_seeds(device, monkeypatch) -> None:

@@ -13,7 +13,7 @@ What happens to one step:
         with forward_context(...):          layers read cu_seqlens, slot_mapping, block_tables
             prefill: model, LM head         eager
             decode:  decode_forward         eager, or replay of a captured CUDA graph; on one
-                                            GPU it includes the LM head and the sampling kernel
+                                            GPU it includes the LM head and the sampling kernels
         prepare_sample + Sampler            rank 0: prefill, and decode batches with top-k,
                                             top-p or seeds (or under TP)
     -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
@@ -213,7 +213,7 @@ class ModelRunner:
                              dtype=self.dtype)
         ones = torch.ones(rows, device=self.device)
         self.sampler(logits, ones, top_ps=ones * 0.9, all_greedy=False)
-        self.sampler(logits, ones, all_greedy=False)  # the sampling kernel, compiled now
+        self.sampler(logits, ones, all_greedy=False)  # the sampling kernels, compiled now
         del logits, ones
         torch.cuda.synchronize()
         # Give the freed activations back, or they would count twice when the KV cache is

@@ -13,7 +13,7 @@ the model dtype BEFORE the weight multiply, as HF does), so the results agree wi
 references to float32 round-off in the reductions, not just "closely".
 
     rms_norm:     one program per row             [x (+ residual)] -> norm, new residual
-    norm_rope:    one program per (token, head of q or k)   x1 | x2 -> normed -> rotated
+    norm_rope:    one program per token, all heads of q and k   x1 | x2 -> normed -> rotated
     silu_and_mul: one program per (row, column tile)
 """
 
@@ -91,6 +91,42 @@ def rms_norm_triton(
 
 
 @triton.jit
+def _norm_rope_heads(
+    src,  # this token's first head of q (or k)
+    stride_h,
+    num_heads,
+    weight_ptr,
+    dst,  # this token's first head of q_out (or k_out), contiguous heads
+    cos,  # [1, HALF_PAD] float32, this token's angles
+    sin,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """All heads of one token as a [heads, D/2] tile: x1 = first half, x2 = second half."""
+    half: tl.constexpr = HEAD_DIM // 2
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    offs = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (offs < half)
+    dtype = dst.dtype.element_ty
+    x1 = tl.load(src + heads * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + heads * stride_h + half + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+        rstd = tl.math.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(weight_ptr + offs, mask=offs < half, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + half + offs, mask=offs < half, other=0.0).to(tl.float32)
+        # Round where the reference rounds: after the norm, and after the weight multiply.
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    out = dst + heads * HEAD_DIM + offs
+    tl.store(out, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(out + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
 def _norm_rope_kernel(
     q_ptr,  # [N, Hq, D], any token/head strides, contiguous D
     k_ptr,  # [N, Hk, D], likewise
@@ -109,40 +145,27 @@ def _norm_rope_kernel(
     eps,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,  # next power of two >= HEAD_DIM // 2
+    Q_HEADS_PAD: tl.constexpr,  # next power of two >= num_q_heads (and the same for k)
+    K_HEADS_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
-    # One launch for q and k: programs 0..Hq-1 of a token take q's heads, the rest k's.
+    # One program per token takes all its q and k heads as two tiles, and loads the token's
+    # angles once. At batch 256 on the H200 that is 3.0 us per call; one one-warp program per
+    # head (6,144 programs) took 5.1 us (docs/benchmarks.md).
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if head < num_q_heads:
-        src = q_ptr + token * stride_qn + head * stride_qh
-        weight_ptr = q_weight_ptr
-        dst = q_out_ptr + (token * num_q_heads + head) * HEAD_DIM
-    else:
-        src = k_ptr + token * stride_kn + (head - num_q_heads) * stride_kh
-        weight_ptr = k_weight_ptr
-        dst = k_out_ptr + (token * num_k_heads + head - num_q_heads) * HEAD_DIM
     half: tl.constexpr = HEAD_DIM // 2
-    offs = tl.arange(0, HALF_PAD)
-    mask = offs < half
-    dtype = q_out_ptr.dtype.element_ty
-    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        variance = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM
-        rstd = tl.math.rsqrt(variance + eps)
-        w1 = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
-        # Round where the reference rounds: after the norm, and after the weight multiply.
-        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    offs = tl.arange(0, HALF_PAD)[None, :]
     position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + position * HEAD_DIM + offs, mask=mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + position * HEAD_DIM + half + offs, mask=mask, other=0.0)
-    tl.store(dst + offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(dst + half + offs, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    cos = tl.load(cos_sin_ptr + position * HEAD_DIM + offs, mask=offs < half, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * HEAD_DIM + half + offs, mask=offs < half, other=0.0)
+    _norm_rope_heads(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_weight_ptr,
+                     q_out_ptr + token * num_q_heads * HEAD_DIM, cos, sin, eps,
+                     HEAD_DIM, HALF_PAD, Q_HEADS_PAD, HAS_NORM)  # fmt: skip
+    _norm_rope_heads(k_ptr + token * stride_kn, stride_kh, num_k_heads, k_weight_ptr,
+                     k_out_ptr + token * num_k_heads * HEAD_DIM, cos, sin, eps,
+                     HEAD_DIM, HALF_PAD, K_HEADS_PAD, HAS_NORM)  # fmt: skip
 
 
 def norm_rope_triton(
@@ -172,16 +195,18 @@ def norm_rope_triton(
     if num_tokens == 0:
         return q_out, k_out
     has_norm = q_norm_weight is not None
-    _norm_rope_kernel[(num_tokens, num_q_heads + num_k_heads)](
+    _norm_rope_kernel[(num_tokens,)](
         q, k, positions, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
         q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         num_q_heads, num_k_heads, eps,
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
+        K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HAS_NORM=has_norm,
         **pdl_args(q),
-        num_warps=1,
+        num_warps=4,
     )  # fmt: skip
     return q_out, k_out
 

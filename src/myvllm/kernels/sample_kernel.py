@@ -1,21 +1,32 @@
-"""Triton kernel: temperature sampling of a whole batch in one pass over the logits.
+"""Triton kernels: temperature sampling of a whole batch, with the Gumbel-max trick in two levels.
 
 The PyTorch sampler (layers/sampler.py) runs about ten full passes over a [batch, vocab]
 float32 tensor per step: cast, divide by the temperature, softmax, draw noise, clamp,
 divide, argmax. With 256 sequences and Qwen3's 151,936-token vocabulary that is ~1 ms of
-an H200 decode step (measured, docs/benchmarks.md). This kernel reads each logit once.
+an H200 decode step (measured, docs/benchmarks.md). Here the logits are read once, plus one
+chunk per row.
 
-It samples with the Gumbel-max trick in log space, which is the sampler's exponential
-trick with the softmax normalisation dropped (it does not change the argmax):
+The sampler's trick, in log space (the softmax's normalisation does not move the argmax):
 
-    argmax_i  p_i / E_i  =  argmax_i  logit_i / T - log(E_i),   E_i = -log(U_i) ~ Exp(1)
+    argmax_i  logit_i / T + G_i,   G_i = -log(-log U_i) ~ Gumbel   is distributed as   softmax
 
-Programs split every row into vocabulary chunks and keep each chunk's best score and its
-token id; a small argmax over the chunks picks the winner. U_i comes from Triton's Philox
-generator keyed by (the row's seed, i // 4), four numbers per call: the caller draws one
-seed per row per step from torch's generator, so torch.manual_seed still makes a run
-repeatable. Rows with temperature 0 take the plain argmax of the logits (no noise); ties
-go to the lowest token id, as torch.argmax does.
+A kernel that draws G_i for every token spent most of its time generating random numbers
+(39 million per step at batch 256: ~0.13 ms, four times the time to read the logits). The
+trick composes, so this draws ~2,100 per row instead: split the vocabulary into chunks, pick
+a chunk with the trick applied to the chunks' log-masses, then a token inside it with the
+trick applied to its tokens. P(chunk) * P(token | chunk) = (mass_c / total) * (p_i / mass_c).
+
+    stats kernel, (row, chunk) programs   each BLOCK-wide chunk of a row: its max m_c of
+                                          logits / T, its sum s_c of exp(logits / T - m_c)
+                                          (log-mass m_c + log s_c), and its argmax
+    pick kernel, one program per row      argmax_c (m_c + log s_c + G_c), then
+                                          argmax_i (logit_i / T + G_i) over that chunk
+
+The noise comes from Triton's Philox generator keyed by (the row's seed, a counter): token i
+uses counter i, chunk c counter vocab_size + c. The caller draws one seed per row per step from
+torch's generator, so torch.manual_seed still makes a run repeatable, also in a CUDA graph.
+Rows with temperature 0 take the plain argmax of the logits (no noise); ties go to the lowest
+token id, as torch.argmax does.
 """
 
 from __future__ import annotations
@@ -28,12 +39,26 @@ from .pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _gumbel_sample_kernel(
+def _finite_or_zero(maximum):
+    # The max of a chunk of -inf logits only (none in a real model, but possible) is -inf,
+    # and exp(x - max) would be exp(-inf - -inf) = NaN; against 0 it is exp(-inf) = 0.
+    return tl.where(maximum == float("-inf"), 0.0, maximum)
+
+
+@triton.jit
+def _gumbel(seed, counters):
+    # -log(E), E = -log(U) ~ Exp(1); E = 0 has probability ~0 but would give log(0): clamp
+    # it as the PyTorch sampler does.
+    return -tl.log(tl.maximum(-tl.log(tl.rand(seed, counters)), 1e-10))
+
+
+@triton.jit
+def _chunk_stats_kernel(
     logits_ptr,  # [B, V]
     temperatures_ptr,  # [B] float32, 0 = greedy
-    seeds_ptr,  # [B] int64
-    best_score_ptr,  # [B, NUM_CHUNKS] float32: each chunk's best score ...
-    best_index_ptr,  # [B, NUM_CHUNKS] int64: ... and the token id that has it
+    chunk_max_ptr,  # [B, NUM_CHUNKS] float32: max of logits / T in the chunk (-inf: no mass)
+    chunk_sum_ptr,  # [B, NUM_CHUNKS] float32: sum of exp(logits / T - chunk max)
+    chunk_argmax_ptr,  # [B, NUM_CHUNKS] int64: the token id of that max
     stride_row,
     vocab_size,
     NUM_CHUNKS: tl.constexpr,
@@ -44,55 +69,92 @@ def _gumbel_sample_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
-    greedy = temperature == 0.0
-    safe_temperature = tl.where(greedy, 1.0, temperature)
-    seed = tl.load(seeds_ptr + row)
+    inv_temperature = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < vocab_size
-    logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask,
+    logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab_size,
                      other=float("-inf")).to(tl.float32)  # fmt: skip
-    # One Philox call gives four uniforms [0, 1): token id 4q + j gets number j of the call
-    # with counter q (in the order the joins lay them out). That is the same for a (seed,
-    # token id) in any chunking, and a quarter of the generator work of one call per token,
-    # which dominated this kernel at batch 256 (~0.2 ms per step on the H200).
-    quarter = chunk * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
-    u0, u1, u2, u3 = tl.rand4x(seed, quarter)
-    uniform = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [BLOCK])
-    # E = 0 has probability ~0 but would give log(0); clamp as the PyTorch sampler does.
-    exponential = tl.maximum(-tl.log(uniform), 1e-10)
-    score = tl.where(greedy, logits, logits / safe_temperature - tl.log(exponential))
-    score = tl.where(mask, score, float("-inf"))
+    scaled = logits * inv_temperature
+    chunk_max = tl.max(scaled, axis=0)
     out = row * NUM_CHUNKS + chunk
-    tl.store(best_score_ptr + out, tl.max(score, axis=0))
-    tl.store(best_index_ptr + out, (chunk * BLOCK + tl.argmax(score, axis=0)).to(tl.int64))
+    tl.store(chunk_max_ptr + out, chunk_max)
+    tl.store(chunk_sum_ptr + out, tl.sum(tl.exp(scaled - _finite_or_zero(chunk_max)), axis=0))
+    tl.store(chunk_argmax_ptr + out, (chunk * BLOCK + tl.argmax(scaled, axis=0)).to(tl.int64))
+
+
+@triton.jit
+def _pick_kernel(
+    logits_ptr,
+    temperatures_ptr,
+    seeds_ptr,  # [B] int64
+    chunk_max_ptr,
+    chunk_sum_ptr,
+    chunk_argmax_ptr,
+    out_ptr,  # [B] int64: the sampled token ids
+    stride_row,
+    vocab_size,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,  # next power of two >= NUM_CHUNKS
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    stats = row * NUM_CHUNKS + chunks
+    chunk_max = tl.load(chunk_max_ptr + stats, mask=chunks < NUM_CHUNKS, other=float("-inf"))
+    temperature = tl.load(temperatures_ptr + row)
+    if temperature == 0.0:
+        # Greedy: the first chunk holding the row's max, then that chunk's first argmax.
+        best = tl.argmax(chunk_max, axis=0)
+        tl.store(out_ptr + row, tl.load(chunk_argmax_ptr + row * NUM_CHUNKS + best))
+    else:
+        seed = tl.load(seeds_ptr + row)
+        chunk_sum = tl.load(chunk_sum_ptr + stats, mask=chunks < NUM_CHUNKS, other=0.0)
+        # A chunk with mass has a sum >= 1 (its max contributes exp(0)); one without has max
+        # -inf, and log(1) keeps its score -inf without computing log(0).
+        log_mass = chunk_max + tl.log(tl.maximum(chunk_sum, 1.0))
+        chosen = tl.argmax(log_mass + _gumbel(seed, vocab_size + chunks), axis=0)
+        offs = chosen * BLOCK + tl.arange(0, BLOCK)
+        logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs,
+                         mask=offs < vocab_size, other=float("-inf")).to(tl.float32)  # fmt: skip
+        # The same scaling as the stats kernel's, so the chunk's tokens carry its mass.
+        scaled = logits * (1.0 / temperature)
+        token = chosen * BLOCK + tl.argmax(scaled + _gumbel(seed, offs), axis=0)
+        tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def gumbel_sample_triton(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk_size: int = 2048
 ) -> torch.Tensor:
-    """logits [B, V]; temperatures [B] (0 = greedy); seeds [B] int64 -> token ids [B] int64.
-
-    Two stages: the kernel finds the best (score, token) of every BLOCK-wide chunk of every
-    row, with B x NUM_CHUNKS programs so the whole GPU works even at batch 1; then a
-    [B, NUM_CHUNKS] argmax picks each row's winner (torch.argmax takes the first maximum,
-    so a tie goes to the lower token id, as in the kernel's tl.argmax).
-    """
+    """logits [B, V]; temperatures [B] (0 = greedy); seeds [B] int64 -> token ids [B] int64,
+    drawn from softmax(logits / T). ``chunk_size`` (a power of two) splits the vocabulary:
+    2,048 gives Qwen3's 151,936 tokens 75 chunks, so B x 75 programs read the logits (the
+    whole GPU works even at batch 1), and the pick kernel draws ~2,100 numbers per row."""
     batch, vocab_size = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("gumbel_sample: logits need a contiguous vocabulary axis")
     if temperatures.shape != (batch,) or seeds.shape != (batch,):
         raise ValueError(f"gumbel_sample: temperatures {tuple(temperatures.shape)} and seeds "
                          f"{tuple(seeds.shape)} must both be [{batch}]")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"gumbel_sample: chunk_size must be a power of two, got {chunk_size}")
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
-    block = min(2048, max(4, triton.next_power_of_2(vocab_size)))  # a multiple of 4
+        return out
+    block = min(chunk_size, triton.next_power_of_2(vocab_size))
     num_chunks = triton.cdiv(vocab_size, block)
-    best_score = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
-    best_index = torch.empty((batch, num_chunks), dtype=torch.int64, device=logits.device)
-    _gumbel_sample_kernel[(batch, num_chunks)](
-        logits, temperatures.float(), seeds, best_score, best_index, logits.stride(0),
-        vocab_size, NUM_CHUNKS=num_chunks, BLOCK=block, **pdl_args(logits),
-        num_warps=4,
+    chunk_max = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
+    chunk_sum = torch.empty_like(chunk_max)
+    chunk_argmax = torch.empty((batch, num_chunks), dtype=torch.int64, device=logits.device)
+    temperatures = temperatures.float()
+    pdl = pdl_args(logits)
+    _chunk_stats_kernel[(batch, num_chunks)](
+        logits, temperatures, chunk_max, chunk_sum, chunk_argmax, logits.stride(0), vocab_size,
+        NUM_CHUNKS=num_chunks, BLOCK=block, **pdl, num_warps=4,
     )  # fmt: skip
-    winner = best_score.argmax(dim=1, keepdim=True)
-    return best_index.gather(1, winner).squeeze(1)
+    _pick_kernel[(batch,)](
+        logits, temperatures, seeds, chunk_max, chunk_sum, chunk_argmax, out,
+        logits.stride(0), vocab_size, NUM_CHUNKS=num_chunks,
+        CHUNKS_PAD=triton.next_power_of_2(num_chunks), BLOCK=block, **pdl, num_warps=4,
+    )  # fmt: skip
+    return out

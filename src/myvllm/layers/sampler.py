@@ -16,9 +16,10 @@ its tokens do not depend on which other requests share the batch.
 Fast paths (the caller knows these on the host, so they cost no device sync):
 ``top_ks=None`` / ``top_ps=None`` skip the sort that the filters need, and
 ``all_greedy=True`` makes the whole call one argmax. On the GPU, a batch with neither
-filters nor per-request seeds is sampled by one Triton kernel (kernels/sample_kernel.py:
-the same trick in log space, one pass over the logits instead of about ten). Seeded rows
-always take the PyTorch path, so their tokens never depend on which path the batch took.
+filters nor per-request seeds is sampled by two Triton kernels (kernels/sample_kernel.py:
+the same trick in log space, applied first to vocabulary chunks and then inside the chosen
+one, reading the logits once instead of about ten times). Seeded rows always take the
+PyTorch path, so their tokens never depend on which path the batch took.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class Sampler(nn.Module):
             return logits.argmax(dim=-1)
 
         if top_ks is None and top_ps is None and generators is None and use_triton(logits):
-            # The common GPU case (temperature only, no per-request seeds): one Triton
-            # kernel, one pass over the logits (kernels/sample_kernel.py). Its noise is keyed
-            # by one seed per row drawn here from torch's generator.
+            # The common GPU case (temperature only, no per-request seeds): the Triton
+            # kernels of kernels/sample_kernel.py. Their noise is keyed by one seed per row
+            # drawn here from torch's generator.
             from myvllm.kernels.sample_kernel import gumbel_sample_triton
 
             seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), device=logits.device)
