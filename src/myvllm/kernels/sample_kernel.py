@@ -17,10 +17,12 @@ a chunk with the trick applied to the chunks' log-masses, then a token inside it
 trick applied to its tokens. P(chunk) * P(token | chunk) = (mass_c / total) * (p_i / mass_c).
 
     stats kernel, (row, chunk) programs   each BLOCK-wide chunk of a row: its max m_c of
-                                          logits / T, its sum s_c of exp(logits / T - m_c)
-                                          (log-mass m_c + log s_c), and its argmax
+                                          logits / T and its sum s_c of exp(logits / T - m_c)
+                                          (its log-mass is m_c + log s_c)
     pick kernel, one program per row      argmax_c (m_c + log s_c + G_c), then
                                           argmax_i (logit_i / T + G_i) over that chunk
+                                          (greedy rows: the first chunk with the row's max,
+                                          then the argmax inside it, no noise)
 
 The noise comes from Triton's Philox generator keyed by (the row's seed, a counter): token i
 uses counter i, chunk c counter vocab_size + c. The caller draws one seed per row per step from
@@ -58,7 +60,6 @@ def _chunk_stats_kernel(
     temperatures_ptr,  # [B] float32, 0 = greedy
     chunk_max_ptr,  # [B, NUM_CHUNKS] float32: max of logits / T in the chunk (-inf: no mass)
     chunk_sum_ptr,  # [B, NUM_CHUNKS] float32: sum of exp(logits / T - chunk max)
-    chunk_argmax_ptr,  # [B, NUM_CHUNKS] int64: the token id of that max
     stride_row,
     vocab_size,
     NUM_CHUNKS: tl.constexpr,
@@ -78,7 +79,6 @@ def _chunk_stats_kernel(
     out = row * NUM_CHUNKS + chunk
     tl.store(chunk_max_ptr + out, chunk_max)
     tl.store(chunk_sum_ptr + out, tl.sum(tl.exp(scaled - _finite_or_zero(chunk_max)), axis=0))
-    tl.store(chunk_argmax_ptr + out, (chunk * BLOCK + tl.argmax(scaled, axis=0)).to(tl.int64))
 
 
 @triton.jit
@@ -88,7 +88,6 @@ def _pick_kernel(
     seeds_ptr,  # [B] int64
     chunk_max_ptr,
     chunk_sum_ptr,
-    chunk_argmax_ptr,
     out_ptr,  # [B] int64: the sampled token ids
     stride_row,
     vocab_size,
@@ -99,28 +98,27 @@ def _pick_kernel(
 ):
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
+    temperature = tl.load(temperatures_ptr + row)
+    greedy = temperature == 0.0
+    seed = tl.load(seeds_ptr + row)
     chunks = tl.arange(0, CHUNKS_PAD)
     stats = row * NUM_CHUNKS + chunks
     chunk_max = tl.load(chunk_max_ptr + stats, mask=chunks < NUM_CHUNKS, other=float("-inf"))
-    temperature = tl.load(temperatures_ptr + row)
-    if temperature == 0.0:
-        # Greedy: the first chunk holding the row's max, then that chunk's first argmax.
-        best = tl.argmax(chunk_max, axis=0)
-        tl.store(out_ptr + row, tl.load(chunk_argmax_ptr + row * NUM_CHUNKS + best))
-    else:
-        seed = tl.load(seeds_ptr + row)
-        chunk_sum = tl.load(chunk_sum_ptr + stats, mask=chunks < NUM_CHUNKS, other=0.0)
-        # A chunk with mass has a sum >= 1 (its max contributes exp(0)); one without has max
-        # -inf, and log(1) keeps its score -inf without computing log(0).
-        log_mass = chunk_max + tl.log(tl.maximum(chunk_sum, 1.0))
-        chosen = tl.argmax(log_mass + _gumbel(seed, vocab_size + chunks), axis=0)
-        offs = chosen * BLOCK + tl.arange(0, BLOCK)
-        logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs,
-                         mask=offs < vocab_size, other=float("-inf")).to(tl.float32)  # fmt: skip
-        # The same scaling as the stats kernel's, so the chunk's tokens carry its mass.
-        scaled = logits * (1.0 / temperature)
-        token = chosen * BLOCK + tl.argmax(scaled + _gumbel(seed, offs), axis=0)
-        tl.store(out_ptr + row, token.to(tl.int64))
+    chunk_sum = tl.load(chunk_sum_ptr + stats, mask=chunks < NUM_CHUNKS, other=0.0)
+    # A chunk with mass has a sum >= 1 (its max contributes exp(0)); one without has max
+    # -inf, and log(1) keeps its score -inf without computing log(0).
+    log_mass = chunk_max + tl.log(tl.maximum(chunk_sum, 1.0))
+    # Greedy rows take the first chunk that holds the row's max, and no noise anywhere.
+    chunk_score = tl.where(greedy, chunk_max, log_mass + _gumbel(seed, vocab_size + chunks))
+    chosen = tl.argmax(chunk_score, axis=0)
+    offs = chosen * BLOCK + tl.arange(0, BLOCK)
+    logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab_size,
+                     other=float("-inf")).to(tl.float32)  # fmt: skip
+    # The same scaling as the stats kernel's, so the chunk's tokens carry its mass.
+    scaled = logits * (1.0 / tl.where(greedy, 1.0, temperature))
+    token_score = tl.where(greedy, scaled, scaled + _gumbel(seed, offs))
+    # tl.argmax takes the first maximum: a greedy tie goes to the lowest id, as in torch.
+    tl.store(out_ptr + row, (chosen * BLOCK + tl.argmax(token_score, axis=0)).to(tl.int64))
 
 
 def gumbel_sample_triton(
@@ -145,15 +143,14 @@ def gumbel_sample_triton(
     num_chunks = triton.cdiv(vocab_size, block)
     chunk_max = torch.empty((batch, num_chunks), dtype=torch.float32, device=logits.device)
     chunk_sum = torch.empty_like(chunk_max)
-    chunk_argmax = torch.empty((batch, num_chunks), dtype=torch.int64, device=logits.device)
     temperatures = temperatures.float()
     pdl = pdl_args(logits)
     _chunk_stats_kernel[(batch, num_chunks)](
-        logits, temperatures, chunk_max, chunk_sum, chunk_argmax, logits.stride(0), vocab_size,
+        logits, temperatures, chunk_max, chunk_sum, logits.stride(0), vocab_size,
         NUM_CHUNKS=num_chunks, BLOCK=block, **pdl, num_warps=4,
     )  # fmt: skip
     _pick_kernel[(batch,)](
-        logits, temperatures, seeds, chunk_max, chunk_sum, chunk_argmax, out,
+        logits, temperatures, seeds, chunk_max, chunk_sum, out,
         logits.stride(0), vocab_size, NUM_CHUNKS=num_chunks,
         CHUNKS_PAD=triton.next_power_of_2(num_chunks), BLOCK=block, **pdl, num_warps=4,
     )  # fmt: skip
