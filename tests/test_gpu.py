@@ -232,7 +232,7 @@ def test_async_scheduling_gives_sync_tokens_with_eos_and_mixed_lengths(
 
 
 def test_cuda_graph_sampling(eager_and_graph_engines) -> None:
-    """Sampling with CUDA graphs. Temperature only: the graph samples (one Triton kernel),
+    """Sampling with CUDA graphs. Temperature only: the graph samples (the Triton kernels),
     reproducibly under torch.manual_seed, and not just the argmax. top-p with per-request
     seeds: the PyTorch sampler outside the graph, whose tokens equal the eager engine's."""
     from myvllm import SamplingParams

@@ -450,7 +450,7 @@ class ModelRunner:
         """One decode step on the DecodeBuffers: what a decode CUDA graph captures.
 
         The model's hidden states for all (padded) rows are returned. With `sample`, the LM
-        head and the sampler (temperature only: on a GPU one Triton kernel; greedy rows take
+        head and the sampler (temperature only: on a GPU two Triton kernels; greedy rows take
         the argmax) also run, and the tokens go to the sampled-token pool. A graph is
         captured with all_greedy=False, so it serves greedy and sampled batches alike.
         """
