@@ -812,6 +812,28 @@ def test_gumbel_sample_matches_softmax_distribution(device, chunk_size) -> None:
     torch.testing.assert_close(freq, expected, atol=0.07, rtol=0)
 
 
+def test_gumbel_sample_chunk_stats_match_torch(device) -> None:
+    """The stats kernel alone: each chunk's max of logits / T and its sum of exp(x - max),
+    against torch (greedy rows are scaled by 1), with a ragged last chunk."""
+    mod = triton_mod("sample_kernel")
+    torch.manual_seed(3)
+    batch, vocab, block = 3, 20, 8
+    logits = torch.randn(batch, vocab, device=device) * 2
+    temps = torch.tensor([0.0, 0.5, 1.5], device=device)
+    num_chunks = 3
+    chunk_max = torch.empty(batch, num_chunks, device=device)
+    chunk_sum = torch.empty_like(chunk_max)
+    mod._chunk_stats_kernel[(batch, num_chunks)](
+        logits, temps, chunk_max, chunk_sum, logits.stride(0), vocab,
+        NUM_CHUNKS=num_chunks, BLOCK=block, USE_PDL=False)  # fmt: skip
+    scaled = logits.cpu() / torch.tensor([1.0, 0.5, 1.5]).unsqueeze(-1)
+    scaled = torch.cat([scaled, torch.full((batch, num_chunks * block - vocab), float("-inf"))], 1)
+    scaled = scaled.view(batch, num_chunks, block)
+    want_max = scaled.max(-1).values
+    torch.testing.assert_close(chunk_max.cpu(), want_max)
+    torch.testing.assert_close(chunk_sum.cpu(), (scaled - want_max.unsqueeze(-1)).exp().sum(-1))
+
+
 def test_gumbel_sample_skips_tokens_of_no_mass(device) -> None:
     """-inf logits, whole chunks of them too, are never drawn."""
     logits = torch.full((64, 40), float("-inf"))
