@@ -25,7 +25,8 @@ trick applied to its tokens. P(chunk) * P(token | chunk) = (mass_c / total) * (p
                                           then the argmax inside it, no noise)
 
 The noise comes from Triton's Philox generator keyed by (the row's seed, a counter): token i
-uses counter i, chunk c counter vocab_size + c. The caller draws one seed per row per step from
+uses counter i, chunk c counter vocab_size + c (the last chunk's padding past the vocabulary
+meets those counters too, but its scores are -inf whatever the noise). The caller draws one seed per row per step from
 torch's generator, so torch.manual_seed still makes a run repeatable, also in a CUDA graph.
 Rows with temperature 0 take the plain argmax of the logits (no noise); ties go to the lowest
 token id, as torch.argmax does.
