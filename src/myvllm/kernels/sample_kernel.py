@@ -12,9 +12,12 @@ The sampler's trick, in log space (the softmax's normalisation does not move the
 
 A kernel that drew G_i for every token spent most of its time generating random numbers
 (39 million per step at batch 256: ~0.13 ms on the H200, where reading the logits takes
-~0.02 ms). The trick composes, so this draws ~2,100 per row instead: split the vocabulary into chunks, pick
-a chunk with the trick applied to the chunks' log-masses, then a token inside it with the
-trick applied to its tokens. P(chunk) * P(token | chunk) = (mass_c / total) * (p_i / mass_c).
+~0.02 ms). The trick composes, so this draws ~2,100 per row instead: split the vocabulary
+into chunks, pick a chunk with the trick applied to the chunks' log-masses, then a token
+inside it with the trick applied to its tokens:
+
+    P(chunk c) * P(token i | chunk c) = (mass_c / total) * (w_i / mass_c) = softmax_i,
+    w_i = exp(logit_i / T), mass_c = sum of w_i over chunk c, total = sum of all w_i
 
     stats kernel, (row, chunk) programs   each BLOCK-wide chunk of a row: its max m_c of
                                           logits / T and its sum s_c of exp(logits / T - m_c)
@@ -26,8 +29,9 @@ trick applied to its tokens. P(chunk) * P(token | chunk) = (mass_c / total) * (p
 
 The noise comes from Triton's Philox generator keyed by (the row's seed, a counter): token i
 uses counter i, chunk c counter vocab_size + c (the last chunk's padding past the vocabulary
-meets those counters too, but its scores are -inf whatever the noise). The caller draws one seed per row per step from
-torch's generator, so torch.manual_seed still makes a run repeatable, also in a CUDA graph.
+meets those counters too, but its scores are -inf whatever the noise). The caller draws one
+seed per row per step from torch's generator, so torch.manual_seed still makes a run
+repeatable, also in a CUDA graph.
 Rows with temperature 0 take the plain argmax of the logits (no noise); ties go to the lowest
 token id, as torch.argmax does.
 """
@@ -46,6 +50,13 @@ def _finite_or_zero(maximum):
     # The max of a chunk of -inf logits only (none in a real model, but possible) is -inf,
     # and exp(x - max) would be exp(-inf - -inf) = NaN; against 0 it is exp(-inf) = 0.
     return tl.where(maximum == float("-inf"), 0.0, maximum)
+
+
+@triton.jit
+def _inverse_temperature(temperature):
+    # Greedy rows (T = 0) are scaled by 1: their scores are the raw logits. Both kernels scale
+    # through here, so a chunk's tokens carry exactly the mass the stats kernel gave it.
+    return 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
 
 
 @triton.jit
@@ -70,8 +81,7 @@ def _chunk_stats_kernel(
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    inv_temperature = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
+    inv_temperature = _inverse_temperature(tl.load(temperatures_ptr + row))
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab_size,
                      other=float("-inf")).to(tl.float32)  # fmt: skip
@@ -115,8 +125,7 @@ def _pick_kernel(
     offs = chosen * BLOCK + tl.arange(0, BLOCK)
     logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab_size,
                      other=float("-inf")).to(tl.float32)  # fmt: skip
-    # The same scaling as the stats kernel's, so the chunk's tokens carry its mass.
-    scaled = logits * (1.0 / tl.where(greedy, 1.0, temperature))
+    scaled = logits * _inverse_temperature(temperature)
     token_score = tl.where(greedy, scaled, scaled + _gumbel(seed, offs))
     # tl.argmax takes the first maximum: a greedy tie goes to the lowest id, as in torch.
     tl.store(out_ptr + row, (chosen * BLOCK + tl.argmax(token_score, axis=0)).to(tl.int64))
