@@ -8,7 +8,7 @@
 
 Each probe drives the real classes (BlockManager, Scheduler, ModelRunner methods, the
 store_kvcache kernel's PyTorch reference) and ends with `answer:` lines. Try to answer the
-question in the guide first, then run the probe. tests/test_exercises.py checks the answers.
+question in the guide first, then run the probe. tests/docs/test_exercises.py checks the answers.
 """
 
 from __future__ import annotations
@@ -192,9 +192,9 @@ def freed_blocks() -> None:
     print(f"answer: a freed block stops matching only when it is handed out as a fresh block "
           f"(_allocate_fresh_block evicts it); here Y then hits {evicted_hit}")
     print("answer: tests that fail if you clear tokens on free include "
-          "tests/test_block_manager.py::test_prefix_cache_survives_the_sequence_that_filled_it, "
-          "tests/test_scheduler.py::test_prefix_served_from_cache_after_first_request_finished, "
-          "tests/test_engine.py::test_prefix_reuse_across_generate_calls_matches_cold_engine")
+          "tests/core/test_block_manager.py::test_prefix_cache_survives_the_sequence_that_filled_it, "
+          "tests/core/test_scheduler.py::test_prefix_served_from_cache_after_first_request_finished, "
+          "tests/engine/test_engine.py::test_prefix_reuse_across_generate_calls_matches_cold_engine")
 
 
 # ------------------------------------------------------------------------------------ 4

@@ -1,6 +1,6 @@
 """Llama (Llama-2/3.x, SmolLM2, ...), built from the tensor-parallel layers.
 
-This file is the guide's exercise: delete it and write it back; tests/test_llama_exercise.py
+This file is the guide's exercise: delete it and write it back; tests/models/test_llama_exercise.py
 grades the result against HF transformers' LlamaForCausalLM.
 
 Compared with qwen3.py: no per-head q_norm/k_norm; head_dim is config.head_dim when present

@@ -4,7 +4,7 @@ With async_scheduling the engine queues step N+1 before it reads step N's tokens
 count a pending token, the runner feeds it from the device, a sequence that stops on eos
 gets one surplus step. The oracle is the same engine with async_scheduling=False, under the
 conditions where that bookkeeping can go wrong: preemption in a tiny KV pool, eos, prefix
-hits on blocks completed by decoding, seeded sampling. (tests/test_scheduler_properties.py
+hits on blocks completed by decoding, seeded sampling. (tests/core/test_scheduler_properties.py
 checks the same with a fake model over random workloads.)
 """
 

@@ -1,6 +1,6 @@
 """GPU checks (issue: "On the H200"). Skipped without CUDA: CI has no GPU.
 
-Run on a GPU machine with `PYTHONPATH=src python3 -m pytest tests/test_gpu.py -q`.
+Run on a GPU machine with `PYTHONPATH=src python3 -m pytest tests/gpu/test_gpu.py -q`.
 What passed there, with date, GPU and versions, is recorded in docs/benchmarks.md.
 
 - the three Triton kernels in bf16 against the PyTorch references at Qwen3-0.6B shapes
@@ -21,7 +21,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QWEN3_CONFIG_DIR = REPO / "configs" / "Qwen3-0.6B"
 
 

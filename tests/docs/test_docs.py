@@ -11,7 +11,7 @@ classified and checked, from the repository root, in a CPU-only environment:
   `python SCRIPT --help` must exit 0.
 - ends with `# edits your checkout` (the Llama exercise: rm / git checkout): never run. Every
   repository path it names must exist.
-- `python examples/exercises.py ...`: run and checked by tests/test_exercises.py, which also
+- `python examples/exercises.py ...`: run and checked by tests/docs/test_exercises.py, which also
   checks that the guide lists every probe. Skipped here so they do not run twice.
 - `uv run python SCRIPT ARGS` (or `python SCRIPT ARGS`): run as `sys.executable SCRIPT ARGS`.
   `uv run` would resolve the same locked environment we are running in; calling its interpreter
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "HowToApproachvLLM.md")
 GUIDE = REPO / "HowToApproachvLLM.md"
 GPU_MARK = "# needs a GPU"
@@ -258,5 +258,5 @@ def test_guide_names_existing_files_and_tests() -> None:
     for ref in sorted(refs):
         _check_test_reference(ref.rstrip("/").rstrip("."), "HowToApproachvLLM.md")
     # Bare test names in the guide's text (tests/x.py::name above covers the table).
-    for file, name in re.findall(r"(tests/\w+\.py)::(\w+)", text):
+    for file, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", text):
         _check_test_reference(f"{file}::{name}", "HowToApproachvLLM.md")

@@ -99,7 +99,7 @@ def test_rerun_in_fresh_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
-                            cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+                            cwd=Path(__file__).resolve().parents[2])  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "compiled mode" not in result.stdout, result.stdout[-3000:]  # really interpreted
 

@@ -1,6 +1,6 @@
 """Grader for the exercise "delete src/myvllm/models/llama.py and write it back".
 
-Run:  uv run pytest tests/test_llama_exercise.py -v
+Run:  uv run pytest tests/models/test_llama_exercise.py -v
 Each test checks one part, in the order you would build it; read the first failure's message.
 The oracle is HF transformers' LlamaForCausalLM on tiny random checkpoints: "llama" (plain
 RoPE, untied lm_head) and "llama3" (llama3 RoPE scaling, tied embeddings, attention and MLP

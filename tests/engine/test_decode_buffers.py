@@ -1,5 +1,5 @@
 """engine/decode_buffers.py: the fixed memory of a decode step (run on the CPU; the GPU-only
-parts, pinned memory and events, are exercised by tests/test_gpu.py)."""
+parts, pinned memory and events, are exercised by tests/gpu/test_gpu.py)."""
 
 from __future__ import annotations
 

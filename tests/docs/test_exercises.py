@@ -1,7 +1,7 @@
 """The five exercise probes of HowToApproachvLLM.md still print the answers the guide gives.
 
 The guide shows each probe as a command (`uv run python examples/exercises.py NAME`);
-tests/test_docs.py leaves those commands to this file. Here we take the exact argument lists
+tests/docs/test_docs.py leaves those commands to this file. Here we take the exact argument lists
 from the guide's bash blocks, check that they cover every probe, and run each one in-process
 (same code as the command, without a new interpreter per probe), checking its `answer:` lines.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_docs import COVERED_BY_EXERCISE_TEST, extract_commands, python_script
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / COVERED_BY_EXERCISE_TEST
 
 # For each probe: substrings its `answer:` lines must contain.
@@ -36,7 +36,7 @@ EXPECTED: dict[str, list[str]] = {
     "freed-blocks": [
         "keeping tokens on free -> Y hits 12 tokens; clearing them (the original) -> 0",
         "here Y then hits 8",
-        "tests/test_block_manager.py::test_prefix_cache_survives_the_sequence_that_filled_it",
+        "tests/core/test_block_manager.py::test_prefix_cache_survives_the_sequence_that_filled_it",
     ],
     "graph-padding": [
         "with slot -1 the padding row writes nothing: E keeps K 503 at slot 14 and A keeps 11",
