@@ -221,8 +221,7 @@ class LLMEngine:
         else:
             raise TypeError("a prompt must be a str or a list of int token ids, got "
                             f"{type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("empty prompt: a prompt needs at least one token.")
+        # An empty prompt is refused by Scheduler.check_sequence, before anything is queued.
         return Sequence(token_ids, self.config.block_size, sampling_params)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:

@@ -25,7 +25,7 @@ from collections import deque
 
 from myvllm.config import Config
 from myvllm.engine.block_manager import BlockManager
-from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -220,7 +220,7 @@ class Scheduler:
                 self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.drop_pending_tokens()  # a surplus step may be in flight for it
