@@ -27,8 +27,8 @@ prologue; references: the two references one after the other):
     silu_and_mul_skinny_gemm silu(gate) * up, then x W^T           (down_proj)
 
 Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
-(and Triton is installed), otherwise the reference from kernels/reference.py. The
-environment variable MYVLLM_FORCE_TRITON overrides that choice at call time:
+(and Triton is installed), otherwise the PyTorch reference. The environment variable
+MYVLLM_FORCE_TRITON overrides that choice at call time:
 
     MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,
                             set before the kernel modules are imported: the tests do this)
