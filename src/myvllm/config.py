@@ -184,3 +184,10 @@ def _normalize_eos(eos: object) -> int | tuple[int, ...] | None:
         return tuple(eos)  # a JSON list becomes the tuple the rest of the code expects
     raise ValueError(f"Config.eos must be None (from the checkpoint), -1 (no eos), a token id "
                      f">= 0, or a non-empty tuple of token ids >= 0, got {eos!r}")
+
+
+def stop_token_ids(eos: int | tuple[int, ...] | None) -> frozenset[int]:
+    """The token ids a sequence stops on, from a normalised Config.eos (-1 or None: none)."""
+    if eos is None or eos == -1:
+        return frozenset()
+    return frozenset((eos,)) if isinstance(eos, int) else frozenset(eos)

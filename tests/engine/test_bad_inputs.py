@@ -1,4 +1,4 @@
-"""Every bad input of SPEC section 9 gets a specific exception naming the problem, early.
+"""Every bad input gets a specific exception naming the problem, early.
 
 Three groups, by when the mistake can be seen:
 

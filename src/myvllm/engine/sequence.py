@@ -21,6 +21,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Literal
 
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.value_checks import is_int
 
 if TYPE_CHECKING:
     import torch
@@ -43,8 +44,7 @@ class Sequence:
 
     def __init__(self, token_ids: Iterable[int], block_size: int,
                  sampling_params: SamplingParams | None = None) -> None:
-        if not (isinstance(block_size, int) and not isinstance(block_size, bool)
-                and block_size >= 1):
+        if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         # A copy: the caller may reuse or mutate its list; our tokens must not change under us.
         # operator.index accepts ints and numpy integers but rejects floats and strings.
