@@ -172,6 +172,15 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         load_ours(path)
 
 
+def test_registered_model_file_missing(monkeypatch) -> None:
+    """The llama exercise deletes models/llama.py: the registry says which file is missing."""
+    import myvllm.models as models
+
+    monkeypatch.setitem(models.MODEL_REGISTRY, "GoneForCausalLM", ("gone", "GoneForCausalLM"))
+    with pytest.raises(ModuleNotFoundError, match=r"GoneForCausalLM.*models/gone\.py is missing"):
+        get_model_class(["GoneForCausalLM"])
+
+
 def test_hub_id_not_cached_and_unreachable(tmp_path: Path, monkeypatch) -> None:
     import huggingface_hub
 
