@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from myvllm.utils.checkpoint import SUPPORTED_GGUF_ARCHITECTURES, CheckpointError
 
@@ -107,14 +107,17 @@ def gguf_parsed_once() -> Iterator[None]:
     original = gguf.GGUFReader
     readers: dict[tuple[str, str], Any] = {}
 
-    def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+    def shared_reader(path: str | os.PathLike[str],
+                      mode: Literal["r", "r+", "c"] = "r") -> Any:
         key = (os.path.realpath(os.fspath(path)), mode)
         if key not in readers:
             readers[key] = original(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared_reader
+    # setattr: the type checker rightly refuses to assign to a class name; replacing the
+    # module's attribute for the block is the point here.
+    setattr(gguf, "GGUFReader", shared_reader)  # noqa: B010
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        setattr(gguf, "GGUFReader", original)  # noqa: B010
