@@ -162,7 +162,7 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger)
         try:
             async for out in _with_first(first, outputs):
                 last = out
-                if out.text or out.finished:
+                if out.text or out.token_ids or out.finished:
                     yield sse(protocol.completion_response(
                         request_id, model_name, out.text or "", out.finish_reason, None))
         except EngineDeadError as e:
@@ -183,7 +183,7 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger)
         try:
             async for out in _with_first(first, outputs):
                 last = out
-                if out.text or out.finished:
+                if out.text or out.token_ids or out.finished:
                     yield from_output(request_id, out)
         except EngineDeadError as e:
             yield sse(error_body(str(e), 503))
