@@ -23,9 +23,9 @@ on vLLM after the other two.
 
 --quick: a tiny random Qwen3 on the CPU, a handful of short sequences (CI smoke test).
 
---bundled: the CPU target of SPEC 8: the bundled SmolLM2-135M-Instruct (real weights, GGUF),
-4 chat prompts x 64 greedy tokens, myvllm against transformers loading the same GGUF file
-(batched with left padding), fp32, both timed after one warm-up run.
+--bundled: the CPU comparison (docs/benchmarks.md): the bundled SmolLM2-135M-Instruct (real
+weights, GGUF), 4 chat prompts x 64 greedy tokens, myvllm against transformers loading the
+same GGUF file (batched with left padding), fp32, both timed after one warm-up run.
 """
 
 from __future__ import annotations
@@ -351,6 +351,7 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
     device is done), postprocess. With async scheduling the wait is for the step queued by
     the call before.
     """
+    import myvllm.engine.model_runner as runner_module
     from myvllm.engine.model_runner import SampledTokens
 
     runner, scheduler = llm.model_runner, llm.scheduler
@@ -367,8 +368,8 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
 
     originals = {}
     for owner, name in ((scheduler, "schedule"), (scheduler, "postprocess"), (runner, "run"),
-                        (runner, "prepare_prefill"), (runner, "prepare_decode"),
-                        (runner, "prepare_sample"), (SampledTokens, "token_ids")):
+                        (runner.inputs, "prepare_prefill"), (runner.inputs, "prepare_decode"),
+                        (runner_module, "prepare_sample"), (SampledTokens, "token_ids")):
         originals[(owner, name)] = getattr(owner, name)
         setattr(owner, name, timed(name, getattr(owner, name)))
     steps = []

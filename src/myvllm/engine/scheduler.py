@@ -1,6 +1,6 @@
 """Scheduler: which sequences run in the next forward pass, and whether it is a prefill.
 
-Two queues, and four rules (the MinivLLM article's):
+Two queues, and four rules:
 
     waiting  [s5 s6 s7]  --admit (prefill)-->  running  [s1 s2 s3 s4]
              ^                                              |
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from myvllm.config import Config
+from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
-from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -38,13 +38,7 @@ class Scheduler:
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
         self.max_model_length: int = config.max_model_length
         self.block_size: int = config.block_size
-        eos = config.eos
-        if eos is None or eos == -1:
-            self.eos_token_ids: frozenset[int] = frozenset()
-        elif isinstance(eos, int):
-            self.eos_token_ids = frozenset((eos,))
-        else:
-            self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids: frozenset[int] = stop_token_ids(config.eos)
         self.block_manager: BlockManager = BlockManager(
             config.num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -116,6 +110,8 @@ class Scheduler:
                 break  # the head stays at the head of waiting
             self.waiting.popleft()
             self.block_manager.allocate(seq)
+            if seq.num_cached_prompt_tokens is None:  # first admission
+                seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(seq)
@@ -177,9 +173,7 @@ class Scheduler:
         if seq in self.running:  # the scheduler pops victims itself; direct callers may not
             self.running.remove(seq)
         self.block_manager.deallocate(seq)
-        seq.num_cached_tokens = 0  # nothing of it is in the cache any more (for now)
-        seq.status = SequenceStatus.WAITING
-        seq.needs_prefill = True  # its next forward recomputes prompt + completion so far
+        seq.reset_for_recompute()
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ after the forward
@@ -207,11 +201,11 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.append_token(token_id)
-            if seq.status == SequenceStatus.WAITING:
-                seq.needs_prefill = True  # preempted while this token was pending
-            if ((not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids)
-                    or self.reaches_stop_length(seq, len(seq.token_ids))):
-                self.finish(seq)
+            if not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(seq, "stop")
+                finished.append(seq)
+            elif self.reaches_stop_length(seq, len(seq.token_ids)):
+                self.finish(seq, "length")
                 finished.append(seq)
             elif seq.block_table:
                 # The token just read may complete a block whose last slot a step already
@@ -220,8 +214,9 @@ class Scheduler:
                 self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
         seq.drop_pending_tokens()  # a surplus step may be in flight for it
         self.block_manager.deallocate(seq)
         if seq in self.running:
@@ -230,10 +225,16 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop seq wherever it is (e.g. generate() interrupted); its blocks are released."""
+        """Drop seq wherever it is (a client went away, generate() interrupted); its blocks
+        are released at once. A step already queued for it still runs, and its token is
+        dropped by postprocess (the sequence is finished by then)."""
+        if seq.is_finished:
+            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
+        seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"

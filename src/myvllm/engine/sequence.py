@@ -18,9 +18,17 @@ import operator
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.value_checks import is_int
+
+if TYPE_CHECKING:
+    import torch
+
+
+# Why a sequence finished: eos, max_tokens or max_model_length, or aborted by its caller.
+FinishReason = Literal["stop", "length", "abort"]
 
 
 class SequenceStatus(Enum):
@@ -36,8 +44,7 @@ class Sequence:
 
     def __init__(self, token_ids: Iterable[int], block_size: int,
                  sampling_params: SamplingParams | None = None) -> None:
-        if not (isinstance(block_size, int) and not isinstance(block_size, bool)
-                and block_size >= 1):
+        if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         # A copy: the caller may reuse or mutate its list; our tokens must not change under us.
         # operator.index accepts ints and numpy integers but rejects floats and strings.
@@ -48,7 +55,8 @@ class Sequence:
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.block_size: int = block_size
         self.token_ids: list[int] = tokens
-        self.last_token: int | None = tokens[-1] if tokens else None
+        # -1 only for an empty prompt, which the scheduler refuses before it could run.
+        self.last_token: int = tokens[-1] if tokens else -1
         self.num_tokens: int = len(tokens)
         self.num_prompt_tokens: int = len(tokens)
         # Leading tokens whose K/V came from the prefix cache at the last allocation; always a
@@ -69,6 +77,17 @@ class Sequence:
         # Counted in num_tokens but not yet in token_ids (see add_pending_token). Kept as a
         # count, not num_tokens - len(token_ids): a worker's copy has no token_ids.
         self.num_pending_tokens: int = 0
+        # Per-request state of rank 0, kept here so it ends with the request:
+        # num_cached_tokens at the first admission (what the caller is told: a re-prefill
+        # after preemption may hit the sequence's own freed blocks, which is no prompt hit);
+        self.num_cached_prompt_tokens: int | None = None
+        # the seeded generator of SamplingParams.seed, made at the first sampled step;
+        self.generator: torch.Generator | None = None
+        # the row of this sequence's token in the last step's sampled-token pool, where a
+        # decode step reads a token that is still pending (engine/decode_buffers.py);
+        self.sampled_row: int | None = None
+        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort".
+        self.finish_reason: FinishReason | None = None
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -89,7 +108,15 @@ class Sequence:
             self.num_pending_tokens -= 1
         else:
             self.num_tokens += 1
-        self.needs_prefill = False
+        # Preempted while this token was pending: the next forward still recomputes all.
+        self.needs_prefill = self.status == SequenceStatus.WAITING
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: back to waiting, nothing of it in the cache, the next forward a prefill
+        over prompt + completion so far (its blocks are freed by the BlockManager)."""
+        self.status = SequenceStatus.WAITING
+        self.num_cached_tokens = 0
+        self.needs_prefill = True
 
     # A pending token has been sampled on the device but not yet read by the host. With
     # overlapped ("async") scheduling the engine plans step N+1 before step N's tokens reach
@@ -179,10 +206,14 @@ class Sequence:
          self.num_cached_tokens, self.block_table, self.needs_prefill, tokens) = state
         self.status = SequenceStatus.RUNNING
         self.num_pending_tokens = 0
+        self.num_cached_prompt_tokens = None
+        self.generator = None
+        self.sampled_row = None
+        self.finish_reason = None
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
         if self.needs_prefill:
             self.token_ids = tokens
-            self.last_token = tokens[-1] if tokens else None
+            self.last_token = tokens[-1] if tokens else -1
         else:
             self.last_token = tokens
 
