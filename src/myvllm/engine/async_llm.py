@@ -322,7 +322,8 @@ class AsyncLLM:
         try:
             while True:
                 # Block for a command only when there is nothing to step.
-                commands = [self._commands.get()] if engine.is_finished() else []
+                idle = not engine.has_unfinished_requests()
+                commands = [self._commands.get()] if idle else []
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())
@@ -332,7 +333,7 @@ class AsyncLLM:
                     break
                 for command in commands:
                     self._apply(command)
-                if not engine.is_finished():
+                if engine.has_unfinished_requests():
                     outputs, _ = engine.step_outputs()
                     if outputs:
                         self._post(self._deliver, outputs)
