@@ -39,8 +39,10 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.sampling_parameters import SamplingParams
@@ -319,6 +321,9 @@ class AsyncLLM:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         engine = self.engine
+        device = engine.model_runner.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # CUDA's current device is per host thread
         try:
             while True:
                 # Block for a command only when there is nothing to step.

@@ -86,6 +86,12 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger)
     async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(str(e), 503)
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> JSONResponse:
+        # Not the client's fault: a bug here or in the engine. Logged with its traceback.
+        logger.error("request failed", exc_info=e)
+        return error_response(f"internal error: {type(e).__name__}: {e}", 500)
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if llm.is_running else 503)
