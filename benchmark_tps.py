@@ -110,7 +110,7 @@ def run_bundled(max_tokens: int = 64) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from myvllm import LLM, SamplingParams
-    from myvllm.utils.loader import bundled_model_path
+    from myvllm.utils.model_path import bundled_model_path
 
     llm = LLM(None, device="cpu")
     chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

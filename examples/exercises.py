@@ -306,7 +306,7 @@ def graph_padding() -> None:
 
 # ------------------------------------------------------------------------------------ 5
 def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 40) -> None:
-    from myvllm.utils.loader import load_hf_config
+    from myvllm.utils.hf_config import load_hf_config
 
     hf_config = load_hf_config(ROOT / "configs" / "Qwen3-0.6B")
     budget = int(kv_gib * (1 << 30))

@@ -42,8 +42,9 @@ from myvllm.layers.linear import check_tp_divides_heads
 from myvllm.models import get_model_class
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
-from myvllm.utils.loader import (eos_token_ids, gguf_parsed_once, load_hf_config,
-                                 load_tokenizer, resolve_model_path)
+from myvllm.utils.hf_config import (eos_token_ids, gguf_parsed_once, load_hf_config,
+                                    load_tokenizer)
+from myvllm.utils.model_path import resolve_model_path
 
 logger = logging.getLogger("myvllm")
 

@@ -40,10 +40,12 @@ from myvllm.engine.sequence import Sequence
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
+from myvllm.models.config import get_head_dim
 from myvllm.utils.context import forward_context
 from myvllm.utils.device import resolve_device, resolve_dtype
 from myvllm.utils.distributed import get_tp_size
-from myvllm.utils.loader import get_head_dim, load_hf_config, load_model
+from myvllm.utils.hf_config import load_hf_config
+from myvllm.utils.loader import load_model
 
 logger = logging.getLogger("myvllm")
 
