@@ -126,7 +126,7 @@ def pick_model(model: str | None) -> tuple[str | None, str]:
     """(the Config.model to load, the name to show). None loads the bundled model."""
     if model is not None:
         return model, model
-    from myvllm.utils.loader import ModelNotFoundError, resolve_model_path
+    from myvllm.utils.model_path import ModelNotFoundError, resolve_model_path
 
     try:
         resolve_model_path(DEFAULT_MODEL)
