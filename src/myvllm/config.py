@@ -91,6 +91,12 @@ class Config:
     """Reuse the K/V of full blocks whose tokens (and whole prefix) match an earlier or
     concurrent request. False = every prompt is computed from scratch."""
 
+    enable_chunked_prefill: bool = True
+    """Schedule by a token budget: every running sequence's decode token first, then chunks of
+    prompts fill what is left of max_num_batched_tokens, so a long prompt runs over several
+    steps beside the decoding ones instead of stalling them, and any prompt up to
+    max_model_length runs. False = prefill-first: a step is either whole prompts or decodes."""
+
     async_scheduling: bool | None = None
     """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where
     it pays, a GPU with tensor_parallel_size 1; True also on a CPU (for tests); it is not
@@ -124,6 +130,7 @@ class Config:
                              f"got {g!r}")
         _check_bool("enforce_eager", self.enforce_eager)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)
         if self.async_scheduling and self.tensor_parallel_size > 1:

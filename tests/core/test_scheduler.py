@@ -20,6 +20,7 @@ PREFIX = [10, 20, 30, 40, 50, 60, 70, 80]
 def make(num_blocks: int = 16, block_size: int = 4, **kw: object) -> Scheduler:
     kw.setdefault("max_model_length", 256)
     kw.setdefault("eos", -1)
+    kw.setdefault("enable_chunked_prefill", False)  # the prefill-first rules tested here
     return Scheduler(Config(num_kvcache_blocks=num_blocks, block_size=block_size, **kw))
 
 

@@ -134,6 +134,33 @@ class FakeRunner:
         self.last_sampled = {seq.seq_id: t for seq, t in zip(seqs, out)}
         return out
 
+    def run_chunks(self, seqs: list[Sequence], sch: Scheduler) -> list[int]:
+        """A chunked-prefill step: each sequence computes the num_new_tokens tokens below its
+        num_computed_tokens, reading what is before them from the cache."""
+        out = []
+        overlapped = any(seq.num_pending_tokens for seq in seqs)
+        workers = seqs if overlapped else pickle.loads(pickle.dumps(seqs))
+        for seq, w in zip(seqs, workers):
+            assert len(w.block_table) == w.num_blocks, w
+            end = w.num_computed_tokens
+            start = end - w.num_new_tokens
+            assert 0 <= start < end <= len(w), w
+            if w.num_new_tokens == 1 and end == len(w):
+                new_tokens = [self.tokens(seq)[-1] if w.num_pending_tokens else w.last_token]
+            else:
+                new_tokens = w.token_ids[start:end]
+            v = self.read(w, start - 1)
+            for pos, token in enumerate(new_tokens, start):
+                v = mix(v, token)
+                self.kv[self.slot(w, pos)] = v
+            out.append(v % VOCAB)
+        for seq in seqs:
+            computed = self.tokens(seq)[: seq.num_computed_tokens]
+            values = [self.read(seq, p) for p in range(seq.num_computed_tokens)]
+            assert values == kv_chain(computed), f"{seq}: wrong K/V in the cache"
+        self.last_sampled = {seq.seq_id: t for seq, t in zip(seqs, out)}
+        return out
+
 
 def chain_hashes(tokens: list[int], block_size: int, num_full: int) -> list[int]:
     hashes, h = [], -1
@@ -144,7 +171,7 @@ def chain_hashes(tokens: list[int], block_size: int, num_full: int) -> list[int]
 
 
 def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Sequence],
-                     caching: bool) -> None:
+                     caching: bool, chunked: bool = False) -> None:
     bm = sch.block_manager
     bs = bm.block_size
     n = len(bm.blocks)
@@ -190,6 +217,8 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
     for s in sch.running:
         # tokens whose K/V is in the cache or written in the step just scheduled
         covered = len(s) if s.seq_id in scheduled_ids else len(s) - 1
+        if chunked:  # part-way prompts: only what the steps so far computed
+            covered = s.num_computed_tokens
         assert math.ceil(covered / bs) <= len(s.block_table) <= s.num_blocks, s
         if caching:
             # a block with a pending token is registered once the token is known
@@ -258,13 +287,15 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
     return config, requests
 
 
-def drive(config_kw: dict, requests: list[Request], overlapped: bool = False) -> None:
+def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
+          chunked: bool = False) -> None:
     """Run the workload to the end, checking every step.
 
     overlapped: as LLMEngine with async_scheduling, schedule and run step N+1 before step
     N's tokens are handed to postprocess (each sequence of a step counts a pending token).
+    chunked: the token-budget scheduler (enable_chunked_prefill); otherwise prefill-first.
     """
-    config = Config(**config_kw)
+    config = Config(**config_kw, enable_chunked_prefill=chunked)
     sch = Scheduler(config)
     bs = config.block_size
     runner = FakeRunner(bs)
@@ -281,7 +312,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False) ->
             longest = min(len(r.prompt) + r.params.max_tokens, config.max_model_length)
             fp = max(len(r.prompt), longest - 1)
             fits = (math.ceil(fp / bs) <= config.num_kvcache_blocks
-                    and fp <= config.max_num_batched_tokens)
+                    and (chunked or fp <= config.max_num_batched_tokens))
             try:
                 sch.add_sequence(seq)
             except ValueError:
@@ -309,9 +340,37 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False) ->
             assert in_flight, "schedule() returned an empty batch while work remains"
             event("overlapped: nothing to schedule until the step in flight is read")
             sch.postprocess(*in_flight)
-            check_invariants(sch, seqs, [], caching)
+            check_invariants(sch, seqs, [], caching, chunked)
             in_flight = None
             step += 1
+            continue
+        if chunked:
+            assert sum(s.num_new_tokens for s in batch) <= sch.max_num_batched_tokens
+            assert len(batch) <= sch.max_num_sequences == config.max_num_sequences
+            assert is_prefill == any(s.num_new_tokens > 1 for s in batch)
+            assert len({s.seq_id for s in batch}) == len(batch)
+            check_invariants(sch, seqs, batch, caching, chunked)
+            if any(0 < s.num_computed_tokens < s.num_tokens for s in batch):
+                event("chunked: a prompt part-way through its prefill")
+            if any(s.num_completion_tokens for s in sch.waiting):
+                event("preemption")
+            if any(s.num_cached_tokens for s in batch):
+                event("prefix cache hit")
+            tokens = runner.run_chunks(batch, sch)
+            # only a sequence whose chunk reached its last token samples
+            done = [(s, t) for s, t in zip(batch, tokens) if s.num_computed_tokens == len(s)]
+            sampled = ([s for s, _ in done], [t for _, t in done])
+            if overlapped:
+                for seq in sampled[0]:
+                    seq.add_pending_token()
+                if in_flight:
+                    sch.postprocess(*in_flight)
+                in_flight = sampled
+            else:
+                sch.postprocess(*sampled)
+            check_invariants(sch, seqs, [], caching, chunked)
+            step += 1
+            assert step < max_steps, "no termination"
             continue
         assert is_prefill == must_prefill
         if is_prefill:
@@ -381,6 +440,25 @@ def test_random_workloads_overlapped(workload: tuple[dict, list[Request]]) -> No
     """The same properties when step N+1 is scheduled before step N's tokens are read
     (async scheduling): pending tokens, surplus steps after eos, late block registration."""
     drive(*workload, overlapped=True)
+
+
+@SETTINGS
+@given(workloads(), st.booleans())
+@example(  # the two-requests-share-the-pool case above, chunked
+    (dict(block_size=2, enable_prefix_caching=True, max_model_length=20, num_kvcache_blocks=5,
+          max_num_batched_tokens=3, max_num_sequences=4, eos=EOS),
+     [Request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)),
+      Request(0, [1, 2, 3, 4, 6], SamplingParams(max_tokens=6, ignore_eos=True)),
+      Request(1, [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True))]), True)
+def test_random_workloads_chunked(workload: tuple[dict, list[Request]],
+                                  overlapped: bool) -> None:
+    """The token-budget scheduler: no step over max_num_batched_tokens or max_num_sequences,
+    every token computed once and in order (the cache holds the chain), no block leaked,
+    every sequence finishes with the tokens it gets alone, with or without overlap. The
+    budget is often far below a prompt's length here, so prompts run in many chunks."""
+    config, requests = workload
+    config = dict(config, max_num_batched_tokens=max(1, config["max_num_batched_tokens"] // 4))
+    drive(config, requests, overlapped=overlapped, chunked=True)
 
 
 def test_fake_model_emits_eos_sometimes() -> None:

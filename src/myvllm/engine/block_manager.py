@@ -179,11 +179,16 @@ class BlockManager:
         # Hits on *free* cached blocks still come out of the free list (revived).
         return len(self.free_block_ids) >= seq.num_blocks - shared
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence, num_computable: int | None = None) -> None:
         """Give seq a block table covering all its tokens, reusing cached prefix blocks.
 
         Hits come first and misses after, so reviving hit blocks (out of the middle of the
         free list) never races with popleft() handing the same block out as fresh.
+
+        A fresh full block is registered (findable by later requests) when the step being
+        scheduled writes it: every block, unless num_computable says that only the positions
+        below it are (chunked prefill: the first chunk); register_full_blocks registers the
+        rest as later chunks are scheduled.
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
@@ -196,9 +201,10 @@ class BlockManager:
         for block_id in hits:
             self._reuse_block(block_id)
             seq.block_table.append(block_id)
+        limit = seq.num_tokens if num_computable is None else num_computable
         for i in range(len(hits), seq.num_blocks):
             block_id = self._allocate_fresh_block()
-            if hashes[i] != -1:
+            if hashes[i] != -1 and (i + 1) * self.block_size <= limit:
                 # Register now: the K/V of this block is written in this very prefill step,
                 # before any later step can read it through another block table. (Within the
                 # step, store_kvcache writes all new K/V before attention reads any.)
@@ -206,6 +212,8 @@ class BlockManager:
                 self.hash_to_block_id[hashes[i]] = block_id
             seq.block_table.append(block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
+        # block_hashes lists the registered blocks only (register_full_blocks goes on from it).
+        del seq.block_hashes[max(len(hits), limit // self.block_size):]
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop seq's references. Blocks reaching 0 go back to the free list, still cached.

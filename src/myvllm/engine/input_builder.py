@@ -123,6 +123,66 @@ class InputBuilder:
         return StepInputs(self.to_device(input_ids, torch.int64),
                           self.to_device(positions, torch.int64), context)
 
+    def prepare_chunks(self, seqs: list[Sequence]) -> StepInputs:
+        """A step of chunked prefill: each sequence computes its next num_new_tokens tokens,
+        the ones just below num_computed_tokens (the scheduler advanced it past them).
+
+        Prompt chunks and decode rows (chunks of one token) go through the same varlen
+        attention, reading everything before the chunk from the paged cache:
+
+            A: 12-token prompt, chunk 2 of 8 tokens   B: decoding, 6 tokens so far
+            input_ids    = [a4 .. a11 | b5]
+            positions    = [ 4 .. 11  |  5]
+            cu_seqlens_q = [0, 8, 9]       new tokens per sequence
+            cu_seqlens_k = [0, 12, 15]     context per sequence: everything up to the chunk's end
+
+        A decode row whose token is still pending (overlapped scheduling) takes it from the
+        sampled-token pool on the device, as a decode step does.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        slot_mapping: list[int] = []
+        pool_size = self.decode_buffers.max_bs
+        pending_rows: list[tuple[int, int]] = []  # (index in input_ids, row of the pool)
+        for seq in seqs:
+            end = seq.num_computed_tokens
+            start = end - seq.num_new_tokens
+            if seq.num_new_tokens == 1 and end == len(seq):  # the sequence's last token
+                if seq.num_pending_tokens:
+                    assert seq.sampled_row is not None, "a pending token but no step"
+                    pending_rows.append((len(input_ids), seq.sampled_row))
+                    input_ids.append(0)
+                else:
+                    input_ids.append(seq.last_token)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+            table = seq.block_table
+            slot_mapping.extend(table[pos // self.block_size] * self.block_size
+                                + pos % self.block_size for pos in range(start, end))
+        ids = self.to_device(input_ids, torch.int64)
+        if pending_rows:
+            # [pool | host ids] indexed once: pending rows read the pool, the others their id.
+            index = list(range(pool_size, pool_size + len(input_ids)))
+            for position, row in pending_rows:
+                index[position] = row
+            ids = torch.cat([self.decode_buffers.sampled, ids]).index_select(
+                0, self.to_device(index, torch.int64))
+        context = Context(
+            is_prefill=True,
+            cu_seqlens_q=self.to_device(cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self.to_device(cu_seqlens_k, torch.int32),
+            max_seqlen_q=max(seq.num_new_tokens for seq in seqs),
+            max_seqlen_k=max(seq.num_computed_tokens for seq in seqs),
+            slot_mapping=self.to_device(slot_mapping, torch.int32),
+            block_tables=(self.prepare_block_tables(seqs)
+                          if cu_seqlens_k[-1] > cu_seqlens_q[-1] else None),
+        )
+        return StepInputs(ids, self.to_device(positions, torch.int64), context)
+
     def decode_batch_size(self, num_seqs: int) -> int:
         """The padded batch size a decode step runs at.
 

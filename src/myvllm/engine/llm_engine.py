@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.model_runner import ModelRunner, SampledTokens
+from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.tp_workers import (WorkerPool, init_distributed, pick_init_method,
@@ -58,6 +59,8 @@ class _QueuedStep:
     seqs: list[Sequence]
     num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
     sampled: SampledTokens  # rank 0's run() result
+    # Which of seqs get their token (chunked prefill: not those whose prompt goes on).
+    samples: list[bool]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -271,12 +274,18 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         queued = None
         if seqs:
-            num_tokens = (sum(len(seq) - seq.num_cached_tokens for seq in seqs) if is_prefill
-                          else -len(seqs))
+            if self.config.enable_chunked_prefill:
+                samples = [samples_this_step(seq) for seq in seqs]
+                num_computed = sum(seq.num_new_tokens for seq in seqs)
+            else:
+                samples = [True] * len(seqs)
+                num_computed = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
+            num_tokens = num_computed if is_prefill else -len(seqs)
             sampled = self._call("run", seqs, is_prefill)
-            for seq in seqs:
-                seq.add_pending_token()
-            queued = _QueuedStep(seqs, num_tokens, sampled)
+            for seq, sample in zip(seqs, samples, strict=True):
+                if sample:
+                    seq.add_pending_token()
+            queued = _QueuedStep(seqs, num_tokens, sampled, samples)
         if self.async_scheduling:
             queued, self._in_flight = self._in_flight, queued
         if queued is None:  # nothing queued (or the first step of a run, still in flight)
@@ -285,10 +294,13 @@ class LLMEngine:
 
     def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
         """Wait for a queued step's tokens and hand them to the scheduler."""
-        known = [len(seq.token_ids) for seq in step.seqs]
-        self.scheduler.postprocess(step.seqs, step.sampled.token_ids())
+        token_ids = step.sampled.token_ids()
+        seqs = [seq for seq, sample in zip(step.seqs, step.samples, strict=True) if sample]
+        known = [len(seq.token_ids) for seq in seqs]
+        self.scheduler.postprocess(
+            seqs, [t for t, sample in zip(token_ids, step.samples, strict=True) if sample])
         outputs = []
-        for seq, num_known in zip(step.seqs, known, strict=True):
+        for seq, num_known in zip(seqs, known, strict=True):
             new_token_ids = seq.token_ids[num_known:]
             if not new_token_ids:  # a surplus token of a sequence that had finished
                 continue

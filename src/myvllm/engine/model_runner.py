@@ -186,10 +186,12 @@ class ModelRunner:
         self.forward_prefill([seq])
 
     # ------------------------------------------------------------------ one step
-    def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The model and LM head over the sequences' uncached tokens -> logits of each
-        sequence's last token (on rank 0; None on other ranks)."""
-        step = self.inputs.prepare_prefill(seqs)
+    def forward_prefill(self, seqs: list[Sequence], chunks: bool = False
+                        ) -> torch.Tensor | None:
+        """The model and LM head over the sequences' uncached tokens (with `chunks`, over each
+        sequence's scheduled chunk) -> logits of each sequence's last token computed (on
+        rank 0; None on other ranks)."""
+        step = self.inputs.prepare_chunks(seqs) if chunks else self.inputs.prepare_prefill(seqs)
         with forward_context(step.context):
             return self.model.compute_logits(self.model(step.input_ids, step.positions))
 
@@ -222,7 +224,7 @@ class ModelRunner:
         other ranks None. Nothing here waits for the device.
         """
         if is_prefill:
-            logits = self.forward_prefill(seqs)
+            logits = self.forward_prefill(seqs, chunks=self.config.enable_chunked_prefill)
         else:
             logits = self.run_decode(seqs)
         if self.rank != 0:
@@ -230,7 +232,8 @@ class ModelRunner:
         num_seqs = len(seqs)
         pool = self.inputs.decode_buffers.sampled
         if logits is not None:  # else the decode step sampled into the pool itself
-            args = prepare_sample(seqs, self.inputs.to_device, self.device)
+            args = prepare_sample(seqs, self.inputs.to_device, self.device,
+                                  chunked=self.config.enable_chunked_prefill)
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
             pool[:num_seqs].copy_(self.sampler(
                 logits[:num_seqs], args.temperatures, args.top_ks, args.top_ps,

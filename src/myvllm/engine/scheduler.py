@@ -37,6 +37,7 @@ class Scheduler:
         self.max_num_sequences: int = config.max_num_sequences
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
         self.max_model_length: int = config.max_model_length
+        self.enable_chunked_prefill: bool = config.enable_chunked_prefill
         self.block_size: int = config.block_size
         self.eos_token_ids: frozenset[int] = stop_token_ids(config.eos)
         self.block_manager: BlockManager = BlockManager(
@@ -80,7 +81,7 @@ class Scheduler:
                 f"sequence {seq.seq_id} can grow to {need_tokens} tokens = {need_blocks} blocks "
                 f"of {self.block_size}, but the whole KV cache has {total_blocks} blocks; "
                 "shorten the prompt or max_tokens, or give the cache more blocks")
-        if need_tokens > self.max_num_batched_tokens:
+        if need_tokens > self.max_num_batched_tokens and not self.enable_chunked_prefill:
             raise ValueError(
                 f"sequence {seq.seq_id} can grow to {need_tokens} tokens, more than "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}: after a preemption it "
@@ -95,9 +96,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch. Never returns an empty batch while work remains."""
+        """Pick the next batch. Never returns an empty batch while work remains.
+
+        With chunked prefill (schedule_chunked) the flag says whether any sequence in the
+        batch computes more than one token (a prompt chunk): False is a pure decode step.
+        """
         if self.is_finished():
             return [], False
+        if self.enable_chunked_prefill:
+            return self.schedule_chunked()
 
         # Rule 1 + 2: prefill first, batched, FIFO.
         batch: list[Sequence] = []
@@ -152,17 +159,96 @@ class Scheduler:
             return [], False
 
         if not preempted:
-            # Rule 4.
-            bm = self.block_manager
-            raise RuntimeError(
-                f"Scheduler made no progress: {len(self.waiting)} waiting and "
-                f"{len(self.running)} running sequences, {len(bm.free_block_ids)} of "
-                f"{len(bm.blocks)} blocks free. Either a sequence cannot fit in the KV cache "
-                "(add_sequence should have rejected it), or blocks leaked because their "
-                "ref_count never returned to 0.")
+            self._raise_no_progress()  # rule 4
         # Everything running was preempted (only one sequence was left and it could not grow).
         # Its blocks are free now, so try again: the next call prefills it or raises above.
         return self.schedule()
+
+    def schedule_chunked(self) -> tuple[list[Sequence], bool]:
+        """One step under a token budget of max_num_batched_tokens.
+
+        1. Running sequences, in order: a decode row costs one token; a prompt part-way
+           through its prefill gets the next chunk, as much as the budget has left. Growing
+           a decode row may preempt the tail of running, as in rule 3.
+        2. Waiting sequences, in order, while budget, sequence slots and blocks last: each is
+           admitted with a first chunk (after its cached prefix) and the whole block table.
+
+        Each scheduled sequence gets num_new_tokens (its chunk) and its num_computed_tokens
+        is advanced past it; it samples a token only when the chunk reaches its last token.
+        """
+        budget = self.max_num_batched_tokens
+        preempted = False
+        scheduled: list[Sequence] = []
+        visited: list[Sequence] = []  # running sequences looked at, in their order
+        while self.running and budget > 0 and len(scheduled) < self.max_num_sequences:
+            seq = self.running.popleft()
+            visited.append(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining == 0:
+                continue  # its last chunk ran; its token is still in flight (async)
+            if remaining > 1:  # a prompt part-way through its prefill
+                self._schedule_chunk(seq, min(remaining, budget))
+            else:  # a decode row: the last token's K/V, and maybe a new block for it
+                if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
+                    continue  # its pending token is its last one (async)
+                while not self.block_manager.can_append(seq):
+                    preempted = True
+                    victim = self.running.pop() if self.running else seq
+                    if victim is seq:
+                        visited.remove(seq)
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    self.block_manager.append(seq)
+                    self._schedule_chunk(seq, 1)
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+            budget -= seq.num_new_tokens
+            scheduled.append(seq)
+        self.running.extendleft(reversed(visited))
+
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_sequences
+               and len(scheduled) < self.max_num_sequences):
+            seq = self.waiting[0]
+            if seq.num_pending_tokens or not self.block_manager.can_allocate(seq):
+                break  # the head stays at the head of waiting
+            self.waiting.popleft()
+            # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
+            self.block_manager.allocate(seq, num_computable=0)
+            if seq.num_cached_prompt_tokens is None:  # first admission
+                seq.num_cached_prompt_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens
+            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            self._schedule_chunk(seq, chunk)
+            self.running.append(seq)
+            budget -= chunk
+            scheduled.append(seq)
+
+        if scheduled:
+            return scheduled, any(seq.num_new_tokens > 1 for seq in scheduled)
+        if any(seq.num_pending_tokens for seq in (*self.running, *self.waiting)):
+            return [], False  # the step in flight must be read back first
+        if not preempted:
+            self._raise_no_progress()
+        return self.schedule()
+
+    def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
+        """seq computes its next num_tokens tokens in this step. The blocks those fill are
+        registered now: no later step can read them before this one writes them."""
+        seq.num_new_tokens = num_tokens
+        seq.num_computed_tokens += num_tokens
+        self.block_manager.register_full_blocks(seq, num_written=seq.num_computed_tokens)
+
+    def _raise_no_progress(self) -> None:
+        bm = self.block_manager
+        raise RuntimeError(
+            f"Scheduler made no progress: {len(self.waiting)} waiting and "
+            f"{len(self.running)} running sequences, {len(bm.free_block_ids)} of "
+            f"{len(bm.blocks)} blocks free. Either a sequence cannot fit in the KV cache "
+            "(add_sequence should have rejected it), or blocks leaked because their "
+            "ref_count never returned to 0.")
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop seq's blocks and queue it at the FRONT of waiting.

@@ -63,6 +63,11 @@ class Sequence:
         # multiple of block_size. The runner computes only token_ids[num_cached_tokens:].
         # 0 while waiting (again) after a preemption; kept after the sequence finishes.
         self.num_cached_tokens: int = 0
+        # Chunked prefill: leading tokens whose K/V is written by a step already scheduled
+        # (num_cached_tokens at admission, then advanced chunk by chunk), and the tokens the
+        # step being scheduled computes for this sequence (its chunk; 1 for a decode row).
+        self.num_computed_tokens: int = 0
+        self.num_new_tokens: int = 0
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading full blocks, memoised by the BlockManager
         # (a full block's tokens never change, so neither does its hash). Rank 0 only: not
@@ -116,6 +121,7 @@ class Sequence:
         over prompt + completion so far (its blocks are freed by the BlockManager)."""
         self.status = SequenceStatus.WAITING
         self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
         self.needs_prefill = True
 
     # A pending token has been sampled on the device but not yet read by the host. With
@@ -199,11 +205,13 @@ class Sequence:
         tokens: list[int] | int | None = (self.token_ids if self.needs_prefill
                                           else self.last_token)
         return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
-                self.num_cached_tokens, self.block_table, self.needs_prefill, tokens)
+                self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
+                self.block_table, self.needs_prefill, tokens)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
-         self.num_cached_tokens, self.block_table, self.needs_prefill, tokens) = state
+         self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
+         self.block_table, self.needs_prefill, tokens) = state
         self.status = SequenceStatus.RUNNING
         self.num_pending_tokens = 0
         self.num_cached_prompt_tokens = None
