@@ -746,6 +746,7 @@ def test_gumbel_sample_greedy_rows_are_exact_argmax(device) -> None:
     assert out[2].item() == 7 and out[3].item() == 3000
 
 
+@pytest.mark.slow  # 800 rows through the CPU interpreter: the longest test of this file
 @pytest.mark.parametrize("chunk_size", [2048, 4])
 def test_gumbel_sample_matches_softmax_distribution(device, chunk_size) -> None:
     """One chunk (2048), and three chunks of 4 tokens: a chunk, then a token inside it."""
