@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import logging as _logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from myvllm.config import Config
 from myvllm.sampling_parameters import SamplingParams
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     LLM = LLMEngine
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[LLMEngine]:
     """LLM / LLMEngine are imported on first use: they pull in torch (seconds to import), and
     the scripts import myvllm.demo or the scheduler to answer --help or trace without it."""
     if name in ("LLM", "LLMEngine"):
