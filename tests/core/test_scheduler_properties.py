@@ -347,7 +347,9 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
         if chunked:
             assert sum(s.num_new_tokens for s in batch) <= sch.max_num_batched_tokens
             assert len(batch) <= sch.max_num_sequences == config.max_num_sequences
-            assert is_prefill == any(s.num_new_tokens > 1 for s in batch)
+            # a pure decode step computes exactly each sequence's last token
+            assert is_prefill == any(s.num_new_tokens > 1 or s.num_computed_tokens != len(s)
+                                     for s in batch)
             assert len({s.seq_id for s in batch}) == len(batch)
             check_invariants(sch, seqs, batch, caching, chunked)
             if any(0 < s.num_computed_tokens < s.num_tokens for s in batch):

@@ -350,9 +350,10 @@ def test_never_fits_the_kv_cache() -> None:
 
 
 def test_longer_than_a_prefill_can_hold() -> None:
-    """After a preemption a sequence is prefilled whole: it must fit one prefill batch."""
+    """Prefill-first: after a preemption a sequence is prefilled whole, so it must fit one
+    prefill batch. (With chunked prefill any length runs: tests/engine/test_chunked_prefill.py.)"""
     llm = LLM(str(tiny_checkpoint("llama")), block_size=4, num_kvcache_blocks=32,
-              max_model_length=64, max_num_batched_tokens=16)
+              max_model_length=64, max_num_batched_tokens=16, enable_chunked_prefill=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=16"):
         llm.generate([list(range(1, 11))], params, use_tqdm=False)  # 10 + 8 - 1 = 17

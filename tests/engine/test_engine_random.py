@@ -67,7 +67,7 @@ class Oracle:
             llm = LLM(self.path, block_size=REFERENCE_BLOCK_SIZE, num_kvcache_blocks=blocks,
                       max_num_sequences=1, max_model_length=self.max_model_length,
                       max_num_batched_tokens=self.max_model_length, eos=EOS,
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, enable_chunked_prefill=False)
             out = llm.generate([list(req.prompt)], req.params(), use_tqdm=False)[0]
             assert out["num_cached_tokens"] == 0
             self.memo[req] = out["token_ids"]
@@ -164,12 +164,18 @@ def test_random_batches_match_one_at_a_time_generation(kind: str) -> None:
         )
         oracle = oracles.setdefault(max_model_length, Oracle(path, max_model_length))
         expected = [[oracle(r) for r in batch] for batch in calls]
-        for caching in (True, False):
-            got = run_engine(path, {**settings, "enable_prefix_caching": caching}, calls, stats)
+        # Chunked prefill runs with a budget below most prompts: they go in several chunks.
+        chunk_budget = rng.randint(max(2, settings["max_num_sequences"]), 12)
+        for caching, chunked in ((True, False), (False, False), (True, True), (False, True)):
+            mode = {**settings, "enable_prefix_caching": caching,
+                    "enable_chunked_prefill": chunked}
+            if chunked:
+                mode["max_num_batched_tokens"] = chunk_budget
+            got = run_engine(path, mode, calls, stats)
             for batch, outs, want in zip(calls, got, expected, strict=True):
                 for req, out, tokens in zip(batch, outs, want, strict=True):
                     assert out["token_ids"] == tokens, (
-                        f"trial {trial} caching={caching} {settings}: {req} gave "
+                        f"trial {trial} {mode}: {req} gave "
                         f"{out['token_ids']}, alone it gives {tokens}")
     # The workload must actually have exercised what it is about.
     if TRIALS >= 4:

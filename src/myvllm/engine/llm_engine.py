@@ -281,7 +281,13 @@ class LLMEngine:
                 samples = [True] * len(seqs)
                 num_computed = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
             num_tokens = num_computed if is_prefill else -len(seqs)
-            sampled = self._call("run", seqs, is_prefill)
+            try:
+                sampled = self._call("run", seqs, is_prefill)
+            except BaseException:
+                if self.config.enable_chunked_prefill:  # the step never ran: undo its plan
+                    for seq in seqs:
+                        seq.num_computed_tokens -= seq.num_new_tokens
+                raise
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
                     seq.add_pending_token()

@@ -98,8 +98,8 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the next batch. Never returns an empty batch while work remains.
 
-        With chunked prefill (schedule_chunked) the flag says whether any sequence in the
-        batch computes more than one token (a prompt chunk): False is a pure decode step.
+        With chunked prefill (schedule_chunked) the flag is False only for a pure decode step,
+        where every sequence computes just its last token; True means prompt chunks are in it.
         """
         if self.is_finished():
             return [], False
@@ -227,7 +227,11 @@ class Scheduler:
             scheduled.append(seq)
 
         if scheduled:
-            return scheduled, any(seq.num_new_tokens > 1 for seq in scheduled)
+            # A pure decode step (the decode kernel, CUDA graphs) only when every row computes
+            # its sequence's last token; a 1-token chunk inside a prompt is no decode row.
+            decode_only = all(seq.num_new_tokens == 1 and seq.num_computed_tokens == len(seq)
+                              for seq in scheduled)
+            return scheduled, not decode_only
         if any(seq.num_pending_tokens for seq in (*self.running, *self.waiting)):
             return [], False  # the step in flight must be read back first
         if not preempted:

@@ -140,8 +140,11 @@ class Sequence:
     def drop_pending_tokens(self) -> None:
         """Forget tokens that will never be read (the sequence finished, or its step was
         abandoned); the next step recomputes from the last known token."""
-        self.num_tokens -= self.num_pending_tokens
-        self.num_pending_tokens = 0
+        if self.num_pending_tokens:
+            self.num_tokens -= self.num_pending_tokens
+            self.num_pending_tokens = 0
+            # The last known token's K/V came from the abandoned step: compute it again.
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,129 @@
+"""Chunked prefill end to end on the CPU: prompts many times the token budget, mixed steps of
+prompt chunks and decode rows, against HF transformers' greedy tokens.
+
+The budget (max_num_batched_tokens) is set far below the prompts so that every prompt runs in
+several chunks, beside sequences that decode; prefix caching and preemption must keep
+working across chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers_models import load_hf_reference, tiny_checkpoint
+
+from myvllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(1, 255) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    hf_model.generation_config.eos_token_id = None
+    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                            dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False,
+                            pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def budget_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams
+                 ) -> tuple[dict[int, list[int]], list[int]]:
+    """Drive the engine by step(); returns the outputs by request id and every step's count."""
+    ids = [llm.add_request(p, params) for p in prompts]
+    outputs: dict[int, list[int]] = {}
+    counts = []
+    while not llm.is_finished():
+        finished, n = llm.step()
+        counts.append(n)
+        outputs.update({out["seq_id"]: out["token_ids"] for out in finished})
+    return {i: outputs[i] for i in ids}, counts
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama3"])
+def test_prompts_many_times_the_budget_match_transformers(kind: str) -> None:
+    path = tiny_checkpoint(kind)
+    prompts = random_prompts([57, 3, 41, 9, 62], seed=1)
+    llm = LLM(str(path), block_size=4, max_model_length=96, max_num_batched_tokens=12,
+              max_num_sequences=4)
+    outputs, counts = budget_steps(llm, prompts, GREEDY)
+    hf = load_hf_reference(path)
+    for prompt, tokens in zip(prompts, outputs.values()):
+        assert tokens == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    # No step computed more than the budget; some steps mixed chunks with decode rows.
+    assert all(abs(n) <= 12 for n in counts) and max(counts) == 12
+    assert any(n < 0 for n in counts)  # and pure decode steps came once the prompts were in
+
+
+def test_long_prompt_with_a_prefix_hit_and_async_scheduling() -> None:
+    """The second request shares 48 tokens with the first (12 blocks): it starts its chunks
+    after the cached prefix, and gives the tokens of an engine that never cached anything."""
+    path = str(tiny_checkpoint("qwen3"))
+    base = random_prompts([48], seed=2)[0]
+    first, second = base + [7, 8, 9], base + [10, 11, 12, 13, 14]
+    cold = LLM(path, block_size=4, max_model_length=96, enable_prefix_caching=False,
+               enable_chunked_prefill=False).generate([first, second], GREEDY, use_tqdm=False)
+    llm = LLM(path, block_size=4, max_model_length=96, max_num_batched_tokens=10,
+              async_scheduling=True)
+    a = llm.generate([first], GREEDY, use_tqdm=False)[0]
+    b = llm.generate([second], GREEDY, use_tqdm=False)[0]
+    assert a["token_ids"] == cold[0]["token_ids"] and b["token_ids"] == cold[1]["token_ids"]
+    assert b["num_cached_tokens"] == 48
+
+
+def test_blocks_of_a_prompt_still_in_prefill_are_shared_only_once_written() -> None:
+    """Two equal long prompts in one call: the second is admitted while the first is part-way
+    through its chunks, so it can hit only the blocks the first's chunks already wrote."""
+    path = str(tiny_checkpoint("llama"))
+    prompt = random_prompts([40], seed=3)[0]
+    alone = LLM(path, block_size=4, max_model_length=96, enable_chunked_prefill=False,
+                enable_prefix_caching=False).generate([prompt], GREEDY, use_tqdm=False)
+    llm = LLM(path, block_size=4, max_model_length=96, max_num_batched_tokens=16)
+    outs = llm.generate([prompt, prompt], GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [alone[0]["token_ids"]] * 2
+    assert 0 < outs[1]["num_cached_tokens"] < 40
+
+
+def test_preemption_under_kv_pressure() -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = random_prompts([30, 22, 35, 5], seed=4)
+    llm = LLM(str(path), block_size=4, num_kvcache_blocks=14, max_model_length=64,
+              max_num_batched_tokens=8, max_num_sequences=4)
+    preempted = []
+    original = llm.scheduler.preempt
+    llm.scheduler.preempt = lambda seq: preempted.append(seq.seq_id) or original(seq)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert preempted, "the tiny KV pool was meant to force a preemption"
+    hf = load_hf_reference(path)
+    for prompt, out in zip(prompts, outputs):
+        assert out["token_ids"] == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    bm = llm.scheduler.block_manager
+    assert len(bm.free_block_ids) == len(bm.blocks)
+
+
+def test_seeded_sampling_does_not_depend_on_the_chunks() -> None:
+    """A seeded request draws from its generator only when it samples, so how its prompt was
+    cut into chunks does not change its tokens."""
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = random_prompts([33, 6], seed=5)
+    params = SamplingParams(temperature=0.8, max_tokens=8, seed=123, ignore_eos=True)
+    whole = LLM(path, block_size=4, max_model_length=64, enable_chunked_prefill=False)
+    chunked = LLM(path, block_size=4, max_model_length=64, max_num_batched_tokens=7)
+    assert ([o["token_ids"] for o in chunked.generate(prompts, params, use_tqdm=False)]
+            == [o["token_ids"] for o in whole.generate(prompts, params, use_tqdm=False)])
+
+
+def test_a_prompt_longer_than_the_budget_is_accepted_only_when_chunking() -> None:
+    path = str(tiny_checkpoint("llama"))
+    prompt = random_prompts([30], seed=6)[0]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(path, block_size=4, max_model_length=64, max_num_batched_tokens=16,
+            enable_chunked_prefill=False).generate([prompt], GREEDY, use_tqdm=False)
+    out = LLM(path, block_size=4, max_model_length=64, max_num_batched_tokens=16).generate(
+        [prompt], GREEDY, use_tqdm=False)[0]
+    assert len(out["token_ids"]) == GREEDY.max_tokens
