@@ -3,6 +3,7 @@
     uv run python examples/scheduler_trace.py            # the default story (below)
     uv run python examples/scheduler_trace.py --help     # knobs: block size, pool size, ...
     uv run python examples/scheduler_trace.py --overlap  # the same with async scheduling
+    uv run python examples/scheduler_trace.py --chunked  # the token budget (chunked prefill)
 
 The engine's loop is three calls (LLMEngine.step):
 
@@ -20,6 +21,12 @@ default story, with a deliberately tiny KV pool:
     later    the pool runs dry: the TAIL of `running` is preempted (recompute) and comes back.
     end      A, B, C have finished; D arrives with the same prefix and is served from
              blocks that are free but still hashed (prefix caching across requests).
+
+With --chunked the scheduler works by a budget of max_num_batched_tokens (6 here) per step:
+running sequences decode first, then prompts fill what is left, in chunks; a prompt
+part-way through its prefill goes on in the next step, and only the step with its last
+chunk samples a token. The engine itself runs that mode by default
+(Config.enable_chunked_prefill); the default story above shows the prefill-first rules.
 """
 
 from __future__ import annotations
@@ -76,19 +83,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--num-blocks", type=int, default=8, help="KV-cache blocks in the pool")
     parser.add_argument("--max-num-sequences", type=int, default=4)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the step's token budget (default: 64, or 6 with --chunked)")
     parser.add_argument("--max-tokens", type=int, default=6, help="completion tokens per request")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--overlap", action="store_true",
                         help="as async scheduling does: schedule step N+1 before step N's "
                              "tokens are read back (they count as pending meanwhile)")
+    parser.add_argument("--chunked", action="store_true",
+                        help="chunked prefill: decode rows first, then prompt chunks fill "
+                             "the token budget")
     args = parser.parse_args(argv)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 6 if args.chunked else 64
 
     config = Config(num_kvcache_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_sequences=args.max_num_sequences,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_length=64, eos=-1,  # no eos: requests stop at max_tokens
-                    enable_prefix_caching=not args.no_prefix_caching)
+                    enable_prefix_caching=not args.no_prefix_caching,
+                    enable_chunked_prefill=args.chunked)
     sch = TracingScheduler(config)
     params = SamplingParams(max_tokens=args.max_tokens)
     # step -> requests arriving just before that step's schedule()
@@ -122,11 +136,25 @@ def main(argv: list[str] | None = None) -> None:
         sch.preempted_now.clear()
         seqs, is_prefill = sch.schedule()
         kind = "PREFILL" if is_prefill else "DECODE"
+        if args.chunked:
+            kind = "MIXED" if is_prefill else "DECODE"
         if seqs:
             print(f"step {step}: {kind} batch={[names[s.seq_id] for s in seqs]}")
         else:  # only with --overlap: what can run next depends on the step in flight
             print(f"step {step}: nothing to schedule before the step in flight is read back")
-        if is_prefill:
+        if args.chunked:
+            for seq in seqs:
+                start = seq.num_computed_tokens - seq.num_new_tokens
+                what = ("decode" if seq.num_new_tokens == 1 and start == len(seq) - 1
+                        else f"prompt chunk [{start}, {seq.num_computed_tokens}) of "
+                             f"{seq.num_tokens}")
+                hit = (f", cache hit {seq.num_cached_tokens}"
+                       if start == seq.num_cached_tokens and seq.num_cached_tokens else "")
+                samples = "samples" if seq.num_computed_tokens == len(seq) else "no token yet"
+                print(f"    {names[seq.seq_id]}: {what}{hit}: {samples}")
+            print(f"    tokens computed: {sum(s.num_new_tokens for s in seqs)} of "
+                  f"{args.max_num_batched_tokens}")
+        elif is_prefill:
             for seq in seqs:
                 computed = seq.num_tokens - seq.num_cached_tokens
                 print(f"    {names[seq.seq_id]}: cache hit {seq.num_cached_tokens} tokens, "
@@ -137,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         for victim in sch.preempted_now:
             print(f"    PREEMPTED {names[victim.seq_id]} (tail of running): blocks freed, "
                   f"back to the front of waiting with {victim.num_tokens} tokens to recompute")
+        # Chunked prefill: only a sequence whose chunk reached its last token samples.
+        seqs = [s for s in seqs if not args.chunked or s.num_computed_tokens == len(s)]
         tokens = [fake_token(s) for s in seqs]  # what the model would sample in this step
         if args.overlap:
             # Queue this step, then read back the previous one: until then its tokens are

@@ -52,9 +52,11 @@ class Config:
     """Most prompt tokens in one prefill step. Bounds activation memory of a prefill, so the
     runner's warm-up uses the same number to measure peak memory before sizing the KV cache."""
 
-    max_model_length: int = 4096
+    max_model_length: int | None = None
     """Longest sequence (prompt + completion). A sequence reaching it finishes; a longer prompt
-    is rejected. Also sizes the block tables of the decode CUDA graphs."""
+    is rejected. Also sizes the block tables of the decode CUDA graphs. None = the checkpoint's
+    max_position_embeddings, lowered to what the KV cache can hold (a log line says so); a
+    larger number is lowered to max_position_embeddings."""
 
     block_size: int = 16
     """Tokens per KV-cache block (the 'page' of PagedAttention). Small blocks waste less memory
@@ -117,7 +119,8 @@ class Config:
             self.model = os.fspath(self.model)
         _check_int("max_num_sequences", self.max_num_sequences, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
-        _check_int("max_model_length", self.max_model_length, minimum=1)
+        if self.max_model_length is not None:
+            _check_int("max_model_length", self.max_model_length, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
         if not (is_int(self.num_kvcache_blocks)

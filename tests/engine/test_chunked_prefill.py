@@ -127,3 +127,22 @@ def test_a_prompt_longer_than_the_budget_is_accepted_only_when_chunking() -> Non
     out = LLM(path, block_size=4, max_model_length=64, max_num_batched_tokens=16).generate(
         [prompt], GREEDY, use_tqdm=False)[0]
     assert len(out["token_ids"]) == GREEDY.max_tokens
+
+
+def test_max_model_length_defaults_to_the_checkpoint_capped_by_the_cache(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """None takes max_position_embeddings (256 in the tiny config); a cache of 40 blocks of 4
+    holds 160 tokens, so one line says it is lowered to that. A length the caller chose is
+    kept (add_request refuses a sequence that can never fit instead)."""
+    path = str(tiny_checkpoint("qwen3"))
+    assert LLM(path, block_size=4, num_kvcache_blocks=100).max_model_length == 256
+    with caplog.at_level("INFO", logger="myvllm"):
+        llm = LLM(path, block_size=4, num_kvcache_blocks=40)
+    assert llm.max_model_length == llm.config.max_model_length == 160
+    assert "max_model_length 256 -> 160" in caplog.text
+    assert LLM(path, block_size=4, num_kvcache_blocks=40, max_model_length=200
+               ).max_model_length == 200
+    prompt = random_prompts([150], seed=7)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 10  # stopped at max_model_length = 160

@@ -10,11 +10,11 @@ from myvllm.config import Config, ConfigError
 def test_defaults_match_the_contract() -> None:
     c = Config()
     assert (c.model, c.max_num_sequences, c.max_num_batched_tokens, c.max_model_length) == (
-        None, 256, 16384, 4096)
+        None, 256, 16384, None)
     assert (c.block_size, c.num_kvcache_blocks, c.gpu_memory_utilization) == (16, -1, 0.9)
     assert (c.tensor_parallel_size, c.enforce_eager) == (1, False)
     assert (c.dtype, c.device) == ("auto", "auto")
-    assert c.eos is None and c.enable_prefix_caching is True
+    assert c.eos is None and c.enable_prefix_caching is True and c.enable_chunked_prefill is True
 
 
 def test_unknown_keyword_names_key_and_closest_field() -> None:

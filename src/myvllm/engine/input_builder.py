@@ -50,6 +50,9 @@ class InputBuilder:
         # graphs and gains nothing from padding (tests switch it on to exercise the padding).
         self.pad_decode = self.device.type == "cuda"
         self.decode_sizes = cuda_graph_batch_sizes(config.max_num_sequences)
+        if config.max_model_length is None:
+            raise ValueError("InputBuilder needs config.max_model_length (the engine resolves "
+                             "None from the checkpoint)")
         self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
         # A decode step's inputs and sampled tokens live in fixed buffers: no allocation per
         # step, and a CUDA graph reads them in place.

@@ -120,10 +120,13 @@ class LLMEngine:
         eos = config.eos
         if eos is None:  # -1 when the checkpoint names no eos: stop on max_tokens only
             eos = eos_token_ids(self.model_path, hf_config, self.tokenizer) or -1
-        max_len = min(config.max_model_length, hf_config.max_position_embeddings)
-        if max_len < config.max_model_length:
-            logger.info(f"max_model_length {config.max_model_length} -> {max_len}: the "
-                        "checkpoint's max_position_embeddings")
+        max_len: int = hf_config.max_position_embeddings
+        user_max_len = config.max_model_length
+        if config.max_model_length is not None:
+            if config.max_model_length > max_len:
+                logger.info(f"max_model_length {config.max_model_length} -> {max_len}: the "
+                            "checkpoint's max_position_embeddings")
+            max_len = min(config.max_model_length, max_len)
         config = dataclasses.replace(config, eos=eos, max_model_length=max_len)
         self.vocab_size: int = hf_config.vocab_size
 
@@ -152,7 +155,18 @@ class LLMEngine:
             _shutdown(self._pool, owns_group, torch_threads, getattr(self, "model_runner", None),
                       graceful=False)
             raise
-        self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks)
+        capacity = num_blocks * config.block_size
+        if user_max_len is None and max_len > capacity:
+            # The checkpoint's length, but one sequence could never grow so long here. (A
+            # length the caller chose stays: add_request refuses what can never fit.)
+            logger.info(f"max_model_length {max_len} -> {capacity}: what the KV cache holds "
+                        f"({num_blocks} blocks of {config.block_size} tokens)")
+            max_len = capacity
+        # The engine's settings, resolved: max_model_length and eos from the checkpoint,
+        # num_kvcache_blocks from memory.
+        self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks,
+                                          max_model_length=max_len)
+        self.max_model_length: int = max_len
         self.scheduler = Scheduler(self.config)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else use_cuda and config.tensor_parallel_size == 1)

@@ -143,7 +143,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         config = self.config
-        max_len = config.max_model_length
+        max_len = self.inputs.max_blocks_per_seq * config.block_size
         budget = min(config.max_num_batched_tokens, max_len * config.max_num_sequences)
         lengths = [max_len] * (budget // max_len)
         if budget % max_len:

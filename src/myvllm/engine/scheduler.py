@@ -36,6 +36,9 @@ class Scheduler:
                              "(-1 = from memory) before the scheduler is built")
         self.max_num_sequences: int = config.max_num_sequences
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
+        if config.max_model_length is None:
+            raise ValueError("Scheduler needs config.max_model_length: the engine sets it from "
+                             "the checkpoint when it is None")
         self.max_model_length: int = config.max_model_length
         self.enable_chunked_prefill: bool = config.enable_chunked_prefill
         self.block_size: int = config.block_size

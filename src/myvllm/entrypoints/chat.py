@@ -88,10 +88,10 @@ def run_chat(config: Config, args: argparse.Namespace) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             prompt_ids = chat_prompt(tokenizer, messages)
-            if len(prompt_ids) >= engine.config.max_model_length:
+            if len(prompt_ids) >= engine.max_model_length:
                 messages.pop()
                 print(f"(the conversation would be {len(prompt_ids)} tokens, the model takes "
-                      f"{engine.config.max_model_length}: /reset to start over)")
+                      f"{engine.max_model_length}: /reset to start over)")
                 continue
             answer = answer_turn(engine, prompt_ids, params)
             messages.append({"role": "assistant", "content": answer})

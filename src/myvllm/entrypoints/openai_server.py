@@ -71,7 +71,7 @@ async def _disconnected(request: Request) -> None:
 
 def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger) -> FastAPI:
     app = FastAPI(title="myvllm", docs_url=None, redoc_url=None)
-    max_model_length = llm.engine.config.max_model_length
+    max_model_length = llm.engine.max_model_length
     created = int(time.time())
 
     @app.exception_handler(RequestError)

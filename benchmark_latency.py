@@ -1,0 +1,231 @@
+"""Latency of the scheduler's choices: the decode stall when a long prompt joins, time to first
+token, and the token budget's trade-off between the two and throughput.
+
+    uv run python benchmark_latency.py --quick          # tiny CPU run (CI)
+    python benchmark_latency.py                         # on a GPU: stall, TTFT, sweep, plot
+
+1. Stall: 64 sequences decode; then one 16,000-token prompt arrives. The longest step until
+   that prompt has its first token, over the median decode step before it. Prefill-first
+   runs the whole prompt in one step beside nobody; chunked prefill cuts it into pieces of
+   what the budget leaves after the decode rows.
+2. Time to first token of one prompt alone (1k, 4k, 32k tokens): generate(max_tokens=1),
+   median of 5.
+3. Sweep of max_num_batched_tokens: the stall and the offline throughput of
+   benchmark_tps.py's workload at each budget (and prefill-first for reference); a plot.
+
+Random weights of the Qwen3-0.6B architecture (configs/Qwen3-0.6B/config.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
+    parser.add_argument("--budgets", default="512,1024,2048,4096,8192,16384",
+                        help="comma-separated max_num_batched_tokens values for the sweep")
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_latency.png"))
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before torch's import (seconds)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+
+from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint, make_workload  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_len: int,
+                  vocab: int) -> dict[str, float]:
+    """Step times while num_decoding sequences decode, then while a long prompt joins."""
+    from myvllm import SamplingParams
+
+    rng_prompt = [[(7 * i + j) % vocab for j in range(decode_prompt_len)]
+                  for i in range(num_decoding)]
+    decode = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    ids = [llm.add_request(p, decode) for p in rng_prompt]
+    scheduler = llm.scheduler
+    while scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                   for s in scheduler.running):
+        llm.step()
+    for _ in range(5):  # steady state: every sequence decodes
+        llm.step()
+    before = []
+    for _ in range(30):
+        sync()
+        start = time.perf_counter()
+        llm.step()
+        sync()
+        before.append(time.perf_counter() - start)
+    long_id = llm.add_request([(3 * j + 1) % vocab for j in range(long_prompt_len)],
+                              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    after = []
+    first_token_s = None
+    joined = time.perf_counter()
+    while first_token_s is None:
+        sync()
+        start = time.perf_counter()
+        outputs, _ = llm.step_outputs()
+        sync()
+        after.append(time.perf_counter() - start)
+        if any(out.request_id == long_id for out in outputs):
+            first_token_s = time.perf_counter() - joined
+    for request_id in ids:
+        llm.abort(request_id)
+    while not llm.is_finished():
+        llm.step()
+    median = statistics.median(before)
+    return {"median_step_ms": median * 1e3, "longest_step_after_join_ms": max(after) * 1e3,
+            "stall_x": max(after) / median, "steps_until_first_token": len(after),
+            "long_prompt_ttft_s": first_token_s}
+
+
+def measure_ttft(llm, lengths: list[int], vocab: int) -> dict[int, float]:
+    from myvllm import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    result = {}
+    for n in lengths:
+        prompts = [[(11 * r + 5 * j + 1) % vocab for j in range(n)] for r in range(6)]
+        llm.generate([prompts[0]], one, use_tqdm=False)  # warm (and compile)
+        times = []
+        for prompt in prompts[1:]:  # a new prompt each time: no prefix-cache hit
+            sync()
+            start = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            sync()
+            times.append(time.perf_counter() - start)
+        result[n] = statistics.median(times) * 1e3
+    return result
+
+
+def throughput(llm, quick: bool, vocab: int) -> float:
+    from myvllm import SamplingParams
+
+    num, lo, hi = (6, 8, 24) if quick else (256, 100, 1024)
+    prompts, max_tokens = make_workload(num, lo, hi, hi, vocab)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    return sum(max_tokens) / (time.perf_counter() - start)
+
+
+def build(path: Path, quick: bool, **kwargs):
+    from myvllm import LLM
+
+    size = dict(max_num_sequences=8, max_model_length=512) if quick else {}
+    return LLM(str(path), **size, **kwargs)
+
+
+def release(llm) -> None:
+    llm.exit()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    args = parse_args()
+    quick = args.quick or not torch.cuda.is_available()
+    shapes = (dict(num_decoding=4, decode_prompt_len=8, long_prompt_len=200, ttft=[64, 256])
+              if quick else dict(num_decoding=64, decode_prompt_len=128,
+                                 long_prompt_len=16_000, ttft=[1024, 4096, 32_000]))
+    budgets = [32, 64] if quick else [int(b) for b in args.budgets.split(",")]
+    results: dict[str, object] = {"device": torch.cuda.get_device_name()
+                                  if torch.cuda.is_available() else "cpu",
+                                  "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_random_checkpoint(QWEN3_CONFIG, Path(tmp), "cuda" if not quick else "cpu",
+                                       quick)
+        vocab = 500 if quick else 10_000
+        stall_kw = {k: shapes[k] for k in ("num_decoding", "decode_prompt_len",
+                                           "long_prompt_len")}
+
+        llm = build(path, quick)  # the defaults
+        config = llm.config
+        print(f"defaults: enable_chunked_prefill={config.enable_chunked_prefill}, "
+              f"max_num_batched_tokens={config.max_num_batched_tokens}, "
+              f"max_model_length={config.max_model_length}")
+        stall = measure_stall(llm, **stall_kw, vocab=vocab)
+        print(f"stall (defaults): median decode step {stall['median_step_ms']:.2f} ms, longest "
+              f"step after a {shapes['long_prompt_len']}-token prompt joins "
+              f"{stall['longest_step_after_join_ms']:.2f} ms = {stall['stall_x']:.1f}x "
+              f"({stall['steps_until_first_token']} steps to its first token)")
+        ttft = measure_ttft(llm, shapes["ttft"], vocab)
+        for n, ms in ttft.items():
+            print(f"time to first token, {n} tokens alone (defaults): {ms:.1f} ms")
+        results["defaults"] = {"stall": stall, "ttft_ms": ttft,
+                               "max_num_batched_tokens": config.max_num_batched_tokens}
+        release(llm)
+
+        if not args.skip_sweep:
+            sweep = []
+            modes = [(b, True) for b in budgets] + [(max(budgets), False)]
+            for budget, chunked in modes:
+                llm = build(path, quick, max_num_batched_tokens=budget,
+                            enable_chunked_prefill=chunked,
+                            max_model_length=None if chunked else max(budget, 2048))
+                row = measure_stall(llm, **{**stall_kw, "long_prompt_len": min(
+                    shapes["long_prompt_len"], llm.config.max_model_length - 1)}, vocab=vocab)
+                row.update(budget=budget, chunked=chunked, tok_s=throughput(llm, quick, vocab))
+                print(f"{'chunked' if chunked else 'prefill-first':>13} budget {budget:>6}: "
+                      f"stall {row['stall_x']:5.1f}x, {row['tok_s']:,.0f} output tok/s")
+                sweep.append(row)
+                release(llm)
+            results["sweep"] = sweep
+            if not quick:
+                plot(sweep, Path(args.plot))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def plot(sweep: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for row in sweep:
+        marker = "o" if row["chunked"] else "s"
+        ax.scatter(row["stall_x"], row["tok_s"], marker=marker,
+                   color="tab:blue" if row["chunked"] else "tab:red")
+        label = f"{row['budget']}" + ("" if row["chunked"] else " prefill-first")
+        ax.annotate(label, (row["stall_x"], row["tok_s"]), textcoords="offset points",
+                    xytext=(5, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("decode stall when a 16k-token prompt joins 64 decoding sequences (x median)")
+    ax.set_ylabel("offline throughput, output tok/s")
+    ax.set_title("max_num_batched_tokens: throughput against stall")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
