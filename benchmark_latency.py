@@ -138,7 +138,7 @@ def build(path: Path, quick: bool, **kwargs):
     from myvllm import LLM
 
     size = dict(max_num_sequences=8, max_model_length=512) if quick else {}
-    return LLM(str(path), **size, **kwargs)
+    return LLM(str(path), **{**size, **kwargs})
 
 
 def release(llm) -> None:
@@ -155,7 +155,7 @@ def main() -> None:
     shapes = (dict(num_decoding=4, decode_prompt_len=8, long_prompt_len=200, ttft=[64, 256])
               if quick else dict(num_decoding=64, decode_prompt_len=128,
                                  long_prompt_len=16_000, ttft=[1024, 4096, 32_000]))
-    budgets = [32, 64] if quick else [int(b) for b in args.budgets.split(",")]
+    budgets = [32, 256] if quick else [int(b) for b in args.budgets.split(",")]
     results: dict[str, object] = {"device": torch.cuda.get_device_name()
                                   if torch.cuda.is_available() else "cpu",
                                   "torch": torch.__version__}
@@ -187,9 +187,11 @@ def main() -> None:
             sweep = []
             modes = [(b, True) for b in budgets] + [(max(budgets), False)]
             for budget, chunked in modes:
+                # Prefill-first must fit every sequence in one prefill: max_model_length
+                # is the budget there; chunked runs take the default.
+                extra = {} if chunked else {"max_model_length": budget}
                 llm = build(path, quick, max_num_batched_tokens=budget,
-                            enable_chunked_prefill=chunked,
-                            max_model_length=None if chunked else max(budget, 2048))
+                            enable_chunked_prefill=chunked, **extra)
                 row = measure_stall(llm, **{**stall_kw, "long_prompt_len": min(
                     shapes["long_prompt_len"], llm.config.max_model_length - 1)}, vocab=vocab)
                 row.update(budget=budget, chunked=chunked, tok_s=throughput(llm, quick, vocab))

@@ -56,6 +56,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's token budget per step (default: Config's)")
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="prefill-first scheduling instead of chunked prefill")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens before planning the next one")
     parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
@@ -217,7 +221,10 @@ def main() -> None:
                   async_scheduling=False if args.no_async_scheduling else None,
                   max_model_length=args.max_input_len + args.max_output_len,
                   max_num_sequences=256 if not args.quick else 8,
-                  max_num_batched_tokens=16384 if not args.quick else 512)
+                  enable_chunked_prefill=not args.no_chunked_prefill,
+                  **({"max_num_batched_tokens": args.max_num_batched_tokens}
+                     if args.max_num_batched_tokens else
+                     {"max_num_batched_tokens": 512} if args.quick else {}))
 
         # 1. Correctness: greedy tokens against transformers on the same checkpoint.
         check_prompts, _ = make_workload(4, 16, 32, 16, vocab)
