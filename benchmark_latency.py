@@ -65,10 +65,10 @@ def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_le
                   for i in range(num_decoding)]
     decode = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     ids = [llm.add_request(p, decode) for p in rng_prompt]
-    scheduler = llm.scheduler
-    while scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                   for s in scheduler.running):
-        llm.step()
+    started: set[int] = set()
+    while len(started) < len(ids):  # until every sequence has its first token
+        outputs, _ = llm.step_outputs()
+        started.update(out.request_id for out in outputs)
     for _ in range(5):  # steady state: every sequence decodes
         llm.step()
     before = []
