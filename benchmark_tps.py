@@ -351,6 +351,7 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
     device is done), postprocess. With async scheduling the wait is for the step queued by
     the call before.
     """
+    import myvllm.engine.model_runner as runner_module
     from myvllm.engine.model_runner import SampledTokens
 
     runner, scheduler = llm.model_runner, llm.scheduler
@@ -367,8 +368,8 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
 
     originals = {}
     for owner, name in ((scheduler, "schedule"), (scheduler, "postprocess"), (runner, "run"),
-                        (runner, "prepare_prefill"), (runner, "prepare_decode"),
-                        (runner, "prepare_sample"), (SampledTokens, "token_ids")):
+                        (runner.inputs, "prepare_prefill"), (runner.inputs, "prepare_decode"),
+                        (runner_module, "prepare_sample"), (SampledTokens, "token_ids")):
         originals[(owner, name)] = getattr(owner, name)
         setattr(owner, name, timed(name, getattr(owner, name)))
     steps = []

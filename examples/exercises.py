@@ -28,16 +28,18 @@ import torch  # noqa: E402
 from myvllm.config import Config  # noqa: E402
 from myvllm.engine.block_manager import BlockManager  # noqa: E402
 from myvllm.engine.decode_buffers import DecodeViews  # noqa: E402
-from myvllm.engine.model_runner import ModelRunner  # noqa: E402
+from myvllm.engine.graph_runner import GraphRunner  # noqa: E402
+from myvllm.engine.input_builder import InputBuilder  # noqa: E402
+from myvllm.engine.kv_cache import KVCacheLayout  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.kernels import store_kvcache  # noqa: E402
 from myvllm.sampling_parameters import SamplingParams  # noqa: E402
 
 
-def runner_without_model(block_size: int) -> ModelRunner:
-    """A ModelRunner that prepares batches but builds no model (ModelRunner.without_model)."""
-    return ModelRunner.without_model(Config(device="cpu", block_size=block_size))
+def input_builder(block_size: int) -> InputBuilder:
+    """What the ModelRunner uses to turn a batch into tensors; it needs no model."""
+    return InputBuilder(Config(device="cpu", block_size=block_size))
 
 
 def article_can_append(bm: BlockManager, seq: Sequence) -> bool:
@@ -233,10 +235,10 @@ def freed_blocks() -> None:
     print(f"    Y now: num_cached_tokens = {evicted_hit}, block_table = {y.block_table} (blocks "
           "0 and 1 survived: a prefix's first blocks are freed last, so evicted last)")
 
-    print("\n(c) Who reads the revived blocks? Y's prefill context (ModelRunner.prepare_prefill):")
-    step = runner_without_model(4).prepare_prefill([y])
+    print("\n(c) Who reads the revived blocks? Y's prefill context (InputBuilder.prepare_prefill):")
+    step = input_builder(4).prepare_prefill([y])
     for key in ("cu_seqlens_q", "cu_seqlens_k", "block_tables"):
-        value = step.context[key]
+        value = getattr(step.context, key)
         print(f"    {key:<13} {value.tolist() if isinstance(value, torch.Tensor) else value}")
     print("    cu_seqlens_k > cu_seqlens_q and block_tables is set: flash_attention_varlen reads "
           "the cached prefix from the paged cache; positions start at num_cached_tokens")
@@ -281,18 +283,19 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     """padding_slot: "-1" (as written), "stale" (the original without its fill), or "0"."""
     block_size, max_bs, width = 4, 4, 4
     # Graph sizes 1, 2, 4; block tables 4 wide; the decode buffers every step (and graph) reads.
-    runner = ModelRunner.without_model(Config(device="cpu", block_size=block_size,
-                                              max_num_sequences=max_bs, max_model_length=16))
-    assert runner.decode_sizes == [1, 2, 4] and runner.max_blocks_per_seq == width
-    runner.pad_decode = True  # what a GPU does (pad to a captured graph size); off on a CPU
+    inputs = InputBuilder(Config(device="cpu", block_size=block_size,
+                                 max_num_sequences=max_bs, max_model_length=16))
+    assert inputs.decode_sizes == [1, 2, 4] and inputs.max_blocks_per_seq == width
+    inputs.pad_decode = True  # what a GPU does (pad to a captured graph size); off on a CPU
     bm = BlockManager(8, block_size)
     k_cache = torch.zeros(8, block_size, 1, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
-    static = runner.decode_buffers.views(max_bs, width)  # what the batch-4 graph reads
-    static.slot_mapping.fill_(-1)  # as capture_cudagraph leaves it
-    runner.graphs = {bs: FakeDecodeGraph(runner.decode_buffers.views(bs, width), k_cache, v_cache)
-                     for bs in (1, 2, 4)}
-    runner.graph_hidden = {bs: torch.zeros(bs, 1) for bs in (1, 2, 4)}  # the graphs' outputs
+    static = inputs.decode_buffers.views(max_bs, width)  # what the batch-4 graph reads
+    static.slot_mapping.fill_(-1)  # as GraphRunner.capture leaves it
+    graphs = GraphRunner()
+    graphs.graphs = {bs: FakeDecodeGraph(inputs.decode_buffers.views(bs, width),  # type: ignore[misc]
+                                         k_cache, v_cache) for bs in (1, 2, 4)}
+    graphs.graph_hidden = {bs: torch.zeros(bs, 1) for bs in (1, 2, 4)}  # the graphs' outputs
 
     def decode(seqs: list[Sequence], token: int) -> list[int]:
         for i, seq in enumerate(seqs):
@@ -300,15 +303,15 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
             assert bm.can_append(seq)
             bm.append(seq)
         before = static.slot_mapping.clone()  # what the static buffer held from the last step
-        step = runner.prepare_decode(seqs)  # padded to a graph size, padding slots -1
-        slots = step.context["slot_mapping"]
+        step = inputs.prepare_decode(seqs)  # padded to a graph size, padding slots -1
+        slots = step.context.slot_mapping
         assert isinstance(slots, torch.Tensor) and slots.data_ptr() == static.slot_mapping.data_ptr()
         pad = slots == -1
         if padding_slot == "stale":
             slots[pad] = before[pad]
         elif padding_slot == "0":
             slots[pad] = 0
-        runner.replay_cudagraph(step, len(slots))  # the real method
+        graphs.replay(step)  # the real method
         return static.slot_mapping.tolist()
 
     a, b, c, d = (Sequence([10 * i + 1, 10 * i + 2], block_size) for i in (1, 2, 3, 4))
@@ -329,7 +332,7 @@ def graph_padding() -> None:
     print("A, B, C, D (prompts [11, 12], [21, 22], ...) decode with a captured graph of batch "
           "size 4; D finishes and its block 3 goes to a new request E (K = 501, 502, 503 at "
           "slots 12, 13, 14); then A, B, C decode: batch 3 is padded to the batch-4 graph, "
-          "row 3 is padding. Runs the real prepare_decode and replay_cudagraph, with fake "
+          "row 3 is padding. Runs the real prepare_decode and GraphRunner.replay, with fake "
           "graphs whose 'K' is the input token id.\n")
     print(f"{'padding row slot':<38} {'static slot_mapping, step 1 / step 2':<38} "
           f"{'E slot 14':>9} {'A slot 0':>8}")
@@ -347,8 +350,8 @@ def graph_padding() -> None:
           "corrupts the one that got its block, silently")
     print(f"answer: with slot 0 it overwrites A's first K ({results['-1'][1]:g} -> "
           f"{results['0'][1]:g}); any real slot belongs to someone")
-    print("answer: our -1 is written by ModelRunner.prepare_decode (padding rows: slot -1, "
-          "context length 0) and capture_cudagraph (captures on slots of -1); it is "
+    print("answer: our -1 is written by InputBuilder.prepare_decode (padding rows: slot -1, "
+          "context length 0) and GraphRunner.capture (captures on slots of -1); it is "
           "honored by store_kvcache: kernels/store_kvcache_kernel.py (mask slot >= 0) and "
           "kernels/reference.py (keep = slot_mapping >= 0)")
 
@@ -367,10 +370,11 @@ def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 
           f"{'prefix hit':>10}")
     fits = {}
     for size in (256, 16):
-        runner = runner_without_model(size)
-        runner.hf_config, runner.dtype = hf_config, torch.bfloat16
-        block_bytes = runner.kv_cache_block_bytes()
-        num_blocks = budget // block_bytes  # allocate_kv_cache: num_blocks = budget // block_bytes
+        layout = KVCacheLayout(num_layers=hf_config.num_hidden_layers, block_size=size,
+                               num_kv_heads=hf_config.num_key_value_heads,
+                               head_dim=hf_config.head_dim, dtype=torch.bfloat16)
+        block_bytes = layout.block_bytes
+        num_blocks = budget // block_bytes  # count_blocks: num_blocks = budget // block_bytes
         bm = BlockManager(num_blocks, size, enable_prefix_caching=False)
         count = 0
         while True:
@@ -397,8 +401,8 @@ def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 
           "stays the same up to rounding")
     print(f"answer: but each sequence wastes at most block_size - 1 slots in its last block: "
           f"{fits[256]} sequences of {seq_tokens} tokens fit with 256, {fits[16]} with 16")
-    print("answer: the line is in ModelRunner.allocate_kv_cache: num_blocks = budget // "
-          "block_bytes, with block_bytes = kv_cache_block_bytes() = block_size * 2 * layers * "
+    print("answer: the line is in kv_cache.count_blocks: num_blocks = budget // "
+          "block_bytes, with KVCacheLayout.block_bytes = block_size * 2 * layers * "
           "kv_heads * head_dim * dtype size")
     print(f"answer: prefix caching shares only full blocks: a {shared_prefix}-token shared "
           "prefix gives 0 cached tokens at 256 and 32 at 16")

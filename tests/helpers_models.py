@@ -21,6 +21,8 @@ engine tests can use string prompts. Tokens map 1:1 to UTF-8 bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import atexit
 import math
 import shutil
@@ -29,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+if TYPE_CHECKING:
+    from myvllm.utils.context import Context
 
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64,
@@ -186,10 +191,12 @@ def load_ours(path: str | Path) -> Any:
     return model.eval()
 
 
-def prefill_context(seq_lens: list[int]) -> dict[str, Any]:
-    """forward_context(...) fields for a no-cache prefill of sequences of these lengths."""
+def prefill_context(seq_lens: list[int]) -> Context:
+    """The forward_context of a no-cache prefill of sequences of these lengths."""
+    from myvllm.utils.context import Context
+
     cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0).tolist()), dtype=torch.int32)
-    return dict(
+    return Context(
         is_prefill=True,
         cu_seqlens_q=cu,
         cu_seqlens_k=cu,

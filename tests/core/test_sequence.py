@@ -67,6 +67,7 @@ def test_pickle_before_first_token_carries_all_tokens() -> None:
 def test_pickle_in_decode_is_small_and_carries_last_token_only() -> None:
     s = Sequence(list(range(2000)), 16)
     s.block_table = list(range(126))
+    s.status = SequenceStatus.RUNNING  # scheduled: its prefill ran and sampled a token
     full = len(pickle.dumps(s))
     s.append_token(7)
     w = pickle.loads(pickle.dumps(s))
@@ -80,8 +81,10 @@ def test_pickle_in_decode_is_small_and_carries_last_token_only() -> None:
 def test_pickle_after_preemption_carries_all_tokens_again() -> None:
     # A preempted sequence is re-prefilled over prompt + completion: workers need them all.
     s = Sequence([1, 2, 3], 4)
+    s.status = SequenceStatus.RUNNING
     s.append_token(4)
     s.append_token(5)
-    s.needs_prefill = True  # what Scheduler.preempt does
+    assert not s.needs_prefill
+    s.reset_for_recompute()  # what Scheduler.preempt does
     w = pickle.loads(pickle.dumps(s))
     assert w.token_ids == [1, 2, 3, 4, 5] and w.num_prompt_tokens == 3

@@ -16,6 +16,7 @@ from helpers_models import load_hf_reference, tiny_checkpoint
 
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
+from myvllm.engine.sampling import prepare_sample
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -130,7 +131,7 @@ def test_cpu_forces_eager_and_says_so() -> None:
                   max_num_batched_tokens=128)
     finally:
         logging.getLogger("myvllm").removeHandler(handler)
-    assert llm.model_runner.enforce_eager and not llm.model_runner.graphs
+    assert llm.model_runner.enforce_eager and not llm.model_runner.graph_runner.graphs
     assert any("CUDA graphs are off" in r.getMessage() for r in records)
 
 
@@ -148,19 +149,19 @@ def test_decode_padding_to_graph_sizes_changes_no_token() -> None:
                   max_num_sequences=8)
     plain = LLM(path, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
     llm = LLM(path, **kwargs)
-    runner = llm.model_runner
-    runner.pad_decode = True
+    inputs = llm.model_runner.inputs
+    inputs.pad_decode = True
     shapes: list[tuple[int, ...]] = []
-    original = runner.prepare_decode
+    original = inputs.prepare_decode
 
     def recording_prepare_decode(seqs):
         step = original(seqs)
-        shapes.append(tuple(step.context["block_tables"].shape))
-        assert step.context["slot_mapping"][len(seqs):].eq(-1).all()
-        assert step.context["context_lens"][len(seqs):].eq(0).all()
+        shapes.append(tuple(step.context.block_tables.shape))
+        assert step.context.slot_mapping[len(seqs):].eq(-1).all()
+        assert step.context.context_lens[len(seqs):].eq(0).all()
         return step
 
-    runner.prepare_decode = recording_prepare_decode
+    inputs.prepare_decode = recording_prepare_decode
     padded = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert (4, 16) in shapes  # 3 sequences padded to the graph size 4, 64 / 4 = 16 blocks wide
     assert [o["token_ids"] for o in padded] == [o["token_ids"] for o in plain]
@@ -181,20 +182,21 @@ def test_prepare_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPa
         raise AssertionError("a device-to-host read in batch preparation")
 
     runner = llm.model_runner
+    inputs = runner.inputs
     with monkeypatch.context() as patch:
         for name in ("cpu", "item", "tolist", "numpy", "__bool__", "__int__"):
             patch.setattr(torch.Tensor, name, forbidden)
-        prefill = runner.prepare_prefill(seqs)
-    assert prefill.context["max_seqlen_q"] == 5 and prefill.context["max_seqlen_k"] == 14
-    assert prefill.context["block_tables"] is not None  # a cached prefix: paged prefill
+        prefill = inputs.prepare_prefill(seqs)
+    assert prefill.context.max_seqlen_q == 5 and prefill.context.max_seqlen_k == 14
+    assert prefill.context.block_tables is not None  # a cached prefix: paged prefill
     llm.scheduler.postprocess(seqs, [7, 7])
     seqs, is_prefill = llm.scheduler.schedule()
     assert not is_prefill
     with monkeypatch.context() as patch:
         for name in ("cpu", "item", "tolist", "numpy", "__bool__", "__int__"):
             patch.setattr(torch.Tensor, name, forbidden)
-        runner.prepare_decode(seqs)
-        runner.prepare_sample(seqs)
+        inputs.prepare_decode(seqs)
+        prepare_sample(seqs, inputs.to_device, runner.device)
     for seq in seqs:
         llm.scheduler.abort(seq)
 
@@ -213,12 +215,12 @@ def test_add_request_and_step_give_what_generate_gives() -> None:
     assert [outputs[i]["token_ids"] for i in seq_ids] == [o["token_ids"] for o in expected]
     # The second round hits the first round's blocks, and nothing is left behind.
     assert [outputs[i]["num_cached_tokens"] for i in seq_ids] == [4, 8, 0]
-    assert llm._first_cached == {}
+    assert llm._requests == {}
     assert llm.step() == ([], 0)  # an idle engine runs no forward pass
 
 
 def test_cuda_graph_batch_sizes_cover_every_batch() -> None:
-    from myvllm.engine.model_runner import cuda_graph_batch_sizes
+    from myvllm.engine.input_builder import cuda_graph_batch_sizes
 
     assert cuda_graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert cuda_graph_batch_sizes(5) == [1, 2, 4, 5]

@@ -117,7 +117,7 @@ def test_qwen3_06b_logits_match_transformers(qwen3_random_checkpoint: Path) -> N
     from transformers import AutoModelForCausalLM
 
     from myvllm.models import get_model_class
-    from myvllm.utils.context import forward_context
+    from myvllm.utils.context import Context, forward_context
     from myvllm.utils.loader import load_hf_config, load_model
 
     path = qwen3_random_checkpoint
@@ -136,9 +136,9 @@ def test_qwen3_06b_logits_match_transformers(qwen3_random_checkpoint: Path) -> N
     ids = torch.tensor(sum(prompts, []), device="cuda")
     positions = torch.tensor([p for n in lens for p in range(n)], device="cuda")
     cu = torch.tensor([0, 37, 337, 342], dtype=torch.int32, device="cuda")
-    with torch.inference_mode(), forward_context(is_prefill=True, cu_seqlens_q=cu,
+    with torch.inference_mode(), forward_context(Context(is_prefill=True, cu_seqlens_q=cu,
                                                  cu_seqlens_k=cu, max_seqlen_q=300,
-                                                 max_seqlen_k=300):
+                                                 max_seqlen_k=300)):
         logits = ours.compute_logits(ours(ids, positions)).float()
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
@@ -173,7 +173,7 @@ def eager_and_graph_engines(qwen3_random_checkpoint: Path):
     eager = LLM(str(qwen3_random_checkpoint), enforce_eager=True, async_scheduling=False,
                 **ENGINE_ARGS)
     graph = LLM(str(qwen3_random_checkpoint), enforce_eager=False, **ENGINE_ARGS)
-    assert sorted(graph.model_runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert sorted(graph.model_runner.graph_runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert graph.async_scheduling and not eager.async_scheduling
     yield eager, graph
     eager.exit()
@@ -190,15 +190,15 @@ def test_cuda_graph_tokens_equal_eager(eager_and_graph_engines, batch_size: int)
                for _ in range(batch_size)]
     params = SamplingParams(**GREEDY_24)
     replays = []
-    runner = graph.model_runner
-    original = runner.replay_cudagraph
-    runner.replay_cudagraph = lambda step, bs: replays.append(bs) or original(step, bs)
+    graphs = graph.model_runner.graph_runner
+    original = graphs.replay
+    graphs.replay = lambda step: replays.append(step.input_ids.size(0)) or original(step)
     try:
         graph_out = graph.generate(prompts, params, use_tqdm=False)
     finally:
-        runner.replay_cudagraph = original
+        graphs.replay = original  # type: ignore[method-assign]
     # The first decode step has every sequence: it replays the smallest graph that fits.
-    expected = next(bs for bs in sorted(runner.graphs) if bs >= batch_size)
+    expected = next(bs for bs in sorted(graphs.graphs) if bs >= batch_size)
     assert replays and replays[0] == expected, f"replayed {replays[:3]}, expected {expected}"
     eager_out = eager.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in graph_out] == [o["token_ids"] for o in eager_out]

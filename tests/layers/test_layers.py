@@ -13,7 +13,7 @@ from myvllm.layers.embedding_head import ParallelLMHead, VocabParallelEmbedding
 from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.rotary_embedding import get_rope
 from myvllm.models import get_model_class
-from myvllm.utils.context import forward_context
+from myvllm.utils.context import Context, forward_context
 from myvllm.utils.loader import rope_parameters
 
 
@@ -115,9 +115,9 @@ def test_embedding_and_lm_head_prefill_keeps_last_tokens() -> None:
     torch.testing.assert_close(emb(ids), emb.weight[ids])
     hidden = torch.randn(5, 8)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-    with forward_context(
+    with forward_context(Context(
         is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3
-    ):
+    )):
         logits = head(hidden)
     torch.testing.assert_close(logits, hidden[[1, 4]] @ head.weight.T)
     # Decode (not prefill): one row per input row.
@@ -137,9 +137,9 @@ def test_attention_prefill_without_cache_is_causal_per_sequence() -> None:
     attn = Attention(num_heads=4, head_dim=8, scale=8**-0.5, num_kv_heads=2)
     q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
     cu = torch.tensor([0, 3, 9], dtype=torch.int32)
-    with forward_context(
+    with forward_context(Context(
         is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6
-    ):
+    )):
         out = attn(q, k, v)
     assert out.shape == (9, 32)
     want = torch.cat([_sdpa_causal(q[a:b], k[a:b], v[a:b], 8**-0.5) for a, b in [(0, 3), (3, 9)]])
@@ -152,15 +152,15 @@ def test_attention_stores_kv_and_decodes_from_cache() -> None:
     q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     cu = torch.tensor([0, 3], dtype=torch.int32)
     slots = torch.tensor([6, 7, 2], dtype=torch.int32)  # blocks [3, 1]
-    with forward_context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3,
-                         max_seqlen_k=3, slot_mapping=slots):  # fmt: skip
+    with forward_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3,
+                         max_seqlen_k=3, slot_mapping=slots)):  # fmt: skip
         attn(q, k, v)
     torch.testing.assert_close(attn.k_cache[3], k[:2])
     torch.testing.assert_close(attn.v_cache[1, 0], v[2])
     # The last token decoding against the cache = the last row of the prefill.
-    with forward_context(is_prefill=False, slot_mapping=torch.tensor([-1], dtype=torch.int32),
+    with forward_context(Context(is_prefill=False, slot_mapping=torch.tensor([-1], dtype=torch.int32),
                          context_lens=torch.tensor([3], dtype=torch.int32),
-                         block_tables=torch.tensor([[3, 1]], dtype=torch.int32)):  # fmt: skip
+                         block_tables=torch.tensor([[3, 1]], dtype=torch.int32))):  # fmt: skip
         out = attn(q[2:], k[2:], v[2:])
     torch.testing.assert_close(
         out, _sdpa_causal(q, k, v, 0.3)[2:].reshape(1, 32), atol=1e-5, rtol=0

@@ -41,7 +41,7 @@ def test_bundled_gguf_matches_transformers(gguf_path: str) -> None:
     ours = load_ours(gguf_path)
     assert ours.config.num_hidden_layers == 30 and ours.config.tie_word_embeddings
     lens = [len(t) for t in token_lists]
-    with forward_context(**prefill_context(lens)):
+    with forward_context(prefill_context(lens)):
         hidden = ours(
             torch.tensor(sum(token_lists, [])), torch.cat([torch.arange(n) for n in lens])
         )

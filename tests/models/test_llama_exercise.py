@@ -17,7 +17,7 @@ from helpers_models import load_hf_reference, prefill_context, tiny_checkpoint, 
 
 from myvllm.layers.attention import Attention
 from myvllm.layers.rotary_embedding import RotaryEmbedding
-from myvllm.utils.context import forward_context
+from myvllm.utils.context import Context, forward_context
 from myvllm.utils.loader import get_head_dim, iter_checkpoint_tensors, load_hf_config, load_model
 
 KINDS = ["llama", "llama3"]
@@ -189,7 +189,7 @@ def test_first_decoder_layer_matches_hf(loaded) -> None:
     captured = []
     handle = model.model.layers[0].register_forward_hook(lambda m, i, o: captured.append(o))
     try:
-        with forward_context(**prefill_context([9])):
+        with forward_context(prefill_context([9])):
             model(ids, torch.arange(9))
     finally:
         handle.remove()
@@ -208,7 +208,7 @@ def test_first_decoder_layer_matches_hf(loaded) -> None:
 def test_prefill_logits_match_hf(loaded) -> None:
     kind, model, hf = loaded
     prompts = [torch.randint(0, model.config.vocab_size, (n,)) for n in (7, 12)]
-    with forward_context(**prefill_context([7, 12])):
+    with forward_context(prefill_context([7, 12])):
         hidden = model(torch.cat(prompts), torch.cat([torch.arange(7), torch.arange(12)]))
         last = model.compute_logits(hidden)
     want = torch.stack([hf(p[None]).logits[0, -1] for p in prompts])
@@ -245,11 +245,11 @@ def test_decode_logits_match_hf(loaded) -> None:
         for step in range(3):
             tokens.append(int(torch.randint(0, config.vocab_size, ())))
             pos = len(tokens) - 1
-            with forward_context(
+            with forward_context(Context(
                 is_prefill=False, slot_mapping=torch.tensor([slot(pos)], dtype=torch.int32),
                 context_lens=torch.tensor([len(tokens)], dtype=torch.int32),
                 block_tables=torch.tensor([table], dtype=torch.int32),
-            ):  # fmt: skip
+            )):  # fmt: skip
                 got = model.compute_logits(model(torch.tensor([tokens[-1]]), torch.tensor([pos])))
             want = hf(torch.tensor([tokens])).logits[0, -1]
             assert torch.allclose(got[0], want, atol=1e-4), (

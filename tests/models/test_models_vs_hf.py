@@ -19,7 +19,7 @@ import torch
 from helpers_models import KINDS, load_hf_reference, load_ours, prefill_context, tiny_checkpoint
 
 from myvllm.layers.attention import Attention
-from myvllm.utils.context import forward_context
+from myvllm.utils.context import Context, forward_context
 from myvllm.utils.loader import get_head_dim, load_hf_config, rope_parameters
 
 ATOL = 1e-4
@@ -48,7 +48,7 @@ def test_prefill_batch_matches_hf(pair) -> None:
     lens = [len(p) for p in prompts]
     input_ids = torch.tensor(sum(prompts, []))
     positions = torch.cat([torch.arange(n) for n in lens])
-    with forward_context(**prefill_context(lens)):
+    with forward_context(prefill_context(lens)):
         hidden = ours(input_ids, positions)
         last_logits = ours.compute_logits(hidden)
     all_logits = ours.compute_logits(hidden)  # outside prefill: one row per token
@@ -122,11 +122,11 @@ def test_cached_prefix_then_decode_matches_hf(pair) -> None:
             [],
         )
         positions = torch.cat([torch.arange(c, len(p)) for p, c in zip(prompts, cached)])
-        with forward_context(
+        with forward_context(Context(
             is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(q_lens),
             max_seqlen_k=max(k_lens), slot_mapping=torch.tensor(slots, dtype=torch.int32),
             block_tables=cache.tables(block_tables),
-        ):  # fmt: skip
+        )):  # fmt: skip
             hidden = ours(torch.tensor(sum(new, [])), positions)
         got = ours.compute_logits(hidden)
         want = torch.cat([_hf_logits(hf, p)[c:] for p, c in zip(prompts, cached)])
@@ -145,11 +145,11 @@ def test_cached_prefix_then_decode_matches_hf(pair) -> None:
             slots = [
                 cache.slots(bt, range(len(s) - 1, len(s)))[0] for bt, s in zip(block_tables, seqs)
             ]
-            with forward_context(
+            with forward_context(Context(
                 is_prefill=False, slot_mapping=torch.tensor(slots, dtype=torch.int32),
                 context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int32),
                 block_tables=cache.tables(block_tables),
-            ):  # fmt: skip
+            )):  # fmt: skip
                 hidden = ours(torch.tensor(next_tokens), positions)
                 got = ours.compute_logits(hidden)
             want = torch.stack([_hf_logits(hf, s)[-1] for s in seqs])
@@ -203,7 +203,7 @@ def test_transformers4_config_json_gives_same_logits(kind: str, tmp_path: Path) 
     logits = []
     for path in (src, dst):
         model = load_ours(path)
-        with forward_context(**prefill_context([len(ids)])):
+        with forward_context(prefill_context([len(ids)])):
             hidden = model(ids, torch.arange(len(ids)))
         logits.append(model.compute_logits(hidden))
     torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)

@@ -32,13 +32,15 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from myvllm.config import Config
-from myvllm.engine.model_runner import ModelRunner, SampledTokens, resolve_device
+from myvllm.engine.batch import RequestOutput
+from myvllm.engine.model_runner import ModelRunner, SampledTokens
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.tp_workers import (WorkerPool, init_distributed, pick_init_method,
                                       release_process_group)
 from myvllm.models import get_model_class
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.utils.device import resolve_device
 from myvllm.utils.loader import (eos_token_ids, gguf_parsed_once, load_hf_config,
                                  load_tokenizer, resolve_model_path)
 
@@ -150,9 +152,8 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else use_cuda and config.tensor_parallel_size == 1)
         self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
-        # num_cached_tokens of each sequence at its first prefill (a preempted sequence is
-        # recomputed later and may then hit its own freed blocks: that is not a prompt hit).
-        self._first_cached: dict[int, int] = {}
+        # The requests added and not yet finished or aborted, by request id (= seq_id).
+        self._requests: dict[int, Sequence] = {}
         # Runs on exit(), on garbage collection, and at interpreter exit, whichever is first.
         # The runner is passed only with tensor parallelism, where its graphs must go before
         # the process group; otherwise the finalizer would keep its GPU memory alive.
@@ -225,10 +226,22 @@ class LLMEngine:
         return Sequence(token_ids, self.config.block_size, sampling_params)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one prompt; bad input raises here, before anything is queued."""
+        """Queue one prompt; returns its request id. Bad input raises here, before anything
+        is queued."""
         seq = self._make_sequence(prompt, sampling_params)
         self.scheduler.add_sequence(seq)
+        self._requests[seq.seq_id] = seq
         return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request wherever it is and free its blocks now; unknown or finished ids
+        are ignored (a request may finish while its client gives up on it)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.is_finished()
 
     def step(self) -> tuple[list[dict[str, Any]], int]:
         """One scheduler step. Returns (outputs of the sequences that finished, tokens computed).
@@ -236,6 +249,16 @@ class LLMEngine:
         Each output has seq_id, token_ids (completion only) and num_cached_tokens. The token
         count is positive for a prefill step (prompt tokens computed) and negative for a
         decode step (one per sequence), so callers can tell them apart.
+        """
+        outputs, num_tokens = self.step_outputs()
+        finished = [{"seq_id": out.request_id, "token_ids": out.token_ids,
+                     "num_cached_tokens": out.num_cached_tokens}
+                    for out in outputs if out.finished]
+        return finished, num_tokens
+
+    def step_outputs(self) -> tuple[list[RequestOutput], int]:
+        """One scheduler step, reported per request: every request that received tokens or
+        finished in it, and the signed count of tokens computed (as step()).
 
         With async_scheduling, both describe the step queued by the previous call: this call
         plans and queues the next step first, and only then waits for the previous one's
@@ -251,9 +274,6 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         queued = None
         if seqs:
-            if is_prefill:  # a sequence's first step is always a prefill
-                for seq in seqs:
-                    self._first_cached.setdefault(seq.seq_id, seq.num_cached_tokens)
             num_tokens = (sum(len(seq) - seq.num_cached_tokens for seq in seqs) if is_prefill
                           else -len(seqs))
             sampled = self._call("run", seqs, is_prefill)
@@ -266,17 +286,23 @@ class LLMEngine:
             return [], 0
         return self._read_back(queued)
 
-    def _read_back(self, step: _QueuedStep) -> tuple[list[dict[str, Any]], int]:
+    def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
         """Wait for a queued step's tokens and hand them to the scheduler."""
-        finished_seqs = self.scheduler.postprocess(step.seqs, step.sampled.token_ids())
-        finished = [
-            {"seq_id": seq.seq_id, "token_ids": seq.completion_token_ids,
-             "num_cached_tokens": self._first_cached.pop(seq.seq_id)}
-            for seq in finished_seqs
-        ]
-        if finished:
-            self.model_runner.release_generators([out["seq_id"] for out in finished])
-        return finished, step.num_tokens
+        known = [len(seq.token_ids) for seq in step.seqs]
+        self.scheduler.postprocess(step.seqs, step.sampled.token_ids())
+        outputs = []
+        for seq, num_known in zip(step.seqs, known, strict=True):
+            new_token_ids = seq.token_ids[num_known:]
+            if not new_token_ids:  # a surplus token of a sequence that had finished
+                continue
+            if seq.is_finished:
+                self._requests.pop(seq.seq_id, None)
+            outputs.append(RequestOutput(
+                request_id=seq.seq_id, new_token_ids=new_token_ids,
+                token_ids=seq.completion_token_ids, finished=seq.is_finished,
+                finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_prompt_tokens or 0))
+        return outputs, step.num_tokens
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
@@ -312,6 +338,7 @@ class LLMEngine:
             self.scheduler.check_sequence(seq)
         for seq in seqs:
             self.scheduler.add_sequence(seq)
+            self._requests[seq.seq_id] = seq
 
         outputs: dict[int, dict[str, Any]] = {}
         progress = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
@@ -365,9 +392,7 @@ class LLMEngine:
                 seq.drop_pending_tokens()
             self._in_flight = None
         for seq in seqs:
-            self.scheduler.abort(seq)
-            self._first_cached.pop(seq.seq_id, None)
-        self.model_runner.release_generators([seq.seq_id for seq in seqs])
+            self.abort(seq.seq_id)
         if self._pool is not None:
             self._pool.shutdown(wait_s=0)
             self.exit()

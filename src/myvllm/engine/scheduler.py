@@ -116,6 +116,8 @@ class Scheduler:
                 break  # the head stays at the head of waiting
             self.waiting.popleft()
             self.block_manager.allocate(seq)
+            if seq.num_cached_prompt_tokens is None:  # first admission
+                seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(seq)
@@ -177,9 +179,7 @@ class Scheduler:
         if seq in self.running:  # the scheduler pops victims itself; direct callers may not
             self.running.remove(seq)
         self.block_manager.deallocate(seq)
-        seq.num_cached_tokens = 0  # nothing of it is in the cache any more (for now)
-        seq.status = SequenceStatus.WAITING
-        seq.needs_prefill = True  # its next forward recomputes prompt + completion so far
+        seq.reset_for_recompute()
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ after the forward
@@ -207,11 +207,11 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.append_token(token_id)
-            if seq.status == SequenceStatus.WAITING:
-                seq.needs_prefill = True  # preempted while this token was pending
-            if ((not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids)
-                    or self.reaches_stop_length(seq, len(seq.token_ids))):
-                self.finish(seq)
+            if not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(seq, "stop")
+                finished.append(seq)
+            elif self.reaches_stop_length(seq, len(seq.token_ids)):
+                self.finish(seq, "length")
                 finished.append(seq)
             elif seq.block_table:
                 # The token just read may complete a block whose last slot a step already
@@ -220,8 +220,9 @@ class Scheduler:
                 self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
         seq.drop_pending_tokens()  # a surplus step may be in flight for it
         self.block_manager.deallocate(seq)
         if seq in self.running:
@@ -230,10 +231,16 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop seq wherever it is (e.g. generate() interrupted); its blocks are released."""
+        """Drop seq wherever it is (a client went away, generate() interrupted); its blocks
+        are released at once. A step already queued for it still runs, and its token is
+        dropped by postprocess (the sequence is finished by then)."""
+        if seq.is_finished:
+            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
+        seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"

@@ -18,9 +18,12 @@ import operator
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from myvllm.sampling_parameters import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(Enum):
@@ -69,6 +72,17 @@ class Sequence:
         # Counted in num_tokens but not yet in token_ids (see add_pending_token). Kept as a
         # count, not num_tokens - len(token_ids): a worker's copy has no token_ids.
         self.num_pending_tokens: int = 0
+        # Per-request state of rank 0, kept here so it ends with the request:
+        # num_cached_tokens at the first admission (what the caller is told: a re-prefill
+        # after preemption may hit the sequence's own freed blocks, which is no prompt hit);
+        self.num_cached_prompt_tokens: int | None = None
+        # the seeded generator of SamplingParams.seed, made at the first sampled step;
+        self.generator: torch.Generator | None = None
+        # the row of this sequence's token in the last step's sampled-token pool, where a
+        # decode step reads a token that is still pending (engine/decode_buffers.py);
+        self.sampled_row: int | None = None
+        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort".
+        self.finish_reason: str | None = None
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -89,7 +103,15 @@ class Sequence:
             self.num_pending_tokens -= 1
         else:
             self.num_tokens += 1
-        self.needs_prefill = False
+        # Preempted while this token was pending: the next forward still recomputes all.
+        self.needs_prefill = self.status == SequenceStatus.WAITING
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: back to waiting, nothing of it in the cache, the next forward a prefill
+        over prompt + completion so far (its blocks are freed by the BlockManager)."""
+        self.status = SequenceStatus.WAITING
+        self.num_cached_tokens = 0
+        self.needs_prefill = True
 
     # A pending token has been sampled on the device but not yet read by the host. With
     # overlapped ("async") scheduling the engine plans step N+1 before step N's tokens reach
@@ -179,6 +201,10 @@ class Sequence:
          self.num_cached_tokens, self.block_table, self.needs_prefill, tokens) = state
         self.status = SequenceStatus.RUNNING
         self.num_pending_tokens = 0
+        self.num_cached_prompt_tokens = None
+        self.generator = None
+        self.sampled_row = None
+        self.finish_reason = None
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
         if self.needs_prefill:
             self.token_ids = tokens

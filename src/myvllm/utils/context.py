@@ -6,7 +6,7 @@ sequences and where each token's K/V lives in the paged cache. Passing that thro
 we keep it in one module-level object:
 
     ModelRunner.run()                  Attention.forward()          ParallelLMHead.forward()
-        with forward_context(...):  ->     ctx = get_context()  ->     ctx.is_prefill?
+        with forward_context(ctx):  ->     ctx = get_context()  ->     ctx.is_prefill?
             model(input_ids, positions)    store K/V at ctx.slot_mapping, attend ...
 
 The cost is implicit global state: a layer called outside ``forward_context`` sees the
@@ -47,29 +47,27 @@ class Context:
     block_tables: torch.Tensor | None = None
 
 
-_CONTEXT = Context()
+_EMPTY = Context()
+_CONTEXT = _EMPTY
 
 
 def get_context() -> Context:
     return _CONTEXT
 
 
-def set_context(**fields: object) -> None:
-    """Replace the context with a fresh one holding ``fields`` (unknown names raise TypeError)."""
-    global _CONTEXT
-    _CONTEXT = Context(**fields)  # type: ignore[arg-type]
-
-
-def reset_context() -> None:
-    global _CONTEXT
-    _CONTEXT = Context()
-
-
 @contextmanager
-def forward_context(**fields: object) -> Iterator[Context]:
-    """Set the context for one forward pass and always clear it afterwards."""
-    set_context(**fields)
+def forward_context(context: Context) -> Iterator[Context]:
+    """Make ``context`` the one layers read for the forward pass inside the block, and always
+    clear it afterwards.
+
+    Nesting is refused: an inner forward would silently replace the outer step's batch, and
+    the outer forward would then run on the wrong slots after the inner one reset it.
+    """
+    global _CONTEXT
+    if _CONTEXT is not _EMPTY:
+        raise RuntimeError("forward_context is already set: one forward pass at a time")
+    _CONTEXT = context
     try:
-        yield _CONTEXT
+        yield context
     finally:
-        reset_context()
+        _CONTEXT = _EMPTY

@@ -1,0 +1,60 @@
+"""The typed objects one step passes along: model inputs, sampling arguments, outputs.
+
+    Scheduler.schedule()  -> list[Sequence]
+    InputBuilder          -> StepInputs      (token ids, positions, the layers' Context)
+    sampling.prepare_sample -> SamplingArgs  (per-row settings as device tensors)
+    ModelRunner.run       -> SampledTokens   (engine/decode_buffers.py)
+    LLMEngine.step_outputs -> RequestOutput  (per request: its new tokens, finished or not)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from myvllm.engine.decode_buffers import DecodeViews
+from myvllm.utils.context import Context
+
+
+@dataclass
+class StepInputs:
+    """What InputBuilder.prepare_prefill / prepare_decode hand to the forward pass."""
+
+    input_ids: torch.Tensor  # [N] int64, the tokens to compute, flat over the batch
+    positions: torch.Tensor  # [N] int64, their positions (RoPE)
+    context: Context  # how the flat batch splits into sequences and cache slots
+    decode: DecodeViews | None = None  # a decode step's views of the DecodeBuffers
+
+
+@dataclass
+class SamplingArgs:
+    """Per-row sampling settings on the device, plus what the host knows about them.
+
+    The host flags save the Sampler a device sync (all_greedy: the whole batch is one
+    argmax) and the sort that top-k/top-p need (None when no row uses them).
+    """
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ks: torch.Tensor | None  # [B] int64, <= 0 = off; None when no row filters
+    top_ps: torch.Tensor | None  # [B] float32, 1.0 = off; None when no row filters
+    generators: list[torch.Generator | None] | None  # per-row seeded generators, or None
+    all_greedy: bool
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request (LLMEngine.step_outputs)."""
+
+    request_id: int
+    new_token_ids: list[int]  # completion tokens that reached the host in this step
+    token_ids: list[int]  # the whole completion so far
+    finished: bool
+    finish_reason: FinishReason | None  # "stop" (eos), "length" (max_tokens or
+    #                                     max_model_length), "abort"; None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache

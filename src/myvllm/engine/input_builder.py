@@ -1,0 +1,179 @@
+"""Step 4a: the InputBuilder turns a scheduled batch into the tensors of one forward pass.
+
+Host lists (token ids, positions, slots) become device tensors without making the host wait:
+a prefill's through pinned host tensors and non_blocking copies, a decode step's through the
+fixed DecodeBuffers (engine/decode_buffers.py), which a captured CUDA graph reads in place.
+
+A token's slot in the paged KV cache is block_id * block_size + offset:
+
+    block_table of a sequence = [7, 2, 9], block_size 4, 10 tokens
+    token:   0  1  2  3 | 4  5  6  7 | 8  9
+    slot:   28 29 30 31 | 8  9 10 11 |36 37
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from myvllm.config import Config
+from myvllm.engine.batch import StepInputs
+from myvllm.engine.decode_buffers import DecodeBuffers, DecodeViews
+from myvllm.engine.sequence import Sequence
+from myvllm.utils.context import Context
+from myvllm.utils.device import resolve_device
+
+
+def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:
+    """The decode batch sizes that get a CUDA graph: [1, 2, 4, 8] + range(16, max+1, 16),
+    capped at max_num_sequences, and max_num_sequences itself."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_num_sequences]
+    sizes += list(range(16, max_num_sequences + 1, 16))
+    if max_num_sequences not in sizes:
+        sizes.append(max_num_sequences)  # so every batch up to the maximum has a graph
+    return sizes
+
+
+class InputBuilder:
+    """Builds StepInputs for prefill and decode steps; owns the DecodeBuffers.
+
+    Needs no model: the examples use it alone to show what a step's tensors look like.
+    """
+
+    def __init__(self, config: Config, device: torch.device | None = None, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.block_size = config.block_size
+        self.device = device if device is not None else resolve_device(config)
+        self.pin_memory = self.device.type == "cuda"
+        # Pad decode batches to graph shapes on a GPU (see decode_batch_size); a CPU has no
+        # graphs and gains nothing from padding (tests switch it on to exercise the padding).
+        self.pad_decode = self.device.type == "cuda"
+        self.decode_sizes = cuda_graph_batch_sizes(config.max_num_sequences)
+        self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
+        # A decode step's inputs and sampled tokens live in fixed buffers: no allocation per
+        # step, and a CUDA graph reads them in place.
+        self.decode_buffers = DecodeBuffers(config.max_num_sequences, self.max_blocks_per_seq,
+                                            self.device, self.pin_memory)
+
+    def to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> (pinned) CPU tensor -> device, without making the host wait."""
+        tensor = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
+        return tensor.to(self.device, non_blocking=True)
+
+    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Block tables padded with -1 to a rectangle (the kernels never read past the context).
+
+        For a prefill with a cached prefix; decode steps fill theirs in DecodeBuffers.
+        """
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        return torch.from_numpy(tables).to(self.device)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
+        """Flatten the uncached part of every prompt into one batch.
+
+        Two sequences, the first with 4 cached tokens (one block of 4), the second cold:
+
+            seq A: [a0 a1 a2 a3 | a4 a5 a6]   num_cached_tokens = 4
+            seq B: [b0 b1 b2]
+
+            input_ids    = [a4 a5 a6 b0 b1 b2]      only what must be computed
+            positions    = [ 4  5  6  0  1  2]      RoPE starts at num_cached_tokens
+            cu_seqlens_q = [0, 3, 6]                query tokens per sequence
+            cu_seqlens_k = [0, 7, 10]               context tokens per sequence (cached + new)
+            slot_mapping = one slot per entry of input_ids (the cached ones are already there)
+
+        When any cu_seqlens_k entry exceeds its cu_seqlens_q entry, a prefix is cached and
+        the prefill kernel reads K/V through block_tables instead of the fresh tensors.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        slot_mapping: list[int] = []
+        for seq in seqs:
+            num_cached = seq.num_cached_tokens
+            seqlen = len(seq)
+            input_ids.extend(seq.token_ids[num_cached:])
+            positions.extend(range(num_cached, seqlen))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - num_cached)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
+            max_seqlen_q = max(max_seqlen_q, seqlen - num_cached)
+            max_seqlen_k = max(max_seqlen_k, seqlen)
+            if not seq.block_table:  # warm-up: no cache to write to
+                continue
+            for i in range(seq.num_cached_blocks, seq.num_blocks):
+                start = seq.block_table[i] * self.block_size
+                count = self.block_size if i != seq.num_blocks - 1 else seq.last_block_num_tokens
+                slot_mapping.extend(range(start, start + count))
+        prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        context = Context(
+            is_prefill=True,
+            cu_seqlens_q=self.to_device(cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self.to_device(cu_seqlens_k, torch.int32),
+            # Host ints: the lengths are known here, so no cu_seqlens.cpu() sync is needed.
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            slot_mapping=self.to_device(slot_mapping, torch.int32),
+            block_tables=self.prepare_block_tables(seqs) if prefix_cached else None,
+        )
+        return StepInputs(self.to_device(input_ids, torch.int64),
+                          self.to_device(positions, torch.int64), context)
+
+    def decode_batch_size(self, num_seqs: int) -> int:
+        """The padded batch size a decode step runs at.
+
+        On a GPU, decode always runs at one of the CUDA-graph sizes and with block tables as
+        wide as max_model_length, graphs or not. The kernels then see the same shapes in
+        both modes, pick the same tiles and split-K chunks, and cuBLAS the same algorithms,
+        so enforce_eager=True and CUDA graphs give bit-identical tokens. Padding rows
+        use slot -1 (store nothing) and context length 0 (attend to nothing).
+        """
+        if not self.pad_decode:
+            return num_seqs
+        return next((bs for bs in self.decode_sizes if bs >= num_seqs), num_seqs)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
+        """One new token per sequence; its K/V goes to the slot after the last one used.
+
+        The values go to the fixed DecodeBuffers (two host-to-device copies, no allocation).
+        A sequence whose last token is still pending (overlapped scheduling) reads it from
+        the sampled-token pool on the device, without a round trip to the host.
+        """
+        bs = self.decode_batch_size(len(seqs))
+        padding = bs - len(seqs)
+        pool_size = self.decode_buffers.max_bs
+        token_index = []  # see DecodeBuffers: where each row's input id is read from
+        for row, seq in enumerate(seqs):
+            if seq.num_pending_tokens == 0:
+                token_index.append(pool_size + row)  # the host id below
+            else:
+                assert seq.sampled_row is not None, "a pending token but no step"
+                token_index.append(seq.sampled_row)
+        token_index += [pool_size + row for row in range(len(seqs), bs)]
+        input_ids = [seq.last_token if seq.num_pending_tokens == 0 else 0 for seq in seqs]
+        input_ids += [0] * padding
+        positions = [len(seq) - 1 for seq in seqs] + [0] * padding
+        context_lens = [len(seq) for seq in seqs] + [0] * padding
+        slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
+                        for seq in seqs] + [-1] * padding
+        # Only rank 0 samples (a worker's copy of a Sequence carries no sampling_params).
+        temperatures = [seq.sampling_params.temperature if self.rank == 0 else 0.0
+                        for seq in seqs] + [0.0] * padding
+        width = (self.max_blocks_per_seq if self.pad_decode
+                 else max(len(seq.block_table) for seq in seqs))
+        views = self.decode_buffers.copy_in(
+            bs, width, [input_ids, positions, token_index], [slot_mapping, context_lens],
+            temperatures, [seq.block_table for seq in seqs])
+        return decode_step_inputs(views)
+
+
+def decode_step_inputs(views: DecodeViews) -> StepInputs:
+    """The StepInputs of a decode step whose values are in these DecodeBuffers views."""
+    context = Context(is_prefill=False, slot_mapping=views.slot_mapping,
+                      context_lens=views.context_lens, block_tables=views.block_tables)
+    return StepInputs(views.input_ids, views.positions, context, views)
+

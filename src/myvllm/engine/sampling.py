@@ -1,0 +1,55 @@
+"""Sampling set-up: each sequence's SamplingParams as the Sampler's per-row arguments.
+
+Rank 0 alone samples. A decode step on one GPU with temperature-only rows samples inside
+its CUDA graph (two Triton kernels, layers/sampler.py); top-k, top-p and per-request seeds
+need the PyTorch sampler on the logits, outside the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from myvllm.engine.batch import SamplingArgs
+from myvllm.engine.sequence import Sequence
+
+ToDevice = Callable[[list[int] | list[float], torch.dtype], torch.Tensor]
+
+
+def uses_filters_or_seeds(seq: Sequence) -> bool:
+    """top-k, top-p or a seed: what only the PyTorch sampler implements."""
+    params = seq.sampling_params
+    return params.top_k > 0 or params.top_p < 1.0 or params.seed is not None
+
+
+def needs_full_sampler(seqs: list[Sequence]) -> bool:
+    return any(uses_filters_or_seeds(seq) for seq in seqs)
+
+
+def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None:
+    """The sequence's own generator when it has a seed, made at its first sampled step."""
+    seed = seq.sampling_params.seed
+    if seed is None:
+        return None
+    if seq.generator is None:
+        seq.generator = torch.Generator(device).manual_seed(seed)
+    return seq.generator
+
+
+def prepare_sample(seqs: list[Sequence], to_device: ToDevice,
+                   device: torch.device) -> SamplingArgs:
+    """Sampling settings as device tensors, plus host-side hints for the fast paths."""
+    params = [seq.sampling_params for seq in seqs]
+    generators: list[torch.Generator | None] | None = None
+    if any(p.seed is not None for p in params):
+        generators = [generator_for(seq, device) for seq in seqs]
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    return SamplingArgs(
+        temperatures=to_device([p.temperature for p in params], torch.float32),
+        top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
+        top_ps=to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
+        generators=generators,
+        all_greedy=all(p.temperature == 0 for p in params),
+    )

@@ -1,0 +1,27 @@
+"""Which device and dtype the engine runs in, from Config.device and Config.dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from myvllm.config import Config
+
+
+def resolve_device(config: Config) -> torch.device:
+    """"auto" is the GPU when torch sees one, else the CPU; "cuda" without one is an error."""
+    if config.device == "cpu":
+        return torch.device("cpu")
+    if config.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("Config.device='cuda' but torch sees no CUDA device.")
+        return torch.device("cuda")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        # bf16 is what the checkpoints are trained in; on a CPU fp32 is both faster and exact.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, config.dtype)
+    assert isinstance(dtype, torch.dtype)  # Config checked the name
+    return dtype
