@@ -23,9 +23,9 @@ on vLLM after the other two.
 
 --quick: a tiny random Qwen3 on the CPU, a handful of short sequences (CI smoke test).
 
---bundled: the CPU target of SPEC 8: the bundled SmolLM2-135M-Instruct (real weights, GGUF),
-4 chat prompts x 64 greedy tokens, myvllm against transformers loading the same GGUF file
-(batched with left padding), fp32, both timed after one warm-up run.
+--bundled: the CPU comparison (docs/benchmarks.md): the bundled SmolLM2-135M-Instruct (real
+weights, GGUF), 4 chat prompts x 64 greedy tokens, myvllm against transformers loading the
+same GGUF file (batched with left padding), fp32, both timed after one warm-up run.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def run_bundled(max_tokens: int = 64) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from myvllm import LLM, SamplingParams
-    from myvllm.utils.loader import bundled_model_path
+    from myvllm.utils.model_path import bundled_model_path
 
     llm = LLM(None, device="cpu")
     chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

@@ -42,8 +42,9 @@ def input_builder(block_size: int) -> InputBuilder:
     return InputBuilder(Config(device="cpu", block_size=block_size))
 
 
-def article_can_append(bm: BlockManager, seq: Sequence) -> bool:
-    """The original's rule, for comparison: a new block is needed iff num_tokens % size == 1."""
+def modulo_rule_can_append(bm: BlockManager, seq: Sequence) -> bool:
+    """The rule the guide's exercise compares with: a new block is needed iff
+    num_tokens % block_size == 1."""
     if seq.num_tokens % bm.block_size == 1:
         return len(bm.free_block_ids) > 0
     return True
@@ -109,14 +110,14 @@ def can_append() -> None:
     rows = []
     seq.append_token(23)  # the sampled token is counted before can_append is asked
     rows.append((seq.num_tokens, len(bm.free_block_ids), bm.can_append(seq),
-                 article_can_append(bm, seq), seq.num_blocks - len(seq.block_table)))
+                 modulo_rule_can_append(bm, seq), seq.num_blocks - len(seq.block_table)))
     answer_24 = rows[-1][2]
     bm.append(seq)
     print(f"after append at 24 tokens: block_table={seq.block_table} (unchanged), last block "
           f"hashed={bm.blocks[seq.block_table[-1]].hash != -1} (it just became full)")
     seq.append_token(24)
     rows.append((seq.num_tokens, len(bm.free_block_ids), bm.can_append(seq),
-                 article_can_append(bm, seq), seq.num_blocks - len(seq.block_table)))
+                 modulo_rule_can_append(bm, seq), seq.num_blocks - len(seq.block_table)))
     answer_25 = rows[-1][2]
 
     print("\nblock_size=1 (our generalization): BlockManager(2, 1), a 2-token sequence")
@@ -125,11 +126,11 @@ def can_append() -> None:
     bm1.allocate(one)
     one.append_token(7)
     rows.append((one.num_tokens, len(bm1.free_block_ids), bm1.can_append(one),
-                 article_can_append(bm1, one), one.num_blocks - len(one.block_table)))
+                 modulo_rule_can_append(bm1, one), one.num_blocks - len(one.block_table)))
     print("\nblock_size num_tokens free  new block needed  can_append (ours)  "
           "num_tokens % size == 1 rule")
-    for size, (n, free, ours, article, needed) in zip((8, 8, 1), rows):
-        print(f"{size:>10} {n:>10} {free:>5} {needed:>17} {str(ours):>18}  {article}")
+    for size, (n, free, ours, modulo_rule, needed) in zip((8, 8, 1), rows):
+        print(f"{size:>10} {n:>10} {free:>5} {needed:>17} {str(ours):>18}  {modulo_rule}")
     print(f"\nanswer: block_size 8, num_tokens 24, no free block -> can_append = {answer_24} "
           "(token 24 takes the last slot of block 3; append() only hashes the full block)")
     print(f"answer: num_tokens 25 -> can_append = {answer_25} (first token of a 4th block); "
@@ -358,7 +359,7 @@ def graph_padding() -> None:
 
 # ------------------------------------------------------------------------------------ 5
 def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 40) -> None:
-    from myvllm.utils.loader import load_hf_config
+    from myvllm.utils.hf_config import load_hf_config
 
     hf_config = load_hf_config(ROOT / "configs" / "Qwen3-0.6B")
     budget = int(kv_gib * (1 << 30))

@@ -183,7 +183,8 @@ def load_hf_reference(path: str | Path) -> Any:
 def load_ours(path: str | Path) -> Any:
     """Our model for a checkpoint dir or .gguf, fp32 on CPU, loaded through our loader."""
     from myvllm.models import get_model_class
-    from myvllm.utils.loader import load_hf_config, load_model
+    from myvllm.utils.hf_config import load_hf_config
+    from myvllm.utils.loader import load_model
 
     config = load_hf_config(path)
     model = get_model_class(config.architectures)(config)

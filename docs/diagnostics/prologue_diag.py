@@ -1,10 +1,10 @@
 """Per-call time inside a CUDA graph: separate op + skinny_gemm vs the fused prologues (GPU only).
 
 Run from the repository root: python3 docs/diagnostics/prologue_diag.py
-The log docs/raw/2026-11-30b-h200-prologue-diag.log also has "one-pass" lines: a variant,
-since removed, that scaled the sum by rstd at the end instead of normalising x first (one
-pass over x, not two, but not the reference's rounding). It was no faster, so the exact
-two-pass prologue stayed.
+The log docs/raw/2026-11-30b-h200-prologue-diag.log also has "one-pass" lines, from a variant
+this script does not carry: it scaled the sum by rstd at the end instead of normalising x
+first (one pass over x, not two, but not the reference's rounding). It was no faster, which
+is why the prologue reads x twice and rounds as the reference does.
 """
 import sys
 sys.path.insert(0, "src")

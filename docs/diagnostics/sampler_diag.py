@@ -2,8 +2,8 @@
 
 Run from the repository root: python3 docs/diagnostics/sampler_diag.py
 Logits are bf16 [batch, 151936] (Qwen3's vocabulary), temperature 1 (sampled rows).
-The log docs/raw/2026-11-30c-h200-sampler-diag.log printed GB/s 1000x too small (a unit
-slip, fixed since); its times are right.
+In the log docs/raw/2026-11-30c-h200-sampler-diag.log the GB/s column is 1000x too small
+(a unit slip in the script that wrote it); its times are right.
 """
 import sys
 

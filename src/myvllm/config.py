@@ -2,9 +2,10 @@
 
 Every module reads its settings as attributes of one ``Config`` object (``config.block_size``),
 never from a string-keyed dict. A typo in a dict key (``config["max_num_seqs"]``) fails only
-when that line finally runs -- the MinivLLM article found exactly that bug hiding the whole
-CUDA-graph path. A typo in an attribute name fails at once, and a typo in a *keyword* given to
-``Config`` is caught here, with the closest valid name in the message:
+when that line finally runs, and behind ``.get(key, default)`` it never fails: the default
+stands in unseen and can switch off a whole code path. A typo in an attribute name fails at
+once, and a typo in a *keyword* given to ``Config`` is caught here, with the closest valid name
+in the message:
 
     >>> Config(max_num_seqs=8)
     ConfigError: Config has no field 'max_num_seqs'; did you mean 'max_num_sequences'? ...
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from myvllm.value_checks import is_int, is_real
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -94,6 +96,13 @@ class Config:
     it pays, a GPU with tensor_parallel_size 1; True also on a CPU (for tests); it is not
     available with tensor parallelism. Greedy and seeded tokens are the same either way."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Config:
+        # The dataclass writes __init__; Python calls __new__ with the same arguments first,
+        # so an unknown keyword gets the closest valid name here instead of Python's bare
+        # "unexpected keyword argument" from __init__.
+        _check_field_names(kwargs.keys())
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.model is not None:
             if not isinstance(self.model, (str, os.PathLike)):
@@ -105,12 +114,12 @@ class Config:
         _check_int("max_model_length", self.max_model_length, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
-        if not (_is_int(self.num_kvcache_blocks)
+        if not (is_int(self.num_kvcache_blocks)
                 and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)):
             raise ValueError(f"Config.num_kvcache_blocks must be -1 (size from memory) or an "
                              f"int >= 1, got {self.num_kvcache_blocks!r}")
         g = self.gpu_memory_utilization
-        if not (_is_real(g) and math.isfinite(g) and 0.0 < g <= 1.0):
+        if not (is_real(g) and math.isfinite(g) and 0.0 < g <= 1.0):
             raise ValueError(f"Config.gpu_memory_utilization must be a number in (0, 1], "
                              f"got {g!r}")
         _check_bool("enforce_eager", self.enforce_eager)
@@ -154,32 +163,9 @@ def _check_field_names(names: Iterable[object]) -> None:
         raise ConfigError(f"Config has no field '{name}'; {hint}valid fields: {', '.join(valid)}")
 
 
-# The dataclass writes __init__ for us; wrap it so unknown keywords get the helpful error
-# above instead of Python's bare "unexpected keyword argument".
-_dataclass_init = Config.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _checked_init(self: Config, *args: Any, **kwargs: Any) -> None:
-    _check_field_names(kwargs.keys())
-    _dataclass_init(self, *args, **kwargs)
-
-
-Config.__init__ = _checked_init  # type: ignore[method-assign]
-
-
 # --------------------------------------------------------------------------- value checks
-def _is_int(x: object) -> bool:
-    # bool is a subclass of int; True as a block size is a bug, not a 1.
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if not (_is_int(value) and value >= minimum):  # type: ignore[operator]
+    if not (is_int(value) and value >= minimum):
         raise ValueError(f"Config.{name} must be an int >= {minimum}, got {value!r}")
 
 
@@ -191,10 +177,17 @@ def _check_bool(name: str, value: object) -> None:
 def _normalize_eos(eos: object) -> int | tuple[int, ...] | None:
     if eos is None:
         return None
-    if _is_int(eos):
-        if eos == -1 or eos >= 0:  # type: ignore[operator]
-            return eos  # type: ignore[return-value]
-    elif isinstance(eos, (tuple, list)) and eos and all(_is_int(t) and t >= 0 for t in eos):
+    if is_int(eos):
+        if eos == -1 or eos >= 0:
+            return eos
+    elif isinstance(eos, (tuple, list)) and eos and all(is_int(t) and t >= 0 for t in eos):
         return tuple(eos)  # a JSON list becomes the tuple the rest of the code expects
     raise ValueError(f"Config.eos must be None (from the checkpoint), -1 (no eos), a token id "
                      f">= 0, or a non-empty tuple of token ids >= 0, got {eos!r}")
+
+
+def stop_token_ids(eos: int | tuple[int, ...] | None) -> frozenset[int]:
+    """The token ids a sequence stops on, from a normalised Config.eos (-1 or None: none)."""
+    if eos is None or eos == -1:
+        return frozenset()
+    return frozenset((eos,)) if isinstance(eos, int) else frozenset(eos)

@@ -32,7 +32,7 @@ def parse_args(default_model: str, argv: list[str] | None) -> argparse.Namespace
 def run_demo(default_model: str, argv: list[str] | None = None) -> None:
     args = parse_args(default_model, argv)
     from myvllm import LLM, SamplingParams
-    from myvllm.utils.loader import ModelNotFoundError, resolve_model_path
+    from myvllm.utils.model_path import ModelNotFoundError, resolve_model_path
 
     model: str | None = args.model
     try:

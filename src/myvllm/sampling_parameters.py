@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from myvllm.value_checks import is_int, is_real
+
 
 @dataclass
 class SamplingParams:
@@ -31,30 +33,23 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+        if not (is_real(t) and math.isfinite(t) and t >= 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 "
                              f"(0 = greedy), got {t!r}")
         k = self.top_k
-        if not (_is_int(k) and (k == -1 or k >= 1)):
+        if not (is_int(k) and (k == -1 or k >= 1)):
             raise ValueError(f"SamplingParams.top_k must be -1 (no limit) or an int >= 1, "
                              f"got {k!r}")
         p = self.top_p
-        if not (_is_real(p) and 0.0 < p <= 1.0):
+        if not (is_real(p) and 0.0 < p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
-        if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, "
                              f"got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, "
                              f"got {self.ignore_eos!r}")
-        if self.seed is not None and not (_is_int(self.seed) and self.seed >= 0):
+        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
             raise ValueError(f"SamplingParams.seed must be None or an int >= 0, "
                              f"got {self.seed!r}")
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -62,7 +62,8 @@ def test_can_allocate_counts_blocks() -> None:
 
 # ---------------------------------------------------------------- the can_append probe
 def test_can_append_probe_block_size_4() -> None:
-    """The article's probe: called after the token is counted; % 4 == 0 needs no block."""
+    """can_append is called after the token is counted: at % 4 == 0 the token fills the
+    last slot of the block it already has, so it needs no new block."""
     bm = BlockManager(4, 4)
     s = Sequence([1, 2, 3], 4)
     bm.allocate(s)

@@ -1,4 +1,5 @@
-"""Scheduler: the article's four rules, its probes, and the MinivLLM test cases (fixed).
+"""Scheduler: its four rules, a probe per rule, and the cases where a scheduler goes wrong
+(a sequence dropped, a step that makes no progress, a sequence that can never fit).
 
 No model here: tests call schedule() and postprocess() with made-up token ids, the way the
 LLMEngine does around ModelRunner.run().
@@ -30,7 +31,7 @@ def ids(seqs: list[Sequence]) -> list[int]:
     return [s.seq_id for s in seqs]
 
 
-# ---------------------------------------------------------------- the article's probes
+# ---------------------------------------------------------------- probes of the rules
 def test_three_sequences_share_a_prefix() -> None:
     sch = make()
     a, b, c = (seq(PREFIX + [i]) for i in (1, 2, 3))

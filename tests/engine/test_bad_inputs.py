@@ -1,4 +1,4 @@
-"""Every bad input of SPEC section 9 gets a specific exception naming the problem, early.
+"""Every bad input gets a specific exception naming the problem, early.
 
 Three groups, by when the mistake can be seen:
 
@@ -32,7 +32,7 @@ import myvllm.engine.llm_engine as llm_engine
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.model_runner import ModelRunner
-from myvllm.utils.loader import CheckpointError
+from myvllm.utils.checkpoint import CheckpointError
 
 VOCAB = 256  # helpers_models.TINY_DIMS
 ENGINE_KW: dict[str, Any] = dict(block_size=4, num_kvcache_blocks=16, max_model_length=32,

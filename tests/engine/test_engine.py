@@ -2,7 +2,7 @@
 
 Each test builds the engine on a tiny random checkpoint (tests/helpers_models.py) and
 compares greedy tokens with transformers on the same weights, under the conditions where
-the original engine broke: preemption in a tiny KV pool, prefix reuse across calls.
+an engine is easiest to get wrong: preemption in a tiny KV pool, prefix reuse across calls.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def test_decode_padding_to_graph_sizes_changes_no_token() -> None:
 
 
 def test_prepare_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """D6: batch preparation only writes host data to the device. max_seqlen comes from the
+    """Batch preparation only writes host data to the device. max_seqlen comes from the
     sequence lengths the host knows, never from cu_seqlens.cpu()."""
     llm = LLM(str(tiny_checkpoint("qwen3")), block_size=4, max_model_length=64,
               max_num_batched_tokens=128)

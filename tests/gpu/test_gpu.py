@@ -118,7 +118,8 @@ def test_qwen3_06b_logits_match_transformers(qwen3_random_checkpoint: Path) -> N
 
     from myvllm.models import get_model_class
     from myvllm.utils.context import Context, forward_context
-    from myvllm.utils.loader import load_hf_config, load_model
+    from myvllm.utils.hf_config import load_hf_config
+    from myvllm.utils.loader import load_model
 
     path = qwen3_random_checkpoint
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()

@@ -14,7 +14,7 @@ from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.rotary_embedding import get_rope
 from myvllm.models import get_model_class
 from myvllm.utils.context import Context, forward_context
-from myvllm.utils.loader import rope_parameters
+from myvllm.models.config import rope_parameters
 
 
 def test_silu_and_mul() -> None:

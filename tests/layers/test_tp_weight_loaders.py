@@ -22,7 +22,9 @@ from myvllm.layers.linear import (
     RowParallelLinear,
 )
 from myvllm.models import get_model_class
-from myvllm.utils.loader import iter_checkpoint_tensors, load_hf_config, load_model
+from myvllm.utils.checkpoint import iter_checkpoint_tensors
+from myvllm.utils.hf_config import load_hf_config
+from myvllm.utils.loader import load_model
 
 TP = 2
 

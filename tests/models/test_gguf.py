@@ -13,7 +13,8 @@ import torch
 from helpers_models import load_ours, prefill_context
 
 from myvllm.utils.context import forward_context
-from myvllm.utils.loader import load_tokenizer, resolve_model_path
+from myvllm.utils.hf_config import load_tokenizer
+from myvllm.utils.model_path import resolve_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,7 @@ def test_config_tokenizer_and_weights_share_one_gguf_parse(gguf_path: str,
     our weight loader then parse the file once between them (each parse is ~6 s on 2 cores)."""
     import gguf
 
-    from myvllm.utils.loader import gguf_parsed_once, load_hf_config
+    from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
 
     parses: list[str] = []
 

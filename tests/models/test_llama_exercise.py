@@ -4,7 +4,8 @@ Run:  uv run pytest tests/models/test_llama_exercise.py -v
 Each test checks one part, in the order you would build it; read the first failure's message.
 The oracle is HF transformers' LlamaForCausalLM on tiny random checkpoints: "llama" (plain
 RoPE, untied lm_head) and "llama3" (llama3 RoPE scaling, tied embeddings, attention and MLP
-biases).
+biases). The decoder stack (models/decoder.py) is shared with Qwen3; what you write is
+Llama's attention and the class that puts it into that stack.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from helpers_models import load_hf_reference, prefill_context, tiny_checkpoint, 
 
 from myvllm.layers.attention import Attention
 from myvllm.layers.rotary_embedding import RotaryEmbedding
+from myvllm.models.config import get_head_dim
+from myvllm.models.decoder import DecoderLayer
 from myvllm.utils.context import Context, forward_context
-from myvllm.utils.loader import get_head_dim, iter_checkpoint_tensors, load_hf_config, load_model
+from myvllm.utils.checkpoint import iter_checkpoint_tensors
+from myvllm.utils.hf_config import load_hf_config
+from myvllm.utils.loader import load_model
 
 KINDS = ["llama", "llama3"]
 EXPECTED_PACKING = {
@@ -28,15 +33,28 @@ EXPECTED_PACKING = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+MODULE = "myvllm.models.llama"
+START_HERE = (
+    "create src/myvllm/models/llama.py with a class LlamaForCausalLM that takes the "
+    "transformers config: a CausalLM (models/decoder.py) built with a LlamaAttention of your "
+    "own. HowToApproachvLLM.md, section \"The exercise: delete models/llama.py and write it "
+    "back\", gives the steps"
+)
 
 
 def _llama_class():
     try:
-        module = importlib.import_module("myvllm.models.llama")
-    except ImportError as e:
-        pytest.fail(f"cannot import myvllm.models.llama ({e}); create src/myvllm/models/llama.py")
+        module = importlib.import_module(MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != MODULE:
+            raise  # the file exists, and an import inside it fails: its traceback says which
+        module = None  # failed below, outside the except: no chained traceback to read past
+    if module is None:
+        pytest.fail(f"src/myvllm/models/llama.py does not exist: {START_HERE}.", pytrace=False)
     cls = getattr(module, "LlamaForCausalLM", None)
-    assert cls is not None, "src/myvllm/models/llama.py must define a class LlamaForCausalLM"
+    if cls is None:
+        pytest.fail(f"src/myvllm/models/llama.py has no LlamaForCausalLM: {START_HERE}.",
+                    pytrace=False)
     return cls
 
 
@@ -72,7 +90,8 @@ def loaded(request):
 def test_class_is_registered() -> None:
     from myvllm.models import get_model_class
 
-    assert get_model_class(["LlamaForCausalLM"]) is _llama_class(), (
+    cls = _llama_class()  # first: its message says what to write when the file is missing
+    assert get_model_class(["LlamaForCausalLM"]) is cls, (
         'models/__init__.py must map "LlamaForCausalLM" to models.llama.LlamaForCausalLM'
     )
 
@@ -147,6 +166,30 @@ def test_tied_embeddings_follow_config(kind: str) -> None:
 
 
 # 2. Numbers -------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_attention_takes_the_layer_norm(loaded) -> None:
+    kind, model, _ = loaded
+    layer = model.model.layers[0]
+    if not isinstance(layer, DecoderLayer):
+        return  # a decoder layer of your own: test_first_decoder_layer_matches_hf checks it
+    contract = (
+        "the shared DecoderLayer calls self_attn(positions, x, residual, input_layernorm) and "
+        "expects (out, residual) back: run norm_linear(norm, self.qkv_proj, x, residual) "
+        "first, which returns qkv and the new residual (models/decoder.py)"
+    )
+    x = torch.randn(5, model.config.hidden_size)
+    try:
+        with forward_context(**prefill_context([5])):
+            out = layer.self_attn(torch.arange(5), x, None, layer.input_layernorm)
+    except TypeError as e:
+        pytest.fail(f"[{kind}] {type(e).__name__}: {e}\n{contract}")
+    assert isinstance(out, tuple) and len(out) == 2, f"[{kind}] {contract}"
+    assert out[0].shape == x.shape and torch.equal(out[1], x), (
+        f"[{kind}] in the first layer (residual None) the residual returned must be x itself, "
+        f"and the output [tokens, hidden_size]: {contract}"
+    )
 
 
 def test_rope_matches_hf(loaded) -> None:

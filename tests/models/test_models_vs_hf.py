@@ -20,7 +20,8 @@ from helpers_models import KINDS, load_hf_reference, load_ours, prefill_context,
 
 from myvllm.layers.attention import Attention
 from myvllm.utils.context import Context, forward_context
-from myvllm.utils.loader import get_head_dim, load_hf_config, rope_parameters
+from myvllm.models.config import get_head_dim, rope_parameters
+from myvllm.utils.hf_config import load_hf_config
 
 ATOL = 1e-4
 

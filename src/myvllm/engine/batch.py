@@ -10,11 +10,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 from myvllm.engine.decode_buffers import DecodeViews
+from myvllm.engine.sequence import FinishReason
 from myvllm.utils.context import Context
 
 
@@ -41,9 +40,6 @@ class SamplingArgs:
     top_ps: torch.Tensor | None  # [B] float32, 1.0 = off; None when no row filters
     generators: list[torch.Generator | None] | None  # per-row seeded generators, or None
     all_greedy: bool
-
-
-FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass

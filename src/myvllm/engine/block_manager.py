@@ -229,7 +229,7 @@ class BlockManager:
     #
     #     len(seq.block_table) < seq.num_blocks
     #
-    # For block_size > 1 this is the article's `num_tokens % block_size == 1`: the token is the
+    # For block_size > 1 this is the modulo test `num_tokens % block_size == 1`: the token is the
     # first of a new block. At `num_tokens % block_size == 0` the token is the LAST slot of
     # the block the sequence already holds -- no new block; the block just became full, so
     # append() hashes it. The modulo form breaks for block_size == 1 (x % 1 is never 1, and

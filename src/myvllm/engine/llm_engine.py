@@ -38,11 +38,13 @@ from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.tp_workers import (WorkerPool, init_distributed, pick_init_method,
                                       release_process_group)
+from myvllm.layers.linear import check_tp_divides_heads
 from myvllm.models import get_model_class
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
-from myvllm.utils.loader import (eos_token_ids, gguf_parsed_once, load_hf_config,
-                                 load_tokenizer, resolve_model_path)
+from myvllm.utils.hf_config import (eos_token_ids, gguf_parsed_once, load_hf_config,
+                                    load_tokenizer)
+from myvllm.utils.model_path import resolve_model_path
 
 logger = logging.getLogger("myvllm")
 
@@ -163,14 +165,10 @@ class LLMEngine:
 
     @staticmethod
     def _check_tensor_parallel(config: Config, hf_config: Any) -> None:
+        """Before any worker starts: the heads split evenly, and there are enough GPUs."""
         tp = config.tensor_parallel_size
         heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", heads)
-        if heads % tp or kv_heads % tp:
-            raise ValueError(
-                f"tensor_parallel_size={tp} must divide both num_attention_heads={heads} and "
-                f"num_key_value_heads={kv_heads} (each rank keeps whole heads)."
-            )
+        check_tp_divides_heads(tp, heads, getattr(hf_config, "num_key_value_heads", heads))
         if tp > 1 and resolve_device(config).type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} "
                              "CUDA devices are visible.")
@@ -221,8 +219,7 @@ class LLMEngine:
         else:
             raise TypeError("a prompt must be a str or a list of int token ids, got "
                             f"{type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("empty prompt: a prompt needs at least one token.")
+        # An empty prompt is refused by Scheduler.check_sequence, before anything is queued.
         return Sequence(token_ids, self.config.block_size, sampling_params)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:

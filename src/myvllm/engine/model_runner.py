@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,14 +40,24 @@ from myvllm.engine.sequence import Sequence
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
+from myvllm.models.config import get_head_dim
 from myvllm.utils.context import forward_context
 from myvllm.utils.device import resolve_device, resolve_dtype
 from myvllm.utils.distributed import get_tp_size
-from myvllm.utils.loader import get_head_dim, load_hf_config, load_model
+from myvllm.utils.hf_config import load_hf_config
+from myvllm.utils.loader import load_model
 
 logger = logging.getLogger("myvllm")
 
 __all__ = ["ModelRunner", "SampledTokens", "StepInputs"]
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model class (models/qwen3.py, models/llama.py)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class ModelRunner:
@@ -76,13 +86,14 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = model_class(self.hf_config)
+                module = model_class(self.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, model_path)
-        self.model.eval()
+        load_model(module, model_path)
+        module.eval()
+        self.model: CausalLM = module  # type: ignore[assignment]  # nn.Module hides its methods
         self.sampler = Sampler()
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attention_layers = [m for m in module.modules() if isinstance(m, Attention)]
         self.kv_layout = KVCacheLayout(
             num_layers=len(self.attention_layers), block_size=config.block_size,
             num_kv_heads=self.hf_config.num_key_value_heads // get_tp_size(),

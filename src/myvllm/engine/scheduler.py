@@ -1,6 +1,6 @@
 """Scheduler: which sequences run in the next forward pass, and whether it is a prefill.
 
-Two queues, and four rules (the MinivLLM article's):
+Two queues, and four rules:
 
     waiting  [s5 s6 s7]  --admit (prefill)-->  running  [s1 s2 s3 s4]
              ^                                              |
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from myvllm.config import Config
+from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
-from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -38,13 +38,7 @@ class Scheduler:
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
         self.max_model_length: int = config.max_model_length
         self.block_size: int = config.block_size
-        eos = config.eos
-        if eos is None or eos == -1:
-            self.eos_token_ids: frozenset[int] = frozenset()
-        elif isinstance(eos, int):
-            self.eos_token_ids = frozenset((eos,))
-        else:
-            self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids: frozenset[int] = stop_token_ids(config.eos)
         self.block_manager: BlockManager = BlockManager(
             config.num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -220,7 +214,7 @@ class Scheduler:
                 self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.drop_pending_tokens()  # a surplus step may be in flight for it

@@ -18,12 +18,17 @@ import operator
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.value_checks import is_int
 
 if TYPE_CHECKING:
     import torch
+
+
+# Why a sequence finished: eos, max_tokens or max_model_length, or aborted by its caller.
+FinishReason = Literal["stop", "length", "abort"]
 
 
 class SequenceStatus(Enum):
@@ -39,8 +44,7 @@ class Sequence:
 
     def __init__(self, token_ids: Iterable[int], block_size: int,
                  sampling_params: SamplingParams | None = None) -> None:
-        if not (isinstance(block_size, int) and not isinstance(block_size, bool)
-                and block_size >= 1):
+        if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         # A copy: the caller may reuse or mutate its list; our tokens must not change under us.
         # operator.index accepts ints and numpy integers but rejects floats and strings.
@@ -51,7 +55,8 @@ class Sequence:
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.block_size: int = block_size
         self.token_ids: list[int] = tokens
-        self.last_token: int | None = tokens[-1] if tokens else None
+        # -1 only for an empty prompt, which the scheduler refuses before it could run.
+        self.last_token: int = tokens[-1] if tokens else -1
         self.num_tokens: int = len(tokens)
         self.num_prompt_tokens: int = len(tokens)
         # Leading tokens whose K/V came from the prefix cache at the last allocation; always a
@@ -82,7 +87,7 @@ class Sequence:
         # decode step reads a token that is still pending (engine/decode_buffers.py);
         self.sampled_row: int | None = None
         # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort".
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -208,7 +213,7 @@ class Sequence:
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
         if self.needs_prefill:
             self.token_ids = tokens
-            self.last_token = tokens[-1] if tokens else None
+            self.last_token = tokens[-1] if tokens else -1
         else:
             self.last_token = tokens
 

@@ -62,13 +62,15 @@ def pick_init_method() -> str:
 
 
 def init_distributed(config: Config, rank: int, init_method: str, use_cuda: bool) -> None:
+    # NCCL binds the group to this rank's GPU up front (no guessing at the first collective).
+    device_id: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo",
         init_method=init_method,
         world_size=config.tensor_parallel_size,
         rank=rank,
         timeout=COLLECTIVE_TIMEOUT,
-        **({"device_id": torch.device("cuda", rank)} if use_cuda else {}),
+        **device_id,
     )
 
 

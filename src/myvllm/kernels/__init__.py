@@ -27,8 +27,8 @@ prologue; references: the two references one after the other):
     silu_and_mul_skinny_gemm silu(gate) * up, then x W^T           (down_proj)
 
 Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
-(and Triton is installed), otherwise the reference from kernels/reference.py. The
-environment variable MYVLLM_FORCE_TRITON overrides that choice at call time:
+(and Triton is installed), otherwise the PyTorch reference. The environment variable
+MYVLLM_FORCE_TRITON overrides that choice at call time:
 
     MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,
                             set before the kernel modules are imported: the tests do this)
@@ -42,6 +42,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import lru_cache
+from typing import overload
 
 import torch
 
@@ -172,6 +173,14 @@ def paged_attention_decode(
     return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
+# rms_norm and rms_norm_skinny_gemm return one tensor, or (out, residual stream) when given a
+# residual; the overloads tell the type checker which.
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -236,6 +245,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return skinny_gemm_ref(x, weight)
 
 
+@overload
+def rms_norm_skinny_gemm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         weight: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm_skinny_gemm(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm_skinny_gemm(
     x: torch.Tensor,
     norm_weight: torch.Tensor,

@@ -23,10 +23,20 @@ fused forms, which are simply the two references one after the other:
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 
 
+# rms_norm_ref and rms_norm_skinny_gemm_ref return one tensor, or (out, residual stream) when
+# given a residual; the overloads tell the type checker which.
+@overload
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +83,13 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float() @ weight.float().t()).to(x.dtype)
 
 
+@overload
+def rms_norm_skinny_gemm_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             weight: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm_skinny_gemm_ref(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm_skinny_gemm_ref(
     x: torch.Tensor,
     norm_weight: torch.Tensor,

@@ -298,7 +298,7 @@ def flash_attention_varlen_triton(
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return o
     paged = block_tables is not None
-    if paged:
+    if block_tables is not None:
         if k_cache is None or v_cache is None:
             raise ValueError("flash_attention_varlen: block_tables given but k_cache/v_cache is None")
         if k_cache.stride() != v_cache.stride():
@@ -367,7 +367,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _row_descriptor(x: torch.Tensor, block_rows: int):
+def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     tokens, heads, d = x.shape
     return TensorDescriptor(x, shape=[tokens, heads * d], strides=[x.stride(0), 1],
                             block_shape=[block_rows, d])  # fmt: skip

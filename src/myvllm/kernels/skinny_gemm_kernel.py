@@ -15,10 +15,11 @@ so the loop is loads and FMAs only. There is no split over K: that would need at
 run-to-run varying summation order, and CUDA graphs must give the eager path's exact tokens)
 or a second kernel. The reference is skinny_gemm_ref: x W^T in float32, rounded once.
 
-Fused prologues. At batch 1 a decode step is launch-bound (~310 kernels of ~3 us), and the
-op before each matmul is a whole kernel that reads and writes only M rows. Since every
-program reads all of x anyway, it can apply that op to x as it loads it, and the op's kernel
-disappears (PROLOGUE, a constexpr; the same rounding steps as kernels/layer_ops_triton.py):
+Fused prologues. At batch 1 a decode step is launch-bound (a few hundred kernels of a few
+microseconds; kernels/pdl.py counts them), and the op before each matmul is a whole kernel
+that reads and writes only M rows. Since every program reads all of x anyway, it can apply
+that op to x as it loads it, and the op's kernel disappears (PROLOGUE, a constexpr; the same
+rounding steps as kernels/layer_ops_triton.py):
 
     PROLOGUE        applied to x, then x W^T           replaces the kernel of
     "rms_norm"      (x + residual) -> RMSNorm          input_layernorm (before qkv_proj),

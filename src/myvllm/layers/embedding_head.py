@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from myvllm.layers.linear import copy_checked, linear
+from myvllm.layers.linear import copy_checked, linear, set_weight_attrs
 from myvllm.utils.context import get_context
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
@@ -39,7 +39,7 @@ class VocabParallelEmbedding(nn.Module):
             self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings
         )
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -78,6 +78,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         cu_seqlens_q = [0, 3, 8]   tokens: a a a b b b b b   ->  keep rows 2 and 7
     """
 
+    # The override returns None where the embedding returns a tensor: only rank 0 gets the
+    # logits (the sampler runs there), so the narrower return type cannot hold.
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         context = get_context()
         if context.is_prefill and context.cu_seqlens_q is not None:

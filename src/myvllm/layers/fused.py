@@ -11,6 +11,10 @@ only touch one row each and feed a matmul that reads all of that row anyway, so 
 
 Everywhere else (prefill, larger batches, a CPU, a layer with a bias) both functions run the
 two layers one after the other, so they always compute what the unfused layers compute.
+
+The module that owns the matmul calls them (models/decoder.py): the attention runs the
+decoder layer's input_layernorm with its qkv_proj, the MLP post_attention_layernorm with its
+gate_up_proj and its act_fn with its down_proj.
 """
 
 from __future__ import annotations

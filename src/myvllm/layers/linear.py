@@ -85,6 +85,13 @@ def default_weight_loader(
     copy_checked(param.data, loaded_weight, "replicated parameter")
 
 
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, object]) -> None:
+    """Attach attributes such as ``weight_loader`` to a parameter (vLLM's helper). The loader
+    reads them with getattr; nn.Parameter declares none of them, hence setattr."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise ValueError(
@@ -117,10 +124,10 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
 
@@ -201,6 +208,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), src, what)
 
 
+def check_tp_divides_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
+    """QKVParallelLinear gives each rank whole heads, so tp_size must divide both head counts."""
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide both num_attention_heads={num_heads} "
+            f"and num_key_value_heads={num_kv_heads} (each rank keeps whole heads)."
+        )
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q_proj, k_proj and v_proj packed into one matmul, split over ranks by WHOLE heads.
 
@@ -224,12 +240,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp_size = get_tp_size()
         total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
-        if total_num_heads % tp_size or total_num_kv_heads % tp_size:
-            raise ValueError(
-                f"tensor_parallel_size={tp_size} must divide both num_attention_heads="
-                f"{total_num_heads} and num_key_value_heads={total_num_kv_heads} (each rank "
-                f"keeps whole heads)"
-            )
+        check_tp_divides_heads(tp_size, total_num_heads, total_num_kv_heads)
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
@@ -246,7 +257,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         layout = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
         if shard_id not in layout:
             raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        offset, size = layout[shard_id]  # type: ignore[index]
+        offset, size = layout[shard_id]
         what = f"QKVParallelLinear shard {shard_id!r}"
         src = _rank_slice(loaded_weight, 0, size * self.tp_size, self.tp_rank, self.tp_size, what)
         copy_checked(param.data.narrow(0, offset, size), src, what)

@@ -19,12 +19,15 @@ are stretched by ``factor``, short ones kept, the band in between smoothly inter
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch import nn
 
 from myvllm.kernels import norm_rope
+from myvllm.layers.layernorm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -59,6 +62,8 @@ def _llama3_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, head_dim: int, max_position: int, cos_sin_cache: torch.Tensor) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -66,7 +71,8 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: it is derived from the config, not a checkpoint tensor.
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
-    def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any,
+               **kwargs: Any) -> RotaryEmbedding:
         # The rotation runs in float32 whatever the model dtype; model.to(torch.bfloat16) must
         # not round the cos/sin table (8 mantissa bits), so it only follows device moves.
         cache = self.cos_sin_cache
@@ -80,8 +86,8 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
-        q_norm: nn.Module | None = None,
-        k_norm: nn.Module | None = None,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes.
 

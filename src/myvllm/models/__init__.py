@@ -23,7 +23,16 @@ def get_model_class(architectures: list[str] | tuple[str, ...] | None) -> type[n
     for name in architectures or ():
         if name in MODEL_REGISTRY:
             module_name, class_name = MODEL_REGISTRY[name]
-            module = importlib.import_module(f"myvllm.models.{module_name}")
+            full_name = f"myvllm.models.{module_name}"
+            try:
+                module = importlib.import_module(full_name)
+            except ModuleNotFoundError as e:
+                if e.name != full_name:
+                    raise  # the file is there; an import inside it failed
+                raise ModuleNotFoundError(
+                    f"{name} is registered to {full_name}, but its file "
+                    f"models/{module_name}.py is missing", name=full_name
+                ) from e
             return getattr(module, class_name)
     raise ValueError(
         f"unsupported model architecture {list(architectures or [])!r}; "
