@@ -192,8 +192,9 @@ def load_ours(path: str | Path) -> Any:
     return model.eval()
 
 
-def prefill_context(seq_lens: list[int]) -> Context:
-    """The forward_context of a no-cache prefill of sequences of these lengths."""
+def prefill_context(seq_lens: list[int], slot_mapping: torch.Tensor | None = None) -> Context:
+    """The forward_context of a prefill of sequences of these lengths with no cached prefix;
+    with slot_mapping, their K/V is also written to the cache."""
     from myvllm.utils.context import Context
 
     cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0).tolist()), dtype=torch.int32)
@@ -203,4 +204,5 @@ def prefill_context(seq_lens: list[int]) -> Context:
         cu_seqlens_k=cu,
         max_seqlen_q=max(seq_lens),
         max_seqlen_k=max(seq_lens),
+        slot_mapping=slot_mapping,
     )

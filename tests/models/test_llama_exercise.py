@@ -181,7 +181,7 @@ def test_attention_takes_the_layer_norm(loaded) -> None:
     )
     x = torch.randn(5, model.config.hidden_size)
     try:
-        with forward_context(**prefill_context([5])):
+        with forward_context(prefill_context([5])):
             out = layer.self_attn(torch.arange(5), x, None, layer.input_layernorm)
     except TypeError as e:
         pytest.fail(f"[{kind}] {type(e).__name__}: {e}\n{contract}")
@@ -280,10 +280,9 @@ def test_decode_logits_match_hf(loaded) -> None:
         tokens = torch.randint(0, config.vocab_size, (6,)).tolist()
         table = [5, 2, 7]
         slot = lambda p: table[p // block_size] * block_size + p % block_size  # noqa: E731
-        with forward_context(
-            **prefill_context([6]),
-            slot_mapping=torch.tensor([slot(p) for p in range(6)], dtype=torch.int32),
-        ):
+        with forward_context(prefill_context(
+            [6], slot_mapping=torch.tensor([slot(p) for p in range(6)], dtype=torch.int32)
+        )):
             model(torch.tensor(tokens), torch.arange(6))
         for step in range(3):
             tokens.append(int(torch.randint(0, config.vocab_size, ())))

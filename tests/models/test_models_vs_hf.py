@@ -102,9 +102,9 @@ def test_cached_prefix_then_decode_matches_hf(pair) -> None:
         pre = [(i, p[:c]) for i, (p, c) in enumerate(zip(prompts, cached)) if c > 0]
         lens = [len(t) for _, t in pre]
         slots = sum((cache.slots(block_tables[i], range(len(t))) for i, t in pre), [])
-        with forward_context(
-            **prefill_context(lens), slot_mapping=torch.tensor(slots, dtype=torch.int32)
-        ):
+        with forward_context(prefill_context(
+            lens, slot_mapping=torch.tensor(slots, dtype=torch.int32)
+        )):
             ours(
                 torch.tensor(sum((t for _, t in pre), [])),
                 torch.cat([torch.arange(n) for n in lens]),

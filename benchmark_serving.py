@@ -1,0 +1,381 @@
+"""Online serving benchmark: requests arrive over time at `myvllm serve`, streamed back.
+
+    uv run python benchmark_serving.py                       # random Qwen3-0.6B weights
+    uv run python benchmark_serving.py --model DIR_OR_HUB_ID --request-rates inf,4,8
+    uv run python benchmark_serving.py --base-url http://host:8000   # a server already up
+    uv run python benchmark_serving.py --quick               # tiny CPU smoke run (CI)
+
+Workload: benchmark_tps.py's (nano-vllm's): prompts of random token ids in [0, 10000) with
+lengths uniform in 100..1024, max_tokens uniform in 100..1024, ignore_eos, temperature 0.6.
+--shared-prefix-len N starts every prompt with the same N tokens (a system prompt), so the
+prefix cache has something to find.
+
+Arrivals: at rate r requests/s the gaps between requests are exponential with mean 1/r (a
+Poisson process); "inf" sends everything at once. A rate written "0.8x" is 0.8 times the
+request throughput measured by the "inf" run before it, so the default
+"inf,0.5x,0.8x,1.0x" measures the peak, then the latencies at 50%, 80% and 100% of it.
+
+Reported per rate, as vLLM's benchmark_serving does:
+  request throughput   completed requests / wall time from the first send to the last token
+  output tok/s         completion tokens / the same wall time
+  TTFT                 time to first token: send -> first streamed token, per request
+  TPOT                 time per output token after the first: (e2e - TTFT) / (tokens - 1)
+  ITL                  inter-token latency: every gap between two streamed chunks, pooled
+Each as p50 / p90 / p99 (ms). A chunk carries one engine step's tokens of that request.
+
+The server runs in its own process (started here unless --base-url is given), so the
+client's Python does not slow the server's. The client is plain asyncio over HTTP/1.1 (no
+dependency), reading the server-sent events of /v1/completions with stream=true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+
+
+# ---------------------------------------------------------------------------- HTTP client
+async def stream_completion(host: str, port: int, body: dict[str, Any]) -> Any:
+    """POST /v1/completions with stream=true; yield the JSON of each server-sent event.
+
+    HTTP/1.1 by hand: the streamed body comes in chunked transfer encoding
+    ("<size in hex>\\r\\n<bytes>\\r\\n", ending with a chunk of size 0)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        payload = json.dumps(body).encode()
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + payload)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {(await reader.read()).decode()[:500]}")
+        chunked = headers.get("transfer-encoding") == "chunked"
+        buffer = b""
+        while True:
+            if chunked:
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    break
+                data = await reader.readexactly(size + 2)
+                buffer += data[:-2]
+            else:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                buffer += data
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                text = event.decode().removeprefix("data: ")
+                if text == "[DONE]":
+                    return
+                yield json.loads(text)
+    finally:
+        writer.close()
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    max_tokens: int
+    output_tokens: int = 0
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+async def one_request(host: str, port: int, model: str | None, prompt: list[int],
+                      max_tokens: int, temperature: float) -> RequestResult:
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": temperature, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    result = RequestResult(len(prompt), max_tokens)
+    start = last = time.perf_counter()
+    try:
+        async for event in stream_completion(host, port, body):
+            now = time.perf_counter()
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if event.get("usage"):
+                result.output_tokens = event["usage"]["completion_tokens"]
+            if not event["choices"]:
+                continue
+            if math.isnan(result.ttft):
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+        result.e2e = last - start
+    except (OSError, RuntimeError, ValueError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_at_rate(host: str, port: int, model: str | None, prompts: list[list[int]],
+                      max_tokens: list[int], rate: float, temperature: float,
+                      seed: int) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    tasks = []
+    start = time.perf_counter()
+    for prompt, n in zip(prompts, max_tokens):
+        tasks.append(asyncio.create_task(one_request(host, port, model, prompt, n, temperature)))
+        if rate != math.inf:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- statistics
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:  # linear interpolation, as numpy.percentile
+        pos = q * (len(ordered) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(results: list[RequestResult], duration: float, rate: float) -> dict[str, Any]:
+    done = [r for r in results if r.error is None]
+    output_tokens = sum(r.output_tokens for r in done)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    ms = lambda xs: {k: v * 1000 for k, v in percentiles(xs).items()}  # noqa: E731
+    return {
+        "request_rate": rate, "completed": len(done), "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_tok_s": output_tokens / duration,
+        "total_tok_s": (output_tokens + sum(r.prompt_len for r in done)) / duration,
+        "output_tokens_as_requested": all(r.output_tokens == r.max_tokens for r in done),
+        "ttft_ms": ms([r.ttft for r in done]),
+        "tpot_ms": ms(tpot),
+        "itl_ms": ms([gap for r in done for gap in r.itl]),
+        "e2e_ms": ms([r.e2e for r in done]),
+    }
+
+
+def print_row(s: dict[str, Any]) -> None:
+    rate = "inf" if s["request_rate"] == math.inf else f"{s['request_rate']:.2f}"
+    lat = "  ".join(f"{name} {s[key]['p50']:.1f}/{s[key]['p90']:.1f}/{s[key]['p99']:.1f}"
+                    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
+                                      ("ITL", "itl_ms")))
+    print(f"rate {rate:>6} req/s: {s['completed']} done, {s['failed']} failed, "
+          f"{s['request_throughput']:.2f} req/s, {s['output_tok_s']:.0f} output tok/s | "
+          f"ms p50/p90/p99: {lat}", flush=True)
+
+
+def plot(summaries: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (uv sync --extra bench): no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [s for s in summaries if s["request_rate"] != math.inf]
+    if not rows:
+        return
+    x = [s["request_throughput"] for s in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, title in zip(axes, ("ttft_ms", "tpot_ms", "itl_ms"),
+                              ("time to first token", "time per output token",
+                               "inter-token latency")):
+        for q, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(x, [s[key][q] for s in rows], style, label=q)
+        ax.set_xlabel("achieved request throughput (req/s)")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+# ---------------------------------------------------------------------------- the server
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url}/health did not answer 200 within {timeout_s} s")
+
+
+def start_server(model: str, port: int, server_args: list[str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", model,
+               "--port", str(port), "--log-level", "warning", *server_args]
+    print("server:", " ".join(command), flush=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.Popen(command, env=env)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit("the server did not stop within 60 s of SIGTERM") from None
+    if code != 0:
+        raise SystemExit(f"the server exited with {code} after SIGTERM")
+
+
+# ---------------------------------------------------------------------------- main
+def parse_rates(text: str) -> list[str]:
+    rates = [r.strip() for r in text.split(",") if r.strip()]
+    for r in rates:
+        if r != "inf" and not (r.endswith("x") and _positive(r[:-1])) and not _positive(r):
+            raise argparse.ArgumentTypeError(f"a rate is a number, 'inf' or a fraction of the "
+                                             f"peak like '0.8x'; got {r!r}")
+    if rates and rates[0].endswith("x"):
+        raise argparse.ArgumentTypeError("a rate like '0.8x' needs an 'inf' run before it")
+    return rates
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
+    p.add_argument("--model", help="checkpoint dir, .gguf or hub id (default: random "
+                   "Qwen3-0.6B weights from configs/Qwen3-0.6B/config.json)")
+    p.add_argument("--base-url", help="benchmark a server that is already running")
+    p.add_argument("--num-prompts", type=int, default=256, help="requests per rate")
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens every prompt starts with (the prefix cache's case)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--request-rates", type=parse_rates, default=parse_rates("inf,0.5x,0.8x,1.0x"),
+                   help="comma-separated: req/s, 'inf' (all at once), or '0.8x' of the "
+                        "peak measured by the 'inf' run before (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here as JSON")
+    p.add_argument("--plot", default=str(REPO / "docs" / "benchmark_serving.png"))
+    args, server_args = p.parse_known_args(argv)  # the rest goes to `myvllm serve`
+
+    if args.quick:
+        args.num_prompts, args.min_len = 8, 8
+        args.max_input_len, args.max_output_len = 48, 16
+        args.request_rates = parse_rates("inf,0.8x")
+        args.plot = None
+        server_args += ["--num-kvcache-blocks", "64", "--max-model-length", "256"]
+
+    from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint, make_workload
+
+    tmp = tempfile.TemporaryDirectory(prefix="myvllm-serving-bench-")
+    model = args.model
+    vocab = 10000
+    if model is None and args.base_url is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+        model = str(build_random_checkpoint(None if args.quick else QWEN3_CONFIG,
+                                            Path(tmp.name), device, args.quick))
+        if args.quick:
+            vocab = 512  # the tiny model's vocabulary
+    prompts, max_tokens = make_workload(args.num_prompts, args.min_len, args.max_input_len,
+                                        args.max_output_len, vocab)
+    if args.shared_prefix_len:
+        rng = random.Random(args.seed + 1)
+        prefix = [rng.randrange(vocab) for _ in range(args.shared_prefix_len)]
+        prompts = [prefix + p for p in prompts]
+
+    proc = None
+    if args.base_url:
+        url = args.base_url.rstrip("/")
+    else:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(model, port, server_args)
+    host, port_text = url.removeprefix("http://").split(":")
+    try:
+        wait_healthy(url, proc)
+        # Warm-up: compile kernels for the shapes to come, outside the measurement.
+        asyncio.run(run_at_rate(host, int(port_text), None, prompts[:4], [4] * 4, math.inf,
+                                args.temperature, args.seed))
+        summaries: list[dict[str, Any]] = []
+        peak = math.nan
+        for spec in args.request_rates:
+            rate = (math.inf if spec == "inf" else
+                    float(spec[:-1]) * peak if spec.endswith("x") else float(spec))
+            results, duration = asyncio.run(run_at_rate(
+                host, int(port_text), None, prompts, max_tokens, rate, args.temperature,
+                args.seed))
+            summary = summarize(results, duration, rate)
+            summary["rate_spec"] = spec
+            if spec == "inf":
+                peak = summary["request_throughput"]
+            summaries.append(summary)
+            print_row(summary)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+        tmp.cleanup()
+
+    ok = all(s["failed"] == 0 and s["output_tokens_as_requested"] for s in summaries)
+    print("all requests completed with the requested number of tokens: "
+          + ("OK" if ok else f"NO ({[s['errors'] for s in summaries]})"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"args": {k: v for k, v in vars(args).items() if k != "request_rates"},
+             "server_args": server_args, "results": summaries}, indent=2, default=str))
+    if args.plot:
+        plot(summaries, args.plot)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

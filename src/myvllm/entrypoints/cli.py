@@ -1,0 +1,180 @@
+"""The `myvllm` command.
+
+    myvllm serve [MODEL] [--host H] [--port P] [--max-model-length 2048 ...]
+    myvllm chat  [MODEL] [--max-tokens N] [--temperature T] [--system TEXT] [...]
+
+Every Config field is a flag of both subcommands, its name in kebab-case (max_model_length ->
+--max-model-length, booleans as --enforce-eager / --no-enforce-eager), with the field's own
+docstring as its help. A flag that is not given leaves the Config default in place, so the
+defaults live in one place (config.py).
+
+MODEL defaults to Qwen/Qwen3-0.6B, as main.py. When it is neither on disk nor in the local
+Hugging Face cache and the hub cannot be reached, one line says so and the bundled
+SmolLM2-135M-Instruct runs instead. A MODEL named on the command line that cannot be found is
+an error: a server quietly serving another model would be worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import types
+import typing
+from typing import Any
+
+from myvllm.config import Config
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _field_docs() -> dict[str, str]:
+    """Config's attribute docstrings (the string under each field), for --help."""
+    tree = ast.parse(inspect.getsource(Config))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split()).replace("%", "%%")
+    return docs
+
+
+def _int_list(text: str) -> int | tuple[int, ...]:
+    """"2" -> 2, "2,7" -> (2, 7): the eos flag's one id or several."""
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, "
+                                         f"got {text!r}") from None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Config field except model (the positional MODEL)."""
+    hints = typing.get_type_hints(Config)
+    docs = _field_docs()
+    group = parser.add_argument_group("engine (Config fields)")
+    for field in dataclasses.fields(Config):
+        if field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        args = typing.get_args(kind)
+        if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+            concrete = [a for a in args if a is not type(None)]
+            kind = concrete[0] if len(concrete) == 1 else None
+        help_text = f"{docs.get(field.name, '')} (default: {field.default!r})"
+        options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
+                                   "help": help_text}
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+        elif kind in (int, float, str):
+            group.add_argument(flag, type=kind, metavar=field.name.upper(), **options)
+        else:  # eos: an id or several
+            group.add_argument(flag, type=_int_list, metavar="ID[,ID...]", **options)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help=f"hub id, local checkpoint dir or .gguf file (default: "
+                             f"{DEFAULT_MODEL}, or the bundled {BUNDLED_MODEL_NAME} when "
+                             "that cannot be found)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="myvllm", description="myvllm: serve or chat with "
+                                     "a model.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                           description="Serve MODEL over an OpenAI-compatible HTTP API: "
+                           "/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                           "/metrics.")
+    add_model_argument(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; 0.0.0.0 for every interface "
+                            "(default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients put in 'model' (default: MODEL as given)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    add_config_flags(serve)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal",
+                          description="Chat with MODEL in the terminal; the answer streams. "
+                          "/reset starts a new conversation, /exit (or Ctrl-D) quits.")
+    add_model_argument(chat)
+    chat.add_argument("--max-tokens", type=int, default=1024,
+                      help="most tokens per answer (default: %(default)s)")
+    chat.add_argument("--temperature", type=float, default=0.7,
+                      help="0 = greedy (default: %(default)s)")
+    chat.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--system", default=None, metavar="TEXT",
+                      help="a system message opening every conversation")
+    add_config_flags(chat)
+    return parser
+
+
+def pick_model(model: str | None) -> tuple[str | None, str]:
+    """(the Config.model to load, the name to show). None loads the bundled model."""
+    if model is not None:
+        return model, model
+    from myvllm.utils.model_path import ModelNotFoundError, resolve_model_path
+
+    try:
+        resolve_model_path(DEFAULT_MODEL)
+    except ModelNotFoundError as e:
+        # One line, with the hub's own reason (offline, gated repo, unknown id ...).
+        reason = str(e.__cause__ or e).strip().splitlines()[0][:160]
+        print(f"{DEFAULT_MODEL} is not in the local cache and could not be fetched ({reason}): "
+              f"running the bundled {BUNDLED_MODEL_NAME} instead.", file=sys.stderr)
+        return None, BUNDLED_MODEL_NAME
+    return DEFAULT_MODEL, DEFAULT_MODEL
+
+
+def engine_config(args: argparse.Namespace) -> Config:
+    fields = {name: getattr(args, name) for name in Config.field_names()
+              if name != "model" and hasattr(args, name)}
+    return Config(model=args.model, **fields)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.model, name = pick_model(args.model)
+    try:
+        config = engine_config(args)
+    except (ValueError, TypeError) as e:
+        print(f"myvllm {args.command}: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return serve(config, args.served_model_name or name, args.host, args.port,
+                     args.log_level)
+    from myvllm.entrypoints.chat import run_chat
+
+    return run_chat(config, args)
+
+
+def serve(config: Config, model_name: str, host: str, port: int, log_level: str) -> int:
+    from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.engine.llm_engine import LLMEngine
+    from myvllm.entrypoints.openai_server import make_server
+
+    engine = LLMEngine(config)
+    llm = AsyncLLM(engine)
+    server = make_server(llm, model_name, host, port, log_level)
+    try:
+        server.run()
+    finally:
+        llm.shutdown()  # the engine thread, then tensor-parallel workers
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":  # tensor-parallel workers are spawned processes
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""benchmark_serving.py --quick: a tiny model served in its own process, requests at once and
+then as a Poisson process at 0.8x the measured peak; every request must complete with the
+number of tokens it asked for before any figure is reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_benchmark_serving_quick(tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmark_serving.py"), "--quick", "--json", str(results)],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ),
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert "requested number of tokens: OK" in run.stdout, output[-4000:]
+    rows = json.loads(results.read_text())["results"]
+    assert [row["rate_spec"] for row in rows] == ["inf", "0.8x"]
+    for row in rows:
+        assert row["completed"] == 8 and row["failed"] == 0
+        assert row["request_throughput"] > 0 and row["output_tok_s"] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], (key, row)

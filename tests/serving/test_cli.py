@@ -1,0 +1,155 @@
+"""The `myvllm` command: Config flags, the terminal chat, and a served process that ends
+cleanly on SIGTERM (exit 0, streams closed, tensor-parallel workers gone)."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers_models import build_tiny_checkpoint
+from myvllm.config import Config
+from myvllm.entrypoints import chat, cli
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer
+
+    path = build_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny_chat"))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_every_config_field_is_a_kebab_case_flag() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "some/model", "--max-model-length", "2048",
+                              "--no-enable-prefix-caching", "--eos", "2,7", "--port", "9000"])
+    config = cli.engine_config(args)
+    assert config == Config(model="some/model", max_model_length=2048,
+                            enable_prefix_caching=False, eos=(2, 7))
+    assert args.port == 9000
+    help_text = parser._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore
+    for name in Config.field_names():
+        if name != "model":
+            assert "--" + name.replace("_", "-") in help_text, name
+    # Flags not given keep Config's defaults.
+    assert cli.engine_config(parser.parse_args(["chat", "m"])) == Config(model="m")
+
+
+def test_bad_flag_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "some/model", "--block-size", "0"]) == 2
+    assert "block_size" in capsys.readouterr().err
+
+
+def test_chat_keeps_the_conversation_and_resets(tiny_path: Path, monkeypatch: Any,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    lines = iter(["hello", "again", "/reset", "third", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen: list[list[dict[str, str]]] = []
+    real_chat_prompt = chat.chat_prompt
+
+    def recording_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+        seen.append([dict(m) for m in messages])
+        return real_chat_prompt(tokenizer, messages)
+
+    monkeypatch.setattr(chat, "chat_prompt", recording_chat_prompt)
+    args = argparse.Namespace(temperature=0.0, top_p=1.0, max_tokens=6, seed=None, system=None)
+    assert chat.run_chat(Config(model=str(tiny_path), num_kvcache_blocks=64,
+                                max_model_length=256), args) == 0
+    assert [[m["role"] for m in turn] for turn in seen] == [
+        ["user"], ["user", "assistant", "user"], ["user"]]
+    first_answer = seen[1][1]["content"]
+    assert first_answer and first_answer in capsys.readouterr().out
+    assert seen[2] == [{"role": "user", "content": "third"}]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # ended while we looked
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_sigterm_aborts_streams_stops_workers_and_exits_0(tiny_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", str(tiny_path),
+         "--port", str(port), "--num-kvcache-blocks", "64", "--tensor-parallel-size", "2",
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        workers = children_of(proc.pid)
+        assert workers, "tensor_parallel_size 2 should have started a worker process"
+
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"prompt": "stream", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        connection.request("POST", "/v1/completions", json.dumps(body),
+                           {"content-type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # it streams
+
+        proc.send_signal(signal.SIGTERM)
+        events = [line.strip() for line in response.read().decode().splitlines() if line]
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "abort"
+
+        output = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0, output[-3000:]
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"left behind: {workers}"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
