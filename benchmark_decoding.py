@@ -31,13 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-REPO = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
-
-TOL = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,10 +46,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-heads", type=int, default=None, help="query heads (default 16)")
     p.add_argument("--num-kv-heads", type=int, default=None, help="kv heads (default 8)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="default bfloat16 on GPU, float32 on the CPU interpreter")
     p.add_argument("--sweep", action="store_true", help="also time configs of our kernel")
     return p.parse_args()  # fmt: skip
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before torch's import (seconds)
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+
+TOL = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def setup_device(quick: bool) -> torch.device:
@@ -177,7 +183,7 @@ def main() -> None:
     device = setup_device(args.quick)
     import triton
 
-    from myvllm.kernels.baselines import paged_attention_decode_per_head_triton
+    from benchmarks.baselines import paged_attention_decode_per_head_triton
     from myvllm.kernels.decode_attention import (
         DecodeConfig,
         choose_num_splits,

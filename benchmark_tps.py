@@ -40,9 +40,41 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
+    parser.add_argument("--bundled", action="store_true",
+                        help="the CPU target: bundled SmolLM2, 4 prompts x 64 tokens vs HF")
+    parser.add_argument("--model", help="a real checkpoint dir instead of random weights")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--hf-num-seqs", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step's tokens before planning the next one")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
+    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="after the throughput run, run the workload again one step at a "
+                             "time, time each phase of every step, print a summary by batch "
+                             "size and write the steps to FILE as JSON")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the throughput run, profile STEPS decode steps at the full "
+                             "batch with torch.profiler and print where the time goes")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before torch's import (seconds)
+
+import torch  # noqa: E402
+
 sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
 QWEN3_CONFIG = REPO / "configs" / "Qwen3-0.6B" / "config.json"
@@ -155,30 +187,7 @@ def run_bundled(max_tokens: int = 64) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
-    parser.add_argument("--bundled", action="store_true",
-                        help="the CPU target: bundled SmolLM2, 4 prompts x 64 tokens vs HF")
-    parser.add_argument("--model", help="a real checkpoint dir instead of random weights")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--hf-num-seqs", type=int, default=64)
-    parser.add_argument("--hf-batch-size", type=int, default=64)
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="read each step's tokens before planning the next one")
-    parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
-    parser.add_argument("--json", help="write the results here as JSON")
-    parser.add_argument("--timeline", metavar="FILE",
-                        help="after the throughput run, run the workload again one step at a "
-                             "time, time each phase of every step, print a summary by batch "
-                             "size and write the steps to FILE as JSON")
-    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="after the throughput run, profile STEPS decode steps at the full "
-                             "batch with torch.profiler and print where the time goes")
-    args = parser.parse_args()
+    args = parse_args()
     if args.bundled:
         run_bundled()
         return

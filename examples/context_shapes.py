@@ -20,6 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))  # run without install
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--block-size", type=int, default=4)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before torch's import (seconds)
+
 import torch  # noqa: E402
 
 from myvllm.config import Config  # noqa: E402
@@ -50,9 +60,7 @@ def show(name: str, value: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--block-size", type=int, default=4)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     bs = args.block_size
 
     sch = Scheduler(Config(num_kvcache_blocks=16, block_size=bs, max_model_length=64, eos=-1))

@@ -5,13 +5,29 @@
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
+from __future__ import annotations
+
 import logging as _logging
+from typing import TYPE_CHECKING
 
 from myvllm.config import Config
-from myvllm.engine.llm_engine import LLMEngine
 from myvllm.sampling_parameters import SamplingParams
 
-LLM = LLMEngine
+if TYPE_CHECKING:
+    from myvllm.engine.llm_engine import LLMEngine
+
+    LLM = LLMEngine
+
+
+def __getattr__(name: str) -> type[LLMEngine]:
+    """LLM / LLMEngine are imported on first use: they pull in torch (seconds to import), and
+    the scripts import myvllm.demo or the scheduler to answer --help or trace without it."""
+    if name in ("LLM", "LLMEngine"):
+        from myvllm.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'myvllm' has no attribute {name!r}")
+
 
 # A library logger with its own stderr handler (as vLLM does), so start-up notes such as
 # "no GPU, decoding runs eagerly" are visible without configuring logging first.

@@ -1,5 +1,9 @@
 """Smoke test of the benchmark scripts: `--quick` runs, exits 0, and every
-implementation it checks is marked correct (OK) before any timing is trusted."""
+implementation it checks is marked correct (OK) before any timing is trusted.
+
+All slow: each test runs a script in a fresh interpreter that imports torch (and triton or
+transformers) and then runs kernels in Triton's CPU interpreter or two engines; tens of seconds
+apiece on a 2-core CPU. `uv run pytest -m slow` runs them."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("script", ["benchmark_prefilling.py", "benchmark_decoding.py"])
@@ -52,9 +58,8 @@ def test_benchmark_tps_quick_mode(tmp_path: Path) -> None:
     assert numbers["correct"] is True and numbers["myvllm_tok_s"] > 0 and numbers["hf_tok_s"] > 0
 
 
-@pytest.mark.slow
 def test_benchmark_tps_bundled_cpu_comparison() -> None:
-    """--bundled: the CPU target of SPEC 8 (SmolLM2 GGUF against transformers) still runs."""
+    """--bundled: the CPU comparison (the bundled SmolLM2 GGUF against transformers) runs."""
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmark_tps.py"), "--bundled"],
         capture_output=True, text=True, timeout=900, cwd=REPO, env=dict(os.environ),

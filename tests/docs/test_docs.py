@@ -4,9 +4,10 @@ Every line of every fenced ```bash block in the two documents is a command (a tr
 continues it on the next line; blank lines and lines starting with `#` are skipped). Each one is
 classified and checked, from the repository root, in a CPU-only environment:
 
-- `uv run pytest ...`: NOT run here. That is the CI command itself (.ci/run runs `uv run pytest`,
-  which includes this file), so running it again would run the suite twice or recurse. We only
-  check that the test files and `file::test` ids it names exist.
+- `uv run pytest ...`: NOT run here. Those are the CI commands themselves (.ci/run runs
+  `uv run pytest` and `uv run pytest -m slow`, which include this file), so running them again
+  would run the suite twice or recurse. We only check that the test files and `file::test` ids
+  they name exist.
 - ends with `# needs a GPU`: not run (CI has no GPU). The script must exist and
   `python SCRIPT --help` must exit 0.
 - ends with `# edits your checkout` (the Llama exercise: rm / git checkout): never run. Every
@@ -21,8 +22,8 @@ classified and checked, from the repository root, in a CPU-only environment:
 A command is run once even when both documents show it. The environment is CI-like: no GPU
 visible (CUDA_VISIBLE_DEVICES=""), no hub access (HF_HUB_OFFLINE=1, so main.py takes its
 documented offline fallback to the bundled model instead of downloading Qwen3-0.6B), CI=1.
-Commands that load a real model are marked slow (still run by default; `-m "not slow"` skips
-them).
+Commands that load a real model are marked slow: `uv run pytest` skips them and
+`uv run pytest -m slow` runs them.
 
 A ```text block right after a bash block that holds one command is an excerpt of that command's
 output: every line of it, except `...`, must appear as a line of the real output (whitespace
@@ -228,10 +229,20 @@ def test_checkout_editing_commands_name_existing_paths() -> None:
 def test_pytest_commands_name_existing_tests() -> None:
     """`uv run pytest ...` is CI's own command (run by .ci/run), so we only check its targets."""
     for command in (c for c in all_commands() if kind(c) == "pytest"):
-        for word in command.words[3:]:
-            if word.startswith("-"):
+        words = command.words[3:]
+        for previous, word in zip([""] + words, words):
+            if word.startswith("-") or previous in ("-m", "-k"):  # an option or its value
                 continue
             _check_test_reference(word, command.where)
+
+
+def test_ci_runs_the_readme_test_commands() -> None:
+    """.ci/run runs the README's `uv run pytest` commands, verbatim and all of them."""
+    readme = [c.code for c in extract_commands("README.md") if kind(c) == "pytest"]
+    ci_lines = (REPO / ".ci" / "run").read_text().splitlines()
+    ci = [line.strip() for line in ci_lines if line.strip().startswith("uv run pytest")]
+    assert readme, "README.md shows no `uv run pytest` command"
+    assert ci == readme, f".ci/run runs {ci}, README.md gives {readme}"
 
 
 # ------------------------------------------------------------------------------ the guide's names

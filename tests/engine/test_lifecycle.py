@@ -32,6 +32,10 @@ from helpers_models import tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
 
+# Each test starts worker processes (or a whole engine in a subprocess), and each of those
+# imports torch: seconds apiece on a 2-core CPU. `uv run pytest -m slow` runs them.
+pytestmark = pytest.mark.slow
+
 ENGINE_KW: dict[str, Any] = dict(block_size=4, max_model_length=32, max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23]]

@@ -1,18 +1,14 @@
-"""The Triton kernels (three attention kernels, three per-token layer ops) against their
-PyTorch references, and the references against
-deliberately dumb loop implementations (so the oracle itself is checked).
+"""The Triton kernels (three attention kernels, three per-token layer ops, the sampling
+kernels, the skinny matmul) against their PyTorch references, and the references against
+deliberately dumb loop implementations (so the oracle itself is checked); also the naive
+baseline kernels of the benchmark scripts (benchmarks/baselines.py).
 
-On a machine without a GPU the Triton kernels run in Triton's CPU interpreter
-(TRITON_INTERPRET=1). Triton reads that flag when a function is *decorated* with @triton.jit:
-its own library functions (tl.zeros, ...) at `import triton`, ours when their module is
-imported. So:
-
-- if this process has not imported triton yet, we set the flag before anything imports it
-  (it stays set: harmless for other tests on a CPU-only machine), and the `device` fixture
-  imports our kernel modules under it;
-- if something imported triton earlier in this pytest process (transformers does), it is in
-  compiled mode and cannot interpret: the kernel tests are skipped here and
-  test_rerun_in_fresh_interpreter runs this file again in a fresh process with the flag set.
+On a machine without a GPU the Triton kernels run in Triton's CPU interpreter. Triton decides
+between compiling and interpreting when a function is decorated with @triton.jit, from the
+environment variable TRITON_INTERPRET, and a process cannot switch afterwards. tests/conftest.py
+sets TRITON_INTERPRET=1 on a CPU-only machine before any test module is imported, so every
+kernel in this pytest process is interpreted whichever tests ran first; this file only checks
+that it really is (the `device` fixture fails otherwise) and never reloads a module.
 
 The interpreter's bf16 tl.dot is wrong, so CPU runs use fp16 and fp32 only; on a GPU the
 kernels run compiled and bf16 is tested too.
@@ -22,89 +18,42 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and "triton" not in sys.modules:
-    # Stays set for the rest of this process: triton imports parts of itself lazily and
-    # asserts the flag has not changed. Harmless for other test files on a CPU-only machine,
-    # where compiled Triton cannot run anyway.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
-def _triton_runs_here() -> bool:
-    try:
-        import triton.language.standard as standard
-    except ImportError:
-        return False  # triton not installed
-    if HAS_CUDA:
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(standard.zeros, InterpretedFunction)
-
-
-TRITON_HERE = _triton_runs_here()
-
-import myvllm.kernels as kernels  # noqa: E402
-from myvllm.kernels import (  # noqa: E402
+import myvllm.kernels as kernels
+from myvllm.kernels import (
     flash_attention_varlen_ref,
     paged_attention_decode_ref,
     store_kvcache_ref,
 )
 
-KERNEL_MODULES = [
-    "myvllm.kernels.pdl",  # first: the kernel modules import its pdl_wait when reloaded
-    "myvllm.kernels.store_kvcache_kernel",
-    "myvllm.kernels.prefill_attention",
-    "myvllm.kernels.decode_attention",
-    "myvllm.kernels.baselines",
-    "myvllm.kernels.layer_ops_triton",
-    "myvllm.kernels.sample_kernel",
-    "myvllm.kernels.skinny_gemm_kernel",
-]
+HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(scope="module")
 def device() -> torch.device:
-    if not TRITON_HERE:
-        pytest.skip(
-            "triton missing, or imported in compiled mode on a CPU-only machine: "
-            "test_rerun_in_fresh_interpreter runs these tests in a fresh process"
-        )
-    if not HAS_CUDA:
-        for name in KERNEL_MODULES:  # (re-)decorate our kernels as interpreted functions
-            if name in sys.modules:
-                importlib.reload(sys.modules[name])
-            else:
-                importlib.import_module(name)
-    return torch.device("cuda" if HAS_CUDA else "cpu")
+    """Where the Triton kernels run: the GPU, or the CPU interpreter."""
+    pytest.importorskip("triton")  # the engine runs without it (the PyTorch references)
+    if HAS_CUDA:
+        return torch.device("cuda")
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(standard.zeros, InterpretedFunction), (
+        "triton was imported in compiled mode before tests/conftest.py set TRITON_INTERPRET=1 "
+        "(by a pytest plugin?); run pytest with TRITON_INTERPRET=1 in the environment")
+    return torch.device("cpu")
 
 
-def test_rerun_in_fresh_interpreter() -> None:
-    if TRITON_HERE:
-        pytest.skip("the kernel tests run in this process")
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
-                            cwd=Path(__file__).resolve().parents[2])  # fmt: skip
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "compiled mode" not in result.stdout, result.stdout[-3000:]  # really interpreted
-
-
-def triton_mod(name: str):  # the current (possibly reloaded) kernel module
+def triton_mod(name: str) -> ModuleType:
+    """A kernel module, imported on first use: without triton only the tests that take the
+    `device` fixture (or importorskip) are skipped, the references are still tested."""
     return importlib.import_module(f"myvllm.kernels.{name}")
 
 
@@ -333,9 +282,10 @@ def test_choose_num_splits_depends_on_shapes_only() -> None:
 
 
 def test_baseline_kernels_match_references(device) -> None:
+    from benchmarks import baselines as mod
+
     torch.manual_seed(0)
     dtype, lengths, hq, hkv, d = torch.float16, [9, 30], 4, 2, 16
-    mod = triton_mod("baselines")
     q = torch.randn(sum(lengths), hq, d, device=device).to(dtype)
     k = torch.randn(sum(lengths), hkv, d, device=device).to(dtype)
     v = torch.randn(sum(lengths), hkv, d, device=device).to(dtype)
@@ -796,6 +746,7 @@ def test_gumbel_sample_greedy_rows_are_exact_argmax(device) -> None:
     assert out[2].item() == 7 and out[3].item() == 3000
 
 
+@pytest.mark.slow  # 800 rows through the CPU interpreter: the longest test of this file
 @pytest.mark.parametrize("chunk_size", [2048, 4])
 def test_gumbel_sample_matches_softmax_distribution(device, chunk_size) -> None:
     """One chunk (2048), and three chunks of 4 tokens: a chunk, then a token inside it."""

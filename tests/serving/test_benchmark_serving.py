@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_benchmark_serving_quick(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     run = subprocess.run(
