@@ -1,14 +1,17 @@
-"""Probes for the five exercises of HowToApproachvLLM.md ("Five exercises"), CPU only.
+"""Probes for the exercises of HowToApproachvLLM.md, one or more per step, CPU only.
 
-    uv run python examples/exercises.py can-append         # 1. can_append, block_size 8, 24 tok
-    uv run python examples/exercises.py identical-prompts  # 2. 300 / 512 tokens at block_size 256
-    uv run python examples/exercises.py freed-blocks       # 3. what freed blocks keep, and lose
-    uv run python examples/exercises.py graph-padding      # 4. the -1 fill before graph replay
-    uv run python examples/exercises.py block-size         # 5. block_size 256 vs 16, KV capacity
+    uv run python examples/exercises.py paged-slots        # step 1: slots, paged vs dense
+    uv run python examples/exercises.py can-append         # step 3: can_append at 24 tokens
+    uv run python examples/exercises.py identical-prompts  # step 3: 300 / 512 tokens, size 256
+    uv run python examples/exercises.py freed-blocks       # step 3: what freed blocks keep
+    uv run python examples/exercises.py block-size         # step 4: block_size 256 vs 16
+    uv run python examples/exercises.py preemption         # step 5: who is preempted, where to
+    uv run python examples/exercises.py step-loop          # step 6: generate() by hand
+    uv run python examples/exercises.py graph-padding      # fast path: the -1 slot of padding
 
-Each probe drives the real classes (BlockManager, Scheduler, ModelRunner methods, the
-store_kvcache kernel's PyTorch reference) and ends with `answer:` lines. Try to answer the
-question in the guide first, then run the probe. tests/docs/test_exercises.py checks the answers.
+Each probe drives the real classes (BlockManager, Scheduler, LLMEngine, ModelRunner methods,
+the kernels' PyTorch references) and ends with `answer:` lines. Try to answer the question in
+the guide first, then run the probe. tests/docs/test_exercises.py checks the answers.
 """
 
 from __future__ import annotations
@@ -45,6 +48,56 @@ def modulo_rule_can_append(bm: BlockManager, seq: Sequence) -> bool:
     if seq.num_tokens % bm.block_size == 1:
         return len(bm.free_block_ids) > 0
     return True
+
+
+# ------------------------------------------------------------------------------------ step 1
+def paged_slots() -> None:
+    from myvllm.kernels.reference import paged_attention_decode_ref
+
+    block_size, table, num_tokens = 4, [7, 2, 9], 10
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
+    print(f"block_size={block_size}, block_table={table}, {num_tokens} tokens")
+    print("token  " + " ".join(f"{p:>3}" for p in range(num_tokens)))
+    print("slot   " + " ".join(f"{s:>3}" for s in slots))
+
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim = 4, 2, 8
+    keys = torch.randn(num_tokens, num_kv_heads, head_dim)
+    values = torch.randn(num_tokens, num_kv_heads, head_dim)
+    query = torch.randn(1, num_heads, head_dim)
+    scale = head_dim ** -0.5
+
+    # Dense attention for one query token over all 10 keys (GQA: head h reads kv head h // 2).
+    group = num_heads // num_kv_heads
+    k = keys.repeat_interleave(group, dim=1)  # [T, Hq, D]
+    v = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,thd->ht", query[0], k) * scale
+    dense = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+
+    def paged(size: int, blocks: list[int]) -> torch.Tensor:
+        """Store the keys through store_kvcache into a paged cache, then read them back."""
+        num_blocks = max(blocks) + 1
+        k_cache = torch.zeros(num_blocks, size, num_kv_heads, head_dim)
+        v_cache = torch.zeros_like(k_cache)
+        slot_mapping = torch.tensor(
+            [blocks[p // size] * size + p % size for p in range(num_tokens)], dtype=torch.int32)
+        store_kvcache(keys, values, k_cache, v_cache, slot_mapping)
+        out = paged_attention_decode_ref(query, k_cache, v_cache,
+                                         torch.tensor([blocks], dtype=torch.int32),
+                                         torch.tensor([num_tokens], dtype=torch.int32), scale)
+        return out[0]
+
+    same_as_dense = torch.allclose(paged(block_size, table), dense, atol=1e-5)
+    other_sizes = {1: list(range(19, 9, -1)), 16: [3]}  # any blocks, in any order
+    same_across_sizes = all(torch.allclose(paged(size, blocks), dense, atol=1e-5)
+                            for size, blocks in other_sizes.items())
+    print(f"\nanswer: token 5 -> slot {slots[5]}, token 9 -> slot {slots[9]} "
+          "(slot = block_table[p // block_size] * block_size + p % block_size)")
+    print(f"answer: paged attention through block_table {table} equals dense attention: "
+          f"{same_as_dense}")
+    print(f"answer: the same keys stored at block_size 1, 4 and 16 give the same output: "
+          f"{same_as_dense and same_across_sizes} (attention never sees blocks, only the "
+          "positions the table maps)")
 
 
 # ------------------------------------------------------------------------------------ 1
@@ -356,12 +409,96 @@ def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 
           "prefix gives 0 cached tokens at 256 and 32 at 16")
 
 
+# ------------------------------------------------------------------------------------ step 5
+def preemption() -> None:
+    config = Config(num_kvcache_blocks=3, block_size=4, max_model_length=64, eos=-1,
+                    max_num_sequences=8, max_num_batched_tokens=64)
+    sch = Scheduler(config)
+    names: dict[int, str] = {}
+    for name, start in (("A", 10), ("B", 20), ("C", 30)):
+        seq = Sequence(range(start, start + 4), 4, SamplingParams(max_tokens=8))
+        names[seq.seq_id] = name
+        sch.add_sequence(seq)
+    label = lambda seqs: [names[s.seq_id] for s in seqs]  # noqa: E731
+    batch, is_prefill = sch.schedule()
+    print("Scheduler: 3 KV blocks of 4 tokens; A, B, C arrive with 4-token prompts.")
+    print(f"step 1: {'prefill' if is_prefill else 'decode'} {label(batch)}; "
+          f"free blocks {len(sch.block_manager.free_block_ids)}")
+    sch.postprocess(batch, [1, 1, 1])
+    print("each sampled one token: 5 tokens each, so each needs a second block")
+    preempted: list[str] = []
+    original = sch.preempt
+
+    def record(seq: Sequence) -> None:
+        preempted.append(names[seq.seq_id])
+        original(seq)
+
+    sch.preempt = record  # type: ignore[method-assign]
+    batch, is_prefill = sch.schedule()
+    print(f"step 2: {'prefill' if is_prefill else 'decode'} {label(batch)}; preempted in "
+          f"order {preempted}; running {label(sch.running)}; waiting {label(sch.waiting)}")
+    tracked = len(sch.running) + len(sch.waiting)
+    print(f"\nanswer: the decode step runs {label(batch)}; preempted in order {preempted} "
+          "(the tail of running first, then the current one when nobody else is left)")
+    print(f"answer: waiting is now {label(sch.waiting)}: each victim went to the FRONT of "
+          f"waiting, with its blocks freed; {tracked} of 3 sequences are still tracked "
+          "(nobody is dropped)")
+    sch.postprocess(batch, [2])
+    free = len(sch.block_manager.free_block_ids)
+    batch, is_prefill = sch.schedule()
+    print(f"answer: step 3 is a {'prefill' if is_prefill else 'decode'} of {label(batch)}: B, "
+          f"at the head of waiting, needs 2 blocks for its 5 tokens and {free} is free, and C "
+          "may not jump the queue; B is recomputed (prompt + completion) once A frees blocks")
+
+
+# ------------------------------------------------------------------------------------ step 6
+def step_loop() -> None:
+    import importlib.util
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location(
+        "prefix_cache_demo", ROOT / "examples" / "prefix_cache_demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    from myvllm import LLM
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        print("A random 2-layer Qwen3 (examples/prefix_cache_demo.py builds it); prompts of "
+              f"{len(prompts[0])} and {len(prompts[1])} tokens, 3 completion tokens each, "
+              "greedy.")
+        llm = LLM(demo.build_tiny_qwen3(tmp), device="cpu", max_model_length=64,
+                  enable_prefix_caching=False)
+        seq_ids = [llm.add_request(p, params) for p in prompts]
+        by_hand: dict[int, list[int]] = {}
+        counts = []
+        while not llm.is_finished():
+            finished, num_tokens = llm.step()
+            counts.append(num_tokens)
+            done = [(out["seq_id"], out["token_ids"]) for out in finished]
+            print(f"step(): num_tokens={num_tokens:>3}  finished={done}")
+            by_hand.update(done)
+        reference = llm.generate(prompts, params, use_tqdm=False)
+        llm.exit()
+    same = [by_hand[i] for i in seq_ids] == [out["token_ids"] for out in reference]
+    print(f"\nanswer: step() returns (outputs of the sequences that finished in it, a signed "
+          f"token count); the counts were {counts}")
+    print(f"answer: prefill steps count prompt tokens computed (+{counts[0]}), decode steps "
+          f"minus one per sequence ({counts[1]})")
+    print(f"answer: add_request + step gives generate()'s tokens: {same}")
+
+
 PROBES = {
+    "paged-slots": paged_slots,
     "can-append": can_append,
     "identical-prompts": identical_prompts,
     "freed-blocks": freed_blocks,
     "graph-padding": graph_padding,
     "block-size": block_size,
+    "preemption": preemption,
+    "step-loop": step_loop,
 }
 
 

@@ -1,4 +1,4 @@
-"""The five exercise probes of HowToApproachvLLM.md still print the answers the guide gives.
+"""The exercise probes of HowToApproachvLLM.md still print the answers the guide gives.
 
 The guide shows each probe as a command (`uv run python examples/exercises.py NAME`);
 tests/docs/test_docs.py leaves those commands to this file. Here we take the exact argument lists
@@ -24,6 +24,11 @@ SCRIPT = REPO / COVERED_BY_EXERCISE_TEST
 
 # For each probe: substrings its `answer:` lines must contain.
 EXPECTED: dict[str, list[str]] = {
+    "paged-slots": [
+        "token 5 -> slot 9, token 9 -> slot 37",
+        "paged attention through block_table [7, 2, 9] equals dense attention: True",
+        "the same keys stored at block_size 1, 4 and 16 give the same output: True",
+    ],
     "can-append": [
         "block_size 8, num_tokens 24, no free block -> can_append = True",
         "num_tokens 25 -> can_append = False",
@@ -46,6 +51,16 @@ EXPECTED: dict[str, list[str]] = {
     "block-size": [
         "36 sequences of 114 tokens fit with 256, 73 with 16",
         "gives 0 cached tokens at 256 and 32 at 16",
+    ],
+    "preemption": [
+        "the decode step runs ['A']; preempted in order ['C', 'B']",
+        "waiting is now ['B', 'C']",
+        "3 of 3 sequences are still tracked",
+        "step 3 is a decode of ['A']",
+    ],
+    "step-loop": [
+        "the counts were [10, -2, -2]",
+        "add_request + step gives generate()'s tokens: True",
     ],
 }
 

@@ -37,7 +37,7 @@ MODULE = "myvllm.models.llama"
 START_HERE = (
     "create src/myvllm/models/llama.py with a class LlamaForCausalLM that takes the "
     "transformers config: a CausalLM (models/decoder.py) built with a LlamaAttention of your "
-    "own. HowToApproachvLLM.md, section \"The exercise: delete models/llama.py and write it "
+    "own. HowToApproachvLLM.md, Step 2, \"Exercise 2: delete models/llama.py and write it "
     "back\", gives the steps"
 )
 

@@ -7,7 +7,7 @@ hidden_size / num_attention_heads is 64).
     x, residual = input_layernorm(x, residual)                 # fused into qkv_proj
     q, k, v     = split(qkv_proj(x))
     q, k        = rotary_emb(positions, q, k, q_norm, k_norm)  # per-head RMSNorm, then RoPE:
-                                                               # one kernel per tensor on a GPU
+                                                               # q and k in one kernel on a GPU
     x           = o_proj(attn(q, k, v))
 
 Every hyper-parameter comes from the HF config object.
