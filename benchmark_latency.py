@@ -36,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budgets", default="512,1024,2048,4096,8192,16384",
                         help="comma-separated max_num_batched_tokens values for the sweep")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--skip-defaults", action="store_true",
+                        help="only the sweep (skip the stall and TTFT with the defaults)")
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_latency.png"))
     return parser.parse_args()
@@ -141,9 +143,8 @@ def build(path: Path, quick: bool, **kwargs):
     return LLM(str(path), **{**size, **kwargs})
 
 
-def release(llm) -> None:
-    llm.exit()
-    del llm
+def free_memory() -> None:
+    """After the caller dropped its engine: give its KV cache back before the next one."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -166,22 +167,8 @@ def main() -> None:
         stall_kw = {k: shapes[k] for k in ("num_decoding", "decode_prompt_len",
                                            "long_prompt_len")}
 
-        llm = build(path, quick)  # the defaults
-        config = llm.config
-        print(f"defaults: enable_chunked_prefill={config.enable_chunked_prefill}, "
-              f"max_num_batched_tokens={config.max_num_batched_tokens}, "
-              f"max_model_length={config.max_model_length}")
-        stall = measure_stall(llm, **stall_kw, vocab=vocab)
-        print(f"stall (defaults): median decode step {stall['median_step_ms']:.2f} ms, longest "
-              f"step after a {shapes['long_prompt_len']}-token prompt joins "
-              f"{stall['longest_step_after_join_ms']:.2f} ms = {stall['stall_x']:.1f}x "
-              f"({stall['steps_until_first_token']} steps to its first token)")
-        ttft = measure_ttft(llm, shapes["ttft"], vocab)
-        for n, ms in ttft.items():
-            print(f"time to first token, {n} tokens alone (defaults): {ms:.1f} ms")
-        results["defaults"] = {"stall": stall, "ttft_ms": ttft,
-                               "max_num_batched_tokens": config.max_num_batched_tokens}
-        release(llm)
+        if not args.skip_defaults:
+            defaults(path, quick, shapes, stall_kw, vocab, results)
 
         if not args.skip_sweep:
             sweep = []
@@ -196,14 +183,40 @@ def main() -> None:
                     shapes["long_prompt_len"], llm.config.max_model_length - 1)}, vocab=vocab)
                 row.update(budget=budget, chunked=chunked, tok_s=throughput(llm, quick, vocab))
                 print(f"{'chunked' if chunked else 'prefill-first':>13} budget {budget:>6}: "
-                      f"stall {row['stall_x']:5.1f}x, {row['tok_s']:,.0f} output tok/s")
+                      f"stall {row['stall_x']:5.1f}x, {row['tok_s']:,.0f} output tok/s",
+                      flush=True)
                 sweep.append(row)
-                release(llm)
+                llm.exit()
+                del llm
+                free_memory()
             results["sweep"] = sweep
             if not quick:
                 plot(sweep, Path(args.plot))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def defaults(path: Path, quick: bool, shapes: dict, stall_kw: dict, vocab: int,
+             results: dict[str, object]) -> None:
+    """The stall and time to first token with the engine's defaults."""
+    llm = build(path, quick)
+    config = llm.config
+    print(f"defaults: enable_chunked_prefill={config.enable_chunked_prefill}, "
+          f"max_num_batched_tokens={config.max_num_batched_tokens}, "
+          f"max_model_length={config.max_model_length}")
+    stall = measure_stall(llm, **stall_kw, vocab=vocab)
+    print(f"stall (defaults): median decode step {stall['median_step_ms']:.2f} ms, longest "
+          f"step after a {shapes['long_prompt_len']}-token prompt joins "
+          f"{stall['longest_step_after_join_ms']:.2f} ms = {stall['stall_x']:.1f}x "
+          f"({stall['steps_until_first_token']} steps to its first token)", flush=True)
+    ttft = measure_ttft(llm, shapes["ttft"], vocab)
+    for n, ms in ttft.items():
+        print(f"time to first token, {n} tokens alone (defaults): {ms:.1f} ms")
+    results["defaults"] = {"stall": stall, "ttft_ms": ttft,
+                           "max_num_batched_tokens": config.max_num_batched_tokens}
+    llm.exit()
+    del llm
+    free_memory()
 
 
 def plot(sweep: list[dict], path: Path) -> None:
