@@ -13,7 +13,9 @@ What happens to one step:
 
     scheduler.schedule() -> (seqs, is_prefill)
     ModelRunner.run(seqs, is_prefill)
-        prefill   InputBuilder.prepare_prefill, the model and LM head (eager), the Sampler
+        prefill   InputBuilder.prepare_prefill (whole prompts) or prepare_chunks (chunked
+                  prefill: prompt chunks and decode rows in one varlen batch), the model
+                  and LM head (eager), the Sampler
         decode    InputBuilder.prepare_decode (into the DecodeBuffers), then decode_forward,
                   eager or as a graph replay; on one GPU with temperature-only sampling it
                   includes the LM head and the sampling kernels, else the LM head and the

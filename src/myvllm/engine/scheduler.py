@@ -17,6 +17,12 @@ Two queues, and four rules:
    its blocks are freed and it is prefilled again later over prompt + completion so far.
 4. No progress is an error: if a step schedules nothing and preempts nothing while work
    remains, every later step would do the same, so raise instead of spinning forever.
+
+These rules are Config(enable_chunked_prefill=False). The default replaces rules 1 and 2 by
+a token budget (schedule_chunked): every running sequence's decode token first, then
+chunks of prompts fill what is left of max_num_batched_tokens, so a long prompt neither
+stalls the running sequences for a whole prefill nor has to fit one step. Rules 3 and 4
+stay as they are.
 """
 
 from __future__ import annotations
