@@ -6,7 +6,9 @@
     uv run python examples/exercises.py freed-blocks       # step 3: what freed blocks keep
     uv run python examples/exercises.py block-size         # step 4: block_size 256 vs 16
     uv run python examples/exercises.py preemption         # step 5: who is preempted, where to
+    uv run python examples/exercises.py budget             # step 5b: a prompt under a token budget
     uv run python examples/exercises.py step-loop          # step 6: generate() by hand
+    uv run python examples/exercises.py stop-string        # step 7: text held back while streaming
     uv run python examples/exercises.py graph-padding      # fast path: the -1 slot of padding
 
 Each probe drives the real classes (BlockManager, Scheduler, LLMEngine, ModelRunner methods,
@@ -451,6 +453,61 @@ def preemption() -> None:
           "may not jump the queue; B is recomputed (prompt + completion) once A frees blocks")
 
 
+# ------------------------------------------------------------------------------------ step 5b
+def _budget_run(chunked: bool, budget: int) -> list[str]:
+    """A and B (3-token prompts) are prefilled and decoding when C (20 tokens) arrives; one
+    line per step until C has its first token. Tokens are made up: only lengths matter."""
+    config = Config(num_kvcache_blocks=32, block_size=4, max_model_length=64, eos=-1,
+                    max_num_sequences=8, max_num_batched_tokens=budget,
+                    enable_chunked_prefill=chunked)
+    sch = Scheduler(config)
+    names: dict[int, str] = {}
+
+    def add(name: str, prompt: range) -> Sequence:
+        seq = Sequence(prompt, 4, SamplingParams(max_tokens=40))
+        names[seq.seq_id] = name
+        sch.add_sequence(seq)
+        return seq
+
+    add("A", range(10, 13))
+    add("B", range(20, 23))
+    batch, _ = sch.schedule()
+    sch.postprocess(batch, [1] * len(batch))  # both sampled their first token
+    c = add("C", range(100, 120))
+    lines: list[str] = []
+    step = 0
+    while c.num_completion_tokens == 0:
+        step += 1
+        batch, is_prefill = sch.schedule()
+        rows = []
+        for seq in batch:
+            start = seq.num_computed_tokens - seq.num_new_tokens if chunked else 0
+            end = seq.num_computed_tokens if chunked else len(seq)
+            what = f"tokens [{start}, {end})" if seq is c else "decode"
+            rows.append(f"{names[seq.seq_id]} {what}")
+        sampled = [s for s in batch if not chunked or s.num_computed_tokens == s.num_tokens]
+        kind = ("MIXED" if chunked else "PREFILL") if is_prefill else "DECODE"
+        lines.append(f"step {step}: {kind:7} {', '.join(rows)}; samples "
+                     f"{[names[s.seq_id] for s in sampled]}")
+        sch.postprocess(sampled, [1] * len(sampled))
+    return lines
+
+
+def budget() -> None:
+    print("A and B are decoding; C arrives with a 20-token prompt. Block size 4.\n")
+    print("chunked prefill, max_num_batched_tokens=6:")
+    chunked = _budget_run(chunked=True, budget=6)
+    print("\n".join("  " + line for line in chunked))
+    print("\nprefill-first (enable_chunked_prefill=False), max_num_batched_tokens=64:")
+    first = _budget_run(chunked=False, budget=64)
+    print("\n".join("  " + line for line in first))
+    print(f"\nanswer: with a budget of 6, C's prompt takes {len(chunked)} steps of 4 tokens "
+          f"(6 minus the 2 decode rows), and C samples its first token in step {len(chunked)}, "
+          "the one whose chunk reaches its last prompt token")
+    print(f"answer: A and B decode in every one of those {len(chunked)} steps; prefill-first "
+          f"computes C in {len(first)} step, in which A and B skip their decode")
+
+
 # ------------------------------------------------------------------------------------ step 6
 def step_loop() -> None:
     import importlib.util
@@ -490,6 +547,38 @@ def step_loop() -> None:
     print(f"answer: add_request + step gives generate()'s tokens: {same}")
 
 
+# ------------------------------------------------------------------------------------ step 7
+class _ByteTokenizer:
+    """A toy byte-level tokenizer: token id = one byte of UTF-8 (so '€' is three tokens)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+def stop_string() -> None:
+    from myvllm.engine.detokenizer import IncrementalDetokenizer
+
+    text = "5€ Obstacle. Observation: 7"
+    stop = "Observation:"
+    detok = IncrementalDetokenizer(_ByteTokenizer(), list(b"Q: "), stop=[stop])
+    print(f"A completion of {len(text.encode())} byte tokens, {text!r}, stop string {stop!r};")
+    print("the delta each token releases to the client:")
+    shown = ""
+    for i, byte in enumerate(text.encode()):
+        delta = detok.add_tokens([byte])
+        shown += delta
+        print(f"  token {i:2} {bytes([byte])!r:7} -> {delta!r}")
+        if detok.stopped:
+            break
+    shown += detok.finish()
+    print(f"\nanswer: the client receives {shown!r}; stopped={detok.stopped} after "
+          f"{detok.num_tokens} of {len(text.encode())} tokens (AsyncLLM then aborts the engine "
+          "request and reports finish_reason 'stop')")
+    print("answer: '€' is released with its third byte (before that the text ends in half a "
+          "character); 'O', 'Ob', 'Obs' are held back, since each may begin the stop string, "
+          "and 'Obst' releases them")
+
+
 PROBES = {
     "paged-slots": paged_slots,
     "can-append": can_append,
@@ -498,7 +587,9 @@ PROBES = {
     "graph-padding": graph_padding,
     "block-size": block_size,
     "preemption": preemption,
+    "budget": budget,
     "step-loop": step_loop,
+    "stop-string": stop_string,
 }
 
 

@@ -58,6 +58,15 @@ EXPECTED: dict[str, list[str]] = {
         "3 of 3 sequences are still tracked",
         "step 3 is a decode of ['A']",
     ],
+    "budget": [
+        "C's prompt takes 5 steps of 4 tokens (6 minus the 2 decode rows)",
+        "C samples its first token in step 5",
+        "A and B decode in every one of those 5 steps; prefill-first computes C in 1 step",
+    ],
+    "stop-string": [
+        "the client receives '5€ Obstacle. '; stopped=True after 27 of 29 tokens",
+        "'O', 'Ob', 'Obs' are held back",
+    ],
     "step-loop": [
         "the counts were [10, -2, -2]",
         "add_request + step gives generate()'s tokens: True",
