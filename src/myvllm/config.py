@@ -49,8 +49,10 @@ class Config:
     a decode CUDA graph is captured for. One name, read by the scheduler and the runner alike."""
 
     max_num_batched_tokens: int = 16384
-    """Most prompt tokens in one prefill step. Bounds activation memory of a prefill, so the
-    runner's warm-up uses the same number to measure peak memory before sizing the KV cache."""
+    """Most tokens one step computes: with chunked prefill, decode rows and prompt chunks
+    together (a longer prompt runs over several steps); prefill-first, the prompt tokens of
+    one prefill step. Bounds a step's activation memory, so the runner's warm-up uses the same
+    number to measure peak memory before sizing the KV cache."""
 
     max_model_length: int | None = None
     """Longest sequence (prompt + completion). A sequence reaching it finishes; a longer prompt
