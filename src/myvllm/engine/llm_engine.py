@@ -261,8 +261,9 @@ class LLMEngine:
         """One scheduler step. Returns (outputs of the sequences that finished, tokens computed).
 
         Each output has seq_id, token_ids (completion only) and num_cached_tokens. The token
-        count is positive for a prefill step (prompt tokens computed) and negative for a
-        decode step (one per sequence), so callers can tell them apart.
+        count is positive for a step that computes prompt tokens (with chunked prefill, the
+        decode rows beside them count too) and negative for a pure decode step (one per
+        sequence), so callers can tell them apart; it never exceeds max_num_batched_tokens.
         """
         outputs, num_tokens = self.step_outputs()
         finished = [{"seq_id": out.request_id, "token_ids": out.token_ids,
