@@ -21,14 +21,13 @@ engine tests can use string prompts. Tokens map 1:1 to UTF-8 bytes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import atexit
 import math
+import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -206,3 +205,18 @@ def prefill_context(seq_lens: list[int], slot_mapping: torch.Tensor | None = Non
         max_seqlen_k=max(seq_lens),
         slot_mapping=slot_mapping,
     )
+
+
+def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' generate, greedy, with eos disabled (our side uses ignore_eos)."""
+    hf_model.generation_config.eos_token_id = None
+    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                            dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False,
+                            pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of these lengths, token ids 1..255 (inside every tiny vocabulary)."""
+    rng = random.Random(seed)
+    return [[rng.randint(1, 255) for _ in range(n)] for n in lengths]

@@ -8,29 +8,16 @@ an engine is easiest to get wrong: preemption in a tiny KV pool, prefix reuse ac
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
-from helpers_models import load_hf_reference, tiny_checkpoint
+from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_checkpoint
 
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.sampling import prepare_sample
 
 
-def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' generate, greedy, with eos disabled (our side uses ignore_eos)."""
-    hf_model.generation_config.eos_token_id = None
-    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                            dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False,
-                            pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randint(1, 255) for _ in range(n)] for n in lengths]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
