@@ -288,6 +288,11 @@ def test_tensor_parallel_2_nccl_equals_1(qwen3_random_checkpoint: Path) -> None:
     one = run_greedy(qwen3_random_checkpoint, prompts, dtype="float32")
     two = run_greedy(qwen3_random_checkpoint, prompts, dtype="float32", tensor_parallel_size=2)
     assert [o["token_ids"] for o in two] == [o["token_ids"] for o in one]
+    # Chunked prefill with a budget of 64 tokens: the workers get each step's chunks
+    # (num_computed_tokens, num_new_tokens) through the pickled sequences.
+    chunked = run_greedy(qwen3_random_checkpoint, prompts, dtype="float32",
+                         tensor_parallel_size=2, max_num_batched_tokens=64)
+    assert [o["token_ids"] for o in chunked] == [o["token_ids"] for o in one]
 
 
 def test_chunked_prefill_graphs_equal_eager_and_prefill_first(
