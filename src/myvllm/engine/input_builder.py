@@ -163,9 +163,15 @@ class InputBuilder:
             positions.extend(range(start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
-            table = seq.block_table
-            slot_mapping.extend(table[pos // self.block_size] * self.block_size
-                                + pos % self.block_size for pos in range(start, end))
+            # Slots block by block (one range per block, not one Python step per token: a
+            # chunk can be 16k tokens long).
+            pos = start
+            while pos < end:
+                offset = pos % self.block_size
+                count = min(self.block_size - offset, end - pos)
+                first = seq.block_table[pos // self.block_size] * self.block_size + offset
+                slot_mapping.extend(range(first, first + count))
+                pos += count
         ids = self.to_device(input_ids, torch.int64)
         if pending_rows:
             # [pool | host ids] indexed once: pending rows read the pool, the others their id.
