@@ -10,8 +10,9 @@ token, and the token budget's trade-off between the two and throughput.
    what the budget leaves after the decode rows.
 2. Time to first token of one prompt alone (1k, 4k, 32k tokens): generate(max_tokens=1),
    median of 5.
-3. Sweep of max_num_batched_tokens: the stall and the offline throughput of
-   benchmark_tps.py's workload at each budget (and prefill-first for reference); a plot.
+3. Sweep of max_prefill_tokens_while_decoding (the prompt tokens a step may add beside decode
+   rows) and of max_num_batched_tokens: the stall and the offline throughput of
+   benchmark_tps.py's workload at each setting (and prefill-first for reference); a plot.
 
 Random weights of the Qwen3-0.6B architecture (configs/Qwen3-0.6B/config.json).
 """
@@ -33,8 +34,11 @@ REPO = Path(__file__).resolve().parent
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
-    parser.add_argument("--budgets", default="512,1024,2048,4096,8192,16384",
+    parser.add_argument("--budgets", default="16384",
                         help="comma-separated max_num_batched_tokens values for the sweep")
+    parser.add_argument("--caps", default="256,512,1024,2048,0",
+                        help="comma-separated max_prefill_tokens_while_decoding values for the "
+                             "sweep (0 = no cap), each at every budget")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--skip-defaults", action="store_true",
                         help="only the sweep (skip the stall and TTFT with the defaults)")
@@ -99,6 +103,7 @@ def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_le
         llm.step()
     median = statistics.median(before)
     return {"median_step_ms": median * 1e3, "longest_step_after_join_ms": max(after) * 1e3,
+            "steps_after_join_ms": [round(t * 1e3, 2) for t in after],
             "stall_x": max(after) / median, "steps_until_first_token": len(after),
             "long_prompt_ttft_s": first_token_s}
 
@@ -157,6 +162,7 @@ def main() -> None:
               if quick else dict(num_decoding=64, decode_prompt_len=128,
                                  long_prompt_len=16_000, ttft=[1024, 4096, 32_000]))
     budgets = [32, 256] if quick else [int(b) for b in args.budgets.split(",")]
+    caps = [8, 0] if quick else [int(c) for c in args.caps.split(",")]
     results: dict[str, object] = {"device": torch.cuda.get_device_name()
                                   if torch.cuda.is_available() else "cpu",
                                   "torch": torch.__version__}
@@ -172,19 +178,22 @@ def main() -> None:
 
         if not args.skip_sweep:
             sweep = []
-            modes = [(b, True) for b in budgets] + [(max(budgets), False)]
-            for budget, chunked in modes:
+            modes = ([(b, cap, True) for b in budgets for cap in caps]
+                     + [(max(budgets), 0, False)])
+            for budget, cap, chunked in modes:
                 # Prefill-first must fit every sequence in one prefill: max_model_length
                 # is the budget there; chunked runs take the default.
-                extra = {} if chunked else {"max_model_length": budget}
+                extra = ({"max_prefill_tokens_while_decoding": cap} if chunked
+                         else {"max_model_length": budget})
                 llm = build(path, quick, max_num_batched_tokens=budget,
                             enable_chunked_prefill=chunked, **extra)
                 row = measure_stall(llm, **{**stall_kw, "long_prompt_len": min(
                     shapes["long_prompt_len"], llm.config.max_model_length - 1)}, vocab=vocab)
-                row.update(budget=budget, chunked=chunked, tok_s=throughput(llm, quick, vocab))
-                print(f"{'chunked' if chunked else 'prefill-first':>13} budget {budget:>6}: "
-                      f"stall {row['stall_x']:5.1f}x, {row['tok_s']:,.0f} output tok/s",
-                      flush=True)
+                row.update(budget=budget, cap=cap, chunked=chunked,
+                           tok_s=throughput(llm, quick, vocab))
+                print(f"{'chunked' if chunked else 'prefill-first':>13} budget {budget:>6} "
+                      f"cap {cap:>5}: stall {row['stall_x']:5.1f}x, "
+                      f"{row['tok_s']:,.0f} output tok/s", flush=True)
                 sweep.append(row)
                 llm.exit()
                 del llm
@@ -203,6 +212,7 @@ def defaults(path: Path, quick: bool, shapes: dict, stall_kw: dict, vocab: int,
     config = llm.config
     print(f"defaults: enable_chunked_prefill={config.enable_chunked_prefill}, "
           f"max_num_batched_tokens={config.max_num_batched_tokens}, "
+          f"max_prefill_tokens_while_decoding={config.max_prefill_tokens_while_decoding}, "
           f"max_model_length={config.max_model_length}")
     stall = measure_stall(llm, **stall_kw, vocab=vocab)
     print(f"stall (defaults): median decode step {stall['median_step_ms']:.2f} ms, longest "
@@ -213,7 +223,9 @@ def defaults(path: Path, quick: bool, shapes: dict, stall_kw: dict, vocab: int,
     for n, ms in ttft.items():
         print(f"time to first token, {n} tokens alone (defaults): {ms:.1f} ms")
     results["defaults"] = {"stall": stall, "ttft_ms": ttft,
-                           "max_num_batched_tokens": config.max_num_batched_tokens}
+                           "max_num_batched_tokens": config.max_num_batched_tokens,
+                           "max_prefill_tokens_while_decoding":
+                               config.max_prefill_tokens_while_decoding}
     llm.exit()
     del llm
     free_memory()
@@ -230,13 +242,14 @@ def plot(sweep: list[dict], path: Path) -> None:
         marker = "o" if row["chunked"] else "s"
         ax.scatter(row["stall_x"], row["tok_s"], marker=marker,
                    color="tab:blue" if row["chunked"] else "tab:red")
-        label = f"{row['budget']}" + ("" if row["chunked"] else " prefill-first")
+        label = (f"cap {row['cap'] or 'none'}, budget {row['budget']}" if row["chunked"]
+                 else f"prefill-first, budget {row['budget']}")
         ax.annotate(label, (row["stall_x"], row["tok_s"]), textcoords="offset points",
                     xytext=(5, 4), fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("decode stall when a 16k-token prompt joins 64 decoding sequences (x median)")
     ax.set_ylabel("offline throughput, output tok/s")
-    ax.set_title("max_num_batched_tokens: throughput against stall")
+    ax.set_title("prompt tokens beside decode rows: throughput against stall")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

@@ -101,6 +101,12 @@ class Config:
     steps beside the decoding ones instead of stalling them, and any prompt up to
     max_model_length runs. False = prefill-first: a step is either whole prompts or decodes."""
 
+    max_prefill_tokens_while_decoding: int = 512
+    """With chunked prefill, the most prompt tokens one step computes while other sequences
+    decode in it. That step's time is the gap between two tokens of every decoding stream, so
+    a prompt that arrives while others stream goes in small chunks; a prompt with no decode
+    beside it takes all of max_num_batched_tokens. 0 = no limit of its own."""
+
     async_scheduling: bool | None = None
     """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where
     it pays, a GPU with tensor_parallel_size 1; True also on a CPU (for tests); it is not
@@ -136,6 +142,8 @@ class Config:
         _check_bool("enforce_eager", self.enforce_eager)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _check_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding,
+                   minimum=0)
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)
         if self.async_scheduling and self.tensor_parallel_size > 1:

@@ -359,3 +359,26 @@ def test_block_size_one_end_to_end() -> None:
         assert steps < 100
     assert a.completion_token_ids == [52, 53, 54, 55]
     assert b.completion_token_ids == [53, 54, 55, 56]
+
+
+def test_prompt_chunks_beside_decode_rows_are_capped() -> None:
+    """Chunked prefill: while sequences decode, a newcomer's chunks get at most
+    max_prefill_tokens_while_decoding tokens per step (the decode rows' wait stays short);
+    once nobody decodes, a prompt takes the whole budget."""
+    sch = make(num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=40,
+               max_prefill_tokens_while_decoding=8, max_model_length=128)
+    alone = seq(list(range(1, 61)))
+    sch.add_sequence(alone)
+    batch, _ = sch.schedule()
+    assert [s.num_new_tokens for s in batch] == [40]  # nobody decodes: the whole budget
+    batch, _ = sch.schedule()
+    assert [s.num_new_tokens for s in batch] == [20]  # its last chunk samples a token
+    sch.postprocess(batch, [7])
+    newcomer = seq(list(range(100, 130)))
+    sch.add_sequence(newcomer)
+    for chunk in (8, 8, 8, 6):
+        batch, is_prefill = sch.schedule()
+        assert is_prefill and [s.num_new_tokens for s in batch] == [1, chunk]
+        done = newcomer.num_computed_tokens == 30  # its last chunk: it samples too
+        sch.postprocess(batch if done else batch[:1], [7, 8] if done else [7])
+    assert newcomer.num_completion_tokens == 1

@@ -282,6 +282,8 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
         max_num_batched_tokens=max(1, max(footprint(r) for r in requests)
                                    + draw(st.integers(-3, 40))),
         max_num_sequences=draw(st.integers(1, 6)),
+        # chunked only: a cap on prompt tokens beside decode rows (0 = none)
+        max_prefill_tokens_while_decoding=draw(st.sampled_from([0, 1, 3, 7, 512])),
         eos=EOS,
     )
     return config, requests
@@ -333,6 +335,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
                         and len(head) <= sch.max_num_batched_tokens
                         and sch.block_manager.can_allocate(head))
         num_running_before = len(sch.running)
+        decoding_before = any(s.num_tokens - s.num_computed_tokens <= 1 for s in sch.running)
 
         batch, is_prefill = sch.schedule()
         if not batch:
@@ -346,6 +349,13 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
             continue
         if chunked:
             assert sum(s.num_new_tokens for s in batch) <= sch.max_num_batched_tokens
+            # While a running sequence decodes, prompt chunks (rows that compute more than
+            # their sequence's last token) share at most the cap.
+            cap = config.max_prefill_tokens_while_decoding
+            if decoding_before and cap:
+                chunks = sum(s.num_new_tokens for s in batch
+                             if s.num_new_tokens > 1 or s.num_computed_tokens != len(s))
+                assert chunks <= cap, "prompt chunks beside decode rows over the cap"
             assert len(batch) <= sch.max_num_sequences == config.max_num_sequences
             # a pure decode step computes exactly each sequence's last token
             assert is_prefill == any(s.num_new_tokens > 1 or s.num_computed_tokens != len(s)

@@ -47,6 +47,38 @@ def test_prompts_many_times_the_budget_match_transformers(kind: str) -> None:
     assert any(n < 0 for n in counts)  # and pure decode steps came once the prompts were in
 
 
+def test_padded_chunked_steps_match_transformers() -> None:
+    """The GPU's way of running chunked steps, switched on here: steps padded to fixed sizes
+    on fixed buffers, attention launched from a tile map (what a CUDA graph replays), with
+    prefix hits and decode rows beside chunks; steps larger than the largest size run as
+    before. Same tokens as HF."""
+    path = tiny_checkpoint("qwen3")
+    base = random_prompts([24], seed=5)[0]
+    prompts = [base + p for p in random_prompts([33, 2, 17], seed=6)] + random_prompts([5])
+    llm = LLM(str(path), block_size=4, max_model_length=96, max_num_batched_tokens=40,
+              max_num_sequences=4)
+    buffers = llm.model_runner.inputs.pad_chunked_steps(max_tokens=32, block_m=16)
+    assert buffers.sizes == [16, 32]
+    sizes = []
+    fill = buffers.fill
+    def spy(ids, positions, *args):  # noqa: ANN001, ANN202
+        step = fill(ids, positions, *args)
+        sizes.append((len(positions), step.input_ids.size(0)))
+        return step
+    buffers.fill = spy  # type: ignore[method-assign]
+    outputs, counts = budget_steps(llm, prompts, GREEDY)
+    # A second call: short steps, one of them with a prefix hit on the first call's blocks.
+    later = [random_prompts([9], seed=7)[0], base + [3, 1, 4]]
+    later_outputs = llm.generate(later, GREEDY, use_tqdm=False)
+    hf = load_hf_reference(path)
+    for prompt, tokens in zip(prompts + later, [*outputs.values(),
+                                                *(o["token_ids"] for o in later_outputs)]):
+        assert tokens == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    assert later_outputs[1]["num_cached_tokens"] == 24
+    assert any(n > 32 for n in counts)  # some steps too large to pad ran unpadded
+    assert any(real < padded for real, padded in sizes)  # and padded ones ran with padding
+
+
 def test_long_prompt_with_a_prefix_hit_and_async_scheduling() -> None:
     """The second request shares 48 tokens with the first (12 blocks): it starts its chunks
     after the cached prefix, and gives the tokens of an engine that never cached anything."""

@@ -298,9 +298,10 @@ def test_tensor_parallel_2_nccl_equals_1(qwen3_random_checkpoint: Path) -> None:
 def test_chunked_prefill_graphs_equal_eager_and_prefill_first(
         qwen3_random_checkpoint: Path) -> None:
     """Chunked prefill with a budget far below the prompts (256 tokens: mixed steps of prompt
-    chunks and decode rows, run eagerly, between pure decode steps that replay graphs):
-    the tokens of CUDA graphs + async scheduling, of the eager engine, and of prefill-first
-    (whole prompts) are the same."""
+    chunks and decode rows, replayed from chunk graphs, between pure decode steps that
+    replay decode graphs): the tokens of CUDA graphs + async scheduling, of the eager engine
+    (the same padded steps, launched one kernel at a time), and of prefill-first (whole
+    prompts) are the same."""
     from myvllm import LLM, SamplingParams
 
     rng = random.Random(12)
@@ -311,6 +312,8 @@ def test_chunked_prefill_graphs_equal_eager_and_prefill_first(
                    dict(max_num_batched_tokens=256, enforce_eager=True, async_scheduling=False),
                    dict(enable_chunked_prefill=False, enforce_eager=True)):
         llm = LLM(str(qwen3_random_checkpoint), **{**ENGINE_ARGS, **kwargs})
+        if not outs:
+            assert sorted(llm.model_runner.chunk_graphs.graphs) == [16, 32, 64, 128, 256]
         outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.exit()
     assert outs[0] == outs[1], "chunked: CUDA graphs + async differ from eager"

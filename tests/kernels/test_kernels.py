@@ -242,6 +242,43 @@ def test_flash_attention_varlen_triton_paged_prefix(device, dtype, block_size, n
     assert_close(out, flash_attention_varlen_ref(*args), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_attention_varlen_triton_tile_map(device, dtype) -> None:
+    """A fixed grid read from a tile map (what a CUDA graph of a chunked step replays): the
+    same output on every real row, with unused tile slots and padding rows that belong to no
+    sequence (left unwritten), and decode rows (one query each) beside a long chunk."""
+    torch.manual_seed(0)
+    mod = triton_mod("prefill_attention")
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    lengths_k = [40, 6, 1, 23]  # whole context
+    lengths_q = [35, 1, 1, 23]  # new tokens: a chunk after 5 cached, two decode rows, a prompt
+    k = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
+    padded = sum(lengths_q) + 5  # five padding rows after the real ones
+    q = torch.randn(padded, num_heads, head_dim, device=device).to(dtype)
+    k_cache, v_cache, tables = make_paged(k, v, lengths_k, block_size)
+    cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
+    block_m = mod.prefill_config(device, head_dim, dtype).block_m
+    slots = mod.tile_map_slots(padded, max_num_seqs=8, block_m=block_m)
+    tiles = mod.build_tile_map(lengths_q, lengths_k, block_m, slots)
+    assert tiles[-2:] == [-1, 0]  # more slots than tiles: the rest run nothing
+    tile_map = torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 2)
+    args = (q, k, v, cu_q, cu_k, 0, 0, 0.25, tables, k_cache, v_cache)
+    out = mod.flash_attention_varlen_triton(*args, tile_map)
+    real = sum(lengths_q)
+    assert_close(out[:real], flash_attention_varlen_ref(*args)[:real], dtype)
+
+
+def test_build_tile_map_lists_the_heaviest_tiles_first() -> None:
+    pytest.importorskip("triton")
+    mod = triton_mod("prefill_attention")
+    assert mod.build_tile_map([300, 1, 1], [1324, 40, 7], 128, 6) == [
+        0, 2, 0, 1, 0, 0, 1, 0, 2, 0, -1, 0]
+    assert mod.tile_map_slots(300, max_num_seqs=2, block_m=128) == 5
+    with pytest.raises(ValueError, match="3 query tiles, only 2 slots"):
+        mod.build_tile_map([300], [300], 128, 2)
+
+
 # --------------------------------------------------------------------------- decode
 
 

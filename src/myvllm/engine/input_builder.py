@@ -18,6 +18,7 @@ import torch
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
+from myvllm.engine.chunk_graphs import ChunkBuffers
 from myvllm.engine.decode_buffers import DecodeBuffers, DecodeViews
 from myvllm.engine.sequence import Sequence
 from myvllm.utils.context import Context
@@ -58,6 +59,17 @@ class InputBuilder:
         # step, and a CUDA graph reads them in place.
         self.decode_buffers = DecodeBuffers(config.max_num_sequences, self.max_blocks_per_seq,
                                             self.device, self.pin_memory)
+        # Chunked steps up to this many tokens are padded into fixed buffers (engine/
+        # chunk_graphs.py); the ModelRunner switches it on (on a GPU), tests on a CPU.
+        self.chunk_buffers: ChunkBuffers | None = None
+
+    def pad_chunked_steps(self, max_tokens: int, block_m: int) -> ChunkBuffers:
+        """From now on, run chunked steps of at most max_tokens tokens padded, on fixed
+        buffers, with attention's query tiles of block_m rows listed in q_tiles."""
+        self.chunk_buffers = ChunkBuffers(
+            min(max_tokens, self.config.max_num_batched_tokens), self.config.max_num_sequences,
+            self.max_blocks_per_seq, block_m, self.device, self.pin_memory)
+        return self.chunk_buffers
 
     def to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
         """Host list -> (pinned) CPU tensor -> device, without making the host wait."""
@@ -141,6 +153,9 @@ class InputBuilder:
 
         A decode row whose token is still pending (overlapped scheduling) takes it from the
         sampled-token pool on the device, as a decode step does.
+
+        With pad_chunked_steps on, a step that fits goes to the fixed ChunkBuffers instead,
+        padded to a graph size (engine/chunk_graphs.py).
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -180,6 +195,10 @@ class InputBuilder:
                 index[position] = row
             ids = torch.cat([self.decode_buffers.sampled, ids]).index_select(
                 0, self.to_device(index, torch.int64))
+        buffers = self.chunk_buffers
+        if buffers is not None and buffers.padded_size(len(positions)) is not None:
+            return buffers.fill(ids, positions, slot_mapping, cu_seqlens_q, cu_seqlens_k,
+                                [seq.block_table for seq in seqs], self.to_device)
         context = Context(
             is_prefill=True,
             cu_seqlens_q=self.to_device(cu_seqlens_q, torch.int32),

@@ -7,6 +7,7 @@ samples; ranks 1..N-1 run in worker processes and only compute their shard of ev
     engine/input_builder.py   InputBuilder: a batch -> StepInputs (owns the DecodeBuffers)
     engine/kv_cache.py        how many blocks fit, the cache tensors
     engine/graph_runner.py    GraphRunner: decode CUDA graphs, captured and replayed
+    engine/chunk_graphs.py    ChunkGraphRunner: graphs of padded chunked-prefill steps
     engine/sampling.py        SamplingParams -> the Sampler's per-row arguments
 
 What happens to one step:
@@ -14,8 +15,9 @@ What happens to one step:
     scheduler.schedule() -> (seqs, is_prefill)
     ModelRunner.run(seqs, is_prefill)
         prefill   InputBuilder.prepare_prefill (whole prompts) or prepare_chunks (chunked
-                  prefill: prompt chunks and decode rows in one varlen batch), the model
-                  and LM head (eager), the Sampler
+                  prefill: prompt chunks and decode rows in one varlen batch; on a GPU
+                  padded, and replayed from a graph when it fits one), the model and
+                  the LM head, the Sampler
         decode    InputBuilder.prepare_decode (into the DecodeBuffers), then decode_forward,
                   eager or as a graph replay; on one GPU with temperature-only sampling it
                   includes the LM head and the sampling kernels, else the LM head and the
@@ -33,12 +35,14 @@ import torch
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
+from myvllm.engine.chunk_graphs import MAX_CHUNK_GRAPH_TOKENS, ChunkGraphRunner
 from myvllm.engine.decode_buffers import SampledTokens
 from myvllm.engine.graph_runner import GraphRunner
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sequence import Sequence
+from myvllm.kernels.prefill_attention import prefill_config
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
@@ -76,6 +80,7 @@ class ModelRunner:
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
         self.inputs = InputBuilder(config, self.device, rank)
         self.graph_runner = GraphRunner()
+        self.chunk_graphs = ChunkGraphRunner()
         # With one GPU a decode graph runs the whole step: model, LM head and the sampling
         # kernels. With tensor parallelism the LM head gathers the logits to rank 0 over
         # NCCL, and that gather stays outside the graph.
@@ -130,6 +135,17 @@ class ModelRunner:
                 logger.info(f"captured {len(self.graph_runner.graphs)} decode CUDA graphs (batch "
                             f"sizes {sorted(self.graph_runner.graphs)}) in "
                             f"{time.perf_counter() - start:.1f} s")
+        if self.device.type == "cuda" and self.config.enable_chunked_prefill:
+            # Padded in eager mode too, so that graphs and eager compute the same.
+            block_m = prefill_config(self.device, self.kv_layout.head_dim, self.dtype).block_m
+            buffers = self.inputs.pad_chunked_steps(MAX_CHUNK_GRAPH_TOKENS, block_m)
+            if not self.enforce_eager:
+                start = time.perf_counter()
+                self.chunk_graphs.capture(self.model, buffers)
+                if self.rank == 0:
+                    logger.info(f"captured {len(self.chunk_graphs.graphs)} chunked-prefill "
+                                f"CUDA graphs (up to {buffers.max_tokens} tokens) in "
+                                f"{time.perf_counter() - start:.1f} s")
         return num_blocks
 
     @torch.inference_mode()
@@ -194,8 +210,15 @@ class ModelRunner:
         sequence's scheduled chunk) -> logits of each sequence's last token computed (on
         rank 0; None on other ranks)."""
         step = self.inputs.prepare_chunks(seqs) if chunks else self.inputs.prepare_prefill(seqs)
+        num_tokens = step.input_ids.size(0)  # padded, for a step on the ChunkBuffers
         with forward_context(step.context):
-            return self.model.compute_logits(self.model(step.input_ids, step.positions))
+            if step.context.q_tiles is not None and num_tokens in self.chunk_graphs:
+                hidden = self.chunk_graphs.replay(num_tokens)
+            else:
+                hidden = self.model(step.input_ids, step.positions)
+            # The LM head reads the last row of each sequence (context.cu_seqlens_q): padding
+            # rows are never read.
+            return self.model.compute_logits(hidden)
 
     def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
                        ) -> torch.Tensor:
@@ -266,3 +289,4 @@ class ModelRunner:
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs before the process group goes (GraphRunner.release)."""
         self.graph_runner.release(self.device)
+        self.chunk_graphs.release(self.device)

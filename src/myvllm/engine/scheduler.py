@@ -42,6 +42,7 @@ class Scheduler:
                              "(-1 = from memory) before the scheduler is built")
         self.max_num_sequences: int = config.max_num_sequences
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
         if config.max_model_length is None:
             raise ValueError("Scheduler needs config.max_model_length: the engine sets it from "
                              "the checkpoint when it is None")
@@ -182,10 +183,17 @@ class Scheduler:
         2. Waiting sequences, in order, while budget, sequence slots and blocks last: each is
            admitted with a first chunk (after its cached prefix) and the whole block table.
 
+        While any running sequence decodes, prompt chunks together get at most
+        max_prefill_tokens_while_decoding tokens: the decode rows' wait stays short.
+
         Each scheduled sequence gets num_new_tokens (its chunk) and its num_computed_tokens
         is advanced past it; it samples a token only when the chunk reaches its last token.
         """
         budget = self.max_num_batched_tokens
+        prompt_budget = budget
+        cap = self.max_prefill_tokens_while_decoding
+        if cap and any(seq.num_tokens - seq.num_computed_tokens <= 1 for seq in self.running):
+            prompt_budget = min(budget, cap)
         preempted = False
         scheduled: list[Sequence] = []
         visited: list[Sequence] = []  # running sequences looked at, in their order
@@ -196,7 +204,10 @@ class Scheduler:
             if remaining == 0:
                 continue  # its last chunk ran; its token is still in flight (async)
             if remaining > 1:  # a prompt part-way through its prefill
-                self._schedule_chunk(seq, min(remaining, budget))
+                if prompt_budget == 0:
+                    continue  # its next chunk waits; it keeps its place in running
+                self._schedule_chunk(seq, min(remaining, budget, prompt_budget))
+                prompt_budget -= seq.num_new_tokens
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
@@ -217,7 +228,8 @@ class Scheduler:
             scheduled.append(seq)
         self.running.extendleft(reversed(visited))
 
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_sequences
+        while (self.waiting and min(budget, prompt_budget) > 0
+               and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
             if seq.num_pending_tokens or not self.block_manager.can_allocate(seq):
@@ -229,10 +241,11 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens
-            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget, prompt_budget)
             self._schedule_chunk(seq, chunk)
             self.running.append(seq)
             budget -= chunk
+            prompt_budget -= chunk
             scheduled.append(seq)
 
         if scheduled:

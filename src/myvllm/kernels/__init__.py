@@ -131,6 +131,7 @@ def flash_attention_varlen(
     block_tables: torch.Tensor | None = None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
+    tile_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention -> o [Nq, Hq, D].
 
@@ -140,13 +141,17 @@ def flash_attention_varlen(
     contiguously (rows cu_seqlens_k[b]:cu_seqlens_k[b+1]). With block_tables [B, max_blocks],
     the context is read from k_cache/v_cache (the new tokens must already be stored there)
     and k/v are not used. max_seqlen_q/max_seqlen_k are host ints (no device sync needed).
+
+    tile_map (Triton only; prefill_attention.build_tile_map) lists the query tiles to run,
+    so that the launch has the same shape at every step (CUDA graphs of mixed steps). Rows
+    of q that belong to no sequence (padding) are left unwritten. The reference ignores it.
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
             block_tables, k_cache, v_cache)  # fmt: skip
     if use_triton(q):
         from . import prefill_attention as triton_impl
 
-        return triton_impl.flash_attention_varlen_triton(*args)
+        return triton_impl.flash_attention_varlen_triton(*args, tile_map)
     return flash_attention_varlen_ref(*args)
 
 

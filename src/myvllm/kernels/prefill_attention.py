@@ -144,6 +144,7 @@ def _flash_attn_varlen_kernel(
     cu_seqlens_q_ptr,
     cu_seqlens_k_ptr,
     block_tables_ptr,
+    tile_map_ptr,  # [tiles, 2] int32 (sequence, query tile) per program (TILE_MAP only)
     qk_scale,  # softmax scale * log2(e)
     stride_qn,
     stride_qh,
@@ -163,13 +164,22 @@ def _flash_attn_varlen_kernel(
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # cache block size (tokens); 1 when not paged
     USE_TMA: tl.constexpr,  # contiguous K/V on sm_90+: tiles via tensor descriptors
+    TILE_MAP: tl.constexpr,  # programs read their (sequence, query tile) from tile_map
     DOT_PRECISION: tl.constexpr,
 ):
-    # Heaviest query tiles (the last ones: they see the most keys) are launched first, so the
-    # short tiles fill the gaps at the end instead of a long tile running alone.
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
+    if TILE_MAP:
+        # A grid fixed by the step's padded token count (a CUDA graph replays it): the host
+        # listed the tiles that exist, heaviest first; slots past them hold sequence -1.
+        seq = tl.load(tile_map_ptr + 2 * tl.program_id(0))
+        if seq < 0:
+            return
+        start_m = tl.load(tile_map_ptr + 2 * tl.program_id(0) + 1)
+    else:
+        # Heaviest query tiles (the last ones: they see the most keys) are launched first, so
+        # the short tiles fill the gaps at the end instead of a long tile running alone.
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -284,18 +294,21 @@ def flash_attention_varlen_triton(
     block_tables: torch.Tensor | None = None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
+    tile_map: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of flash_attention_varlen (contract in kernels/__init__.py).
 
+    `tile_map` ([tiles, 2] int32, from build_tile_map with this config's block_m) fixes the
+    grid at `tiles` programs per head whatever the batch, so a CUDA graph can replay it.
     `config` overrides the tile sizes (benchmarks and tuning sweeps use it).
     """
     del max_seqlen_k  # the kernel reads each sequence's K length from cu_seqlens_k
     num_tokens, num_heads, head_dim = q.shape
     o = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
-    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+    if num_tokens == 0 or batch == 0 or (max_seqlen_q == 0 and tile_map is None):
         return o
     paged = block_tables is not None
     if block_tables is not None:
@@ -331,9 +344,13 @@ def flash_attention_varlen_triton(
         k_desc, v_desc = _row_descriptor(k, cfg.block_n), _row_descriptor(v, cfg.block_n)
     else:
         q_desc, k_desc, v_desc = q, kk, vv  # placeholders, never used by the kernel
-    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_heads, batch)
+    if tile_map is not None:
+        grid = (tile_map.shape[0], num_heads, 1)
+    else:
+        grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_heads, batch)
     _flash_attn_varlen_kernel[grid](
         q, kk, vv, o, q_desc, k_desc, v_desc, cu_seqlens_q, cu_seqlens_k, bt,
+        tile_map if tile_map is not None else cu_seqlens_q,  # never read without TILE_MAP
         scale * LOG2E,
         q.stride(0), q.stride(1), stride_kn, stride_kh, stride_vn, stride_vh,
         o.stride(0), o.stride(1), stride_cb, stride_bt,
@@ -345,6 +362,7 @@ def flash_attention_varlen_triton(
         PAGED=paged,
         PAGE=page,
         USE_TMA=use_tma,
+        TILE_MAP=tile_map is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -371,3 +389,29 @@ def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     tokens, heads, d = x.shape
     return TensorDescriptor(x, shape=[tokens, heads * d], strides=[x.stride(0), 1],
                             block_shape=[block_rows, d])  # fmt: skip
+
+
+def build_tile_map(seqlens_q: list[int], seqlens_k: list[int], block_m: int,
+                   num_slots: int) -> list[int]:
+    """The (sequence, query tile) pairs of a batch, flattened, heaviest first, padded with
+    (-1, 0) to num_slots pairs: the tile_map of flash_attention_varlen_triton.
+
+        seqlens_q = [300, 1, 1], seqlens_k = [1324, 40, 7], block_m = 128, num_slots = 6
+        tiles (seq, tile): (0, 2) sees 1324 keys, (0, 1) 1280, (0, 0) 1152, (1, 0) 40,
+        (2, 0) 7, then one unused slot (-1, 0)
+        -> [0, 2, 0, 1, 0, 0, 1, 0, 2, 0, -1, 0]
+    """
+    tiles = [(seqlen_k - seqlen_q + min((tile + 1) * block_m, seqlen_q), seq, tile)
+             for seq, (seqlen_q, seqlen_k) in enumerate(zip(seqlens_q, seqlens_k, strict=True))
+             for tile in range(-(-seqlen_q // block_m))]
+    if len(tiles) > num_slots:
+        raise ValueError(f"build_tile_map: {len(tiles)} query tiles, only {num_slots} slots")
+    tiles.sort(key=lambda t: -t[0])  # the most keys first (a stable sort keeps ties in order)
+    flat = [value for _, seq, tile in tiles for value in (seq, tile)]
+    return flat + [-1, 0] * (num_slots - len(tiles))
+
+
+def tile_map_slots(num_tokens: int, max_num_seqs: int, block_m: int) -> int:
+    """Enough tile_map slots for any batch of num_tokens new tokens in at most max_num_seqs
+    sequences: each sequence adds at most one partial tile to num_tokens / block_m full ones."""
+    return -(-num_tokens // block_m) + min(max_num_seqs, num_tokens)

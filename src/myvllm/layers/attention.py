@@ -6,6 +6,7 @@ The layer owns no weights; it routes q/k/v to the right kernel using the per-ste
 
     prefill, no cached prefix   flash_attention_varlen(q, k, v, cu_seqlens ...)   K/V from k, v
     prefill, cached prefix      flash_attention_varlen(..., block_tables, caches) K/V from cache
+      (also every padded chunked-prefill step: a fixed launch grid from context.q_tiles)
     decode                      paged_attention_decode(q, caches, block_tables, context_lens)
 
 k_cache/v_cache are plain attributes, empty until the ModelRunner points them at this layer's
@@ -63,6 +64,7 @@ class Attention(nn.Module):
                     context.cu_seqlens_q, context.cu_seqlens_k,
                     context.max_seqlen_q, context.max_seqlen_k, self.scale,
                     block_tables=context.block_tables, k_cache=k_cache, v_cache=v_cache,
+                    tile_map=context.q_tiles,
                 )  # fmt: skip
             else:
                 o = flash_attention_varlen(

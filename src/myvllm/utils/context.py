@@ -21,6 +21,10 @@ Shapes (N = tokens in the step, B = sequences in the step):
               max_seqlen_q / max_seqlen_k  Python ints, known on the host (no device sync)
               slot_mapping   [N]   int32  cache slot (block_id * block_size + offset) per new token
               block_tables   [B, max_blocks] int32, -1 padded; only set when a prefix is cached
+                             (or the step is padded, below)
+              q_tiles        [tiles, 2] int32 or None: a padded chunked-prefill step (N rounded
+                             up to a captured size, B up to max_num_sequences) lists its query
+                             tiles here, so attention launches the same grid at every step
     decode    slot_mapping   [B]   int32  slot of the one new token per sequence (-1 = padding)
               context_lens   [B]   int32  tokens of context including the new one
               block_tables   [B, max_blocks] int32, -1 padded
@@ -45,6 +49,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    q_tiles: torch.Tensor | None = None
 
 
 _EMPTY = Context()
