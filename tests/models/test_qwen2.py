@@ -44,7 +44,8 @@ def _greedy_with_prefix_hit(llm: LLM, hf: object) -> None:
 
 def test_engine_greedy_with_prefix_hit_matches_transformers(untied: Path) -> None:
     hf = load_hf_reference(untied)
-    assert not hf.config.tie_word_embeddings and hf.model.layers[0].self_attn.k_proj.bias is not None
+    assert not hf.config.tie_word_embeddings
+    assert hf.model.layers[0].self_attn.k_proj.bias is not None
     llm = LLM(str(untied), **ENGINE_KW)
     try:
         _greedy_with_prefix_hit(llm, hf)
