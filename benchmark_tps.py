@@ -4,11 +4,15 @@ Workload (nano-vllm's bench.py): 256 sequences, prompt token ids random in [0, 1
 lengths uniform in 100..1024, max_tokens uniform in 100..1024, ignore_eos, temperature 0.6,
 Python's random seeded with 0. Throughput = requested completion tokens / wall time.
 
-Weights: real Qwen3-0.6B weights cannot be fetched on our machines, so by default the
-benchmark builds the real architecture from configs/Qwen3-0.6B/config.json (the hub's
-config.json) with random weights, saves it as safetensors, and both engines load that
-checkpoint. Speed does not depend on the weights' values. --model points at a real
-checkpoint instead.
+Weights: real weights cannot be fetched on our machines, and speed does not depend on the
+weights' values, only on their shapes. By default the benchmark builds the Qwen3-0.6B
+architecture from configs/Qwen3-0.6B/config.json (the hub's config.json) with random weights,
+saves it as safetensors, and both engines load that checkpoint, so their greedy tokens can be
+compared. --model configs/NAME (a folder holding only config.json: Qwen3-8B, Qwen3-30B-A3B,
+...) runs myvllm with load_format="dummy" instead: random weights made in place, nothing
+written or read, so large shapes start in seconds; transformers then gets its own random
+weights of the same config and there is no token comparison. --load-format dummy does the same
+for the default Qwen3-0.6B config. --model may also name a real checkpoint.
 
 Order of work: correctness first (greedy tokens of myvllm vs transformers on the same
 checkpoint; a mismatch means no timing is printed for myvllm), then throughput, then
@@ -48,13 +52,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
     parser.add_argument("--bundled", action="store_true",
                         help="the CPU target: bundled SmolLM2, 4 prompts x 64 tokens vs HF")
-    parser.add_argument("--model", help="a real checkpoint dir instead of random weights")
+    parser.add_argument("--model",
+                        help="a checkpoint, or configs/NAME (a folder with config.json only: "
+                             "dummy weights of that shape)")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                        help="dummy: random weights from config.json, no checkpoint read "
+                             "(default: dummy for a folder holding config.json and no "
+                             "weights, else auto)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--hf-num-seqs", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=64)
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true",
+                        help="no transformers run (its MoE models loop over the experts: slow)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (default: Config's)")
@@ -84,17 +96,24 @@ sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 QWEN3_CONFIG = REPO / "configs" / "Qwen3-0.6B" / "config.json"
 
 
+def tiny_qwen3_config():
+    """The --quick model: a 2-layer Qwen3 that runs in seconds on a CPU."""
+    from transformers import Qwen3Config
+
+    hf_config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+    hf_config.architectures = ["Qwen3ForCausalLM"]
+    return hf_config
+
+
 def build_random_checkpoint(config_path: Path | None, out_dir: Path, device: str,
                             quick: bool) -> Path:
     """Random weights of the architecture in config_path (or a tiny Qwen3), as safetensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if quick:
-        hf_config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=16,
-                                max_position_embeddings=1024, tie_word_embeddings=True)
-        hf_config.architectures = ["Qwen3ForCausalLM"]
+        hf_config = tiny_qwen3_config()
     else:
         assert config_path is not None
         hf_config = AutoConfig.from_pretrained(config_path.parent)
@@ -103,6 +122,35 @@ def build_random_checkpoint(config_path: Path | None, out_dir: Path, device: str
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def holds_only_a_config(path: Path) -> bool:
+    """A folder with config.json and no weights (configs/NAME): run it with dummy weights."""
+    return (path.is_dir() and (path / "config.json").is_file()
+            and not any(path.glob("*.safetensors")) and not any(path.glob("*.gguf")))
+
+
+def pick_model(args: argparse.Namespace, tmp: Path, device: str) -> tuple[Path, str]:
+    """(the model myvllm runs, its load format), from --model and --load-format."""
+    if args.model:
+        path = Path(args.model)
+        return path, args.load_format or ("dummy" if holds_only_a_config(path) else "auto")
+    if args.load_format == "dummy":
+        if args.quick:
+            tiny_qwen3_config().save_pretrained(str(tmp))  # config.json alone
+            return tmp, "dummy"
+        return QWEN3_CONFIG.parent, "dummy"
+    return build_random_checkpoint(QWEN3_CONFIG, tmp, device, args.quick), "auto"
+
+
+def random_hf_model(path: Path, dtype: torch.dtype, device: str):
+    """transformers' model of path's config.json with its own random weights, made on device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    return model.eval()
 
 
 def make_workload(num_seqs: int, min_len: int, max_input: int, max_output: int,
@@ -210,14 +258,21 @@ def main() -> None:
                                   else "cpu", "torch": torch.__version__}
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.model) if args.model else build_random_checkpoint(
-            QWEN3_CONFIG, Path(tmp), device, args.quick)
+        path, load_format = pick_model(args, Path(tmp), device)
+        dummy = load_format == "dummy"
+        results["model"] = (Path(args.model).name if args.model else
+                            "tiny Qwen3" if args.quick else QWEN3_CONFIG.parent.name)
+        results["load_format"] = load_format
         dtype = torch.float32 if args.quick else torch.bfloat16
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        vocab = min(hf.config.vocab_size, 10000)
+        # With a checkpoint, transformers loads it now, for the token comparison; with dummy
+        # weights there is nothing to compare, and it is built after myvllm has exited.
+        hf = (None if dummy else
+              AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval())
         # 0.6 of the GPU for myvllm (weights, activations, KV cache) leaves room for the
-        # transformers model that runs in the same process.
-        llm = LLM(str(path), enforce_eager=args.enforce_eager, gpu_memory_utilization=0.6,
+        # transformers model loaded beside it; a dummy run frees the GPU before transformers.
+        llm = LLM(str(path), load_format=load_format, enforce_eager=args.enforce_eager,
+                  gpu_memory_utilization=0.9 if hf is None else 0.6,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   async_scheduling=False if args.no_async_scheduling else None,
                   max_model_length=args.max_input_len + args.max_output_len,
                   max_num_sequences=256 if not args.quick else 8,
@@ -225,23 +280,32 @@ def main() -> None:
                   **({"max_num_batched_tokens": args.max_num_batched_tokens}
                      if args.max_num_batched_tokens else
                      {"max_num_batched_tokens": 512} if args.quick else {}))
+        vocab = min(llm.vocab_size, 10000)
 
         # 1. Correctness: greedy tokens against transformers on the same checkpoint.
-        check_prompts, _ = make_workload(4, 16, 32, 16, vocab)
-        n_check = 8
-        ours = [o["token_ids"] for o in llm.generate(
-            check_prompts, SamplingParams(temperature=0.0, max_tokens=n_check, ignore_eos=True),
-            use_tqdm=False)]
-        theirs = [hf_generate(hf, [p], n_check, greedy=True, pad_id=0)[0] for p in check_prompts]
-        agree = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
-        first_ok = all(x[0] == y[0] for x, y in zip(ours, theirs))
-        # bf16 random-weight logits are close to ties, so later tokens may drift; the first
-        # token of every prompt and most of the rest must agree.
-        correct = first_ok and agree >= 0.75 * n_check * len(check_prompts)
-        print(f"correctness: greedy tokens equal to transformers: {agree}/"
-              f"{n_check * len(check_prompts)}, first tokens all equal: {first_ok} -> "
-              f"{'OK' if correct else 'NO'}")
+        correct: bool | None = None
+        if hf is None:
+            print("correctness: not checked (dummy weights: transformers has no checkpoint "
+                  "to load the same weights from)")
+        else:
+            check_prompts, _ = make_workload(4, 16, 32, 16, vocab)
+            n_check = 8
+            ours = [o["token_ids"] for o in llm.generate(
+                check_prompts,
+                SamplingParams(temperature=0.0, max_tokens=n_check, ignore_eos=True),
+                use_tqdm=False)]
+            theirs = [hf_generate(hf, [p], n_check, greedy=True, pad_id=0)[0]
+                      for p in check_prompts]
+            agree = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
+            first_ok = all(x[0] == y[0] for x, y in zip(ours, theirs))
+            # bf16 random-weight logits are close to ties, so later tokens may drift; the first
+            # token of every prompt and most of the rest must agree.
+            correct = first_ok and agree >= 0.75 * n_check * len(check_prompts)
+            print(f"correctness: greedy tokens equal to transformers: {agree}/"
+                  f"{n_check * len(check_prompts)}, first tokens all equal: {first_ok} -> "
+                  f"{'OK' if correct else 'NO'}")
         results["correct"] = correct
+        reported = correct is not False  # a failed comparison withholds the timings
 
         # 2. Throughput.
         prompts, max_tokens = make_workload(args.num_seqs, min_len, args.max_input_len,
@@ -255,20 +319,20 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         ours_tps = sum(max_tokens) / elapsed
-        if correct:
+        if reported:
             print(f"myvllm:       {sum(max_tokens)} tokens in {elapsed:.2f} s = "
                   f"{ours_tps:,.0f} output tok/s ({args.num_seqs} sequences)")
         else:
             print("myvllm:       throughput not reported: the correctness check failed")
-        results["myvllm_tok_s"] = ours_tps if correct else None
+        results["myvllm_tok_s"] = ours_tps if reported else None
         # The first run also pays for anything done once per process (e.g. Triton compiling
         # a kernel variant met for the first time); a second run shows the steady state.
         start = time.perf_counter()
         llm.generate(fresh_copy(prompts), params, use_tqdm=False)
         second_tps = sum(max_tokens) / (time.perf_counter() - start)
-        if correct:
+        if reported:
             print(f"myvllm:       {second_tps:,.0f} output tok/s in a second run (fresh prompts)")
-        results["myvllm_second_run_tok_s"] = second_tps if correct else None
+        results["myvllm_second_run_tok_s"] = second_tps if reported else None
 
         if args.timeline:
             step_timeline(llm, prompts, params, device, Path(args.timeline))
@@ -309,6 +373,8 @@ def main() -> None:
         # 4. transformers on a subset of the same workload.
         hf_tps = None
         if not args.skip_hf:
+            if hf is None:
+                hf = random_hf_model(path, dtype, device)  # speed does not depend on values
             subset = list(range(min(args.hf_num_seqs, args.num_seqs)))
             hf_generate(hf, prompts[:2], 4, greedy=False, pad_id=0)  # warm-up
             start = time.perf_counter()
@@ -324,11 +390,11 @@ def main() -> None:
             print(f"transformers: {hf_tokens} tokens in {hf_elapsed:.2f} s = {hf_tps:,.0f} "
                   f"output tok/s (first {len(subset)} sequences, static batches of "
                   f"{args.hf_batch_size})")
-            if correct:
+            if reported:
                 print(f"ratio:        {ours_tps / hf_tps:.1f}x")
         results["hf_tok_s"] = hf_tps
         if device == "cuda" and importlib.util.find_spec("vllm") is not None:
-            results["vllm_tok_s"] = run_vllm(path, prompts, max_tokens,
+            results["vllm_tok_s"] = run_vllm(path, load_format, prompts, max_tokens,
                                              args.max_input_len + args.max_output_len)
 
 
@@ -338,7 +404,7 @@ def main() -> None:
         plot(results, Path(args.plot))
 
 
-def run_vllm(path: Path, prompts: list[list[int]], max_tokens: list[int],
+def run_vllm(path: Path, load_format: str, prompts: list[list[int]], max_tokens: list[int],
              max_model_len: int) -> float:
     """The same workload on vLLM, only when it is installed (it is not a dependency)."""
     gc.collect()  # vLLM sizes its cache from free memory: release what we can first
@@ -346,8 +412,12 @@ def run_vllm(path: Path, prompts: list[list[int]], max_tokens: list[int],
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmSamplingParams
 
-    llm = VllmLLM(str(path), max_model_len=max_model_len, gpu_memory_utilization=0.6)
-    params = [VllmSamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
+    # A configs/NAME folder has no tokenizer: token-id prompts, token-id outputs.
+    no_tokenizer = holds_only_a_config(path)
+    llm = VllmLLM(str(path), load_format=load_format, skip_tokenizer_init=no_tokenizer,
+                  max_model_len=max_model_len, gpu_memory_utilization=0.6)
+    params = [VllmSamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n,
+                                 detokenize=not no_tokenizer)
               for n in max_tokens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up
@@ -485,7 +555,7 @@ def plot(results: dict[str, object], path: Path) -> None:
               "vLLM": "tab:orange"}
     ax.bar(names, values, color=[colors[n] for n in names])
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"Qwen3-0.6B shapes, {results['device']}")
+    ax.set_title(f"{results['model']} shapes, {results['device']}")
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
     fig.tight_layout()

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3 / Llama checkpoints, written by HF transformers, for CPU tests.
+"""Tiny random Qwen3 / Llama / Qwen2 checkpoints, written by HF transformers, for CPU tests.
 
     path = tiny_checkpoint("qwen3")        # cached per process: built once, reused by all tests
     path = build_tiny_checkpoint("llama3", some_dir)   # fresh copy in a directory of your own
@@ -10,6 +10,7 @@ Kinds (all: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, vocab 256, ML
     llama        Llama, untied, plain RoPE
     llama3       Llama, tied, "llama3" RoPE scaling (all three frequency bands hit), with
                  attention and MLP biases
+    qwen2        Qwen2, tied, q/k/v biases (head_dim = hidden_size / heads)
 
 Weights are random but NOT HF's init: HF sets every norm weight to 1 and uses std 0.02, under
 which swapping q_norm/k_norm or forgetting a norm changes nothing visible. Here norms are
@@ -59,12 +60,12 @@ LLAMA3_SCALING: dict[str, Any] = dict(
     original_max_position_embeddings=64,
 )
 
-KINDS = ("qwen3", "qwen3_bias", "llama", "llama3")
+KINDS = ("qwen3", "qwen3_bias", "llama", "llama3", "qwen2")
 
 
 def tiny_config(kind: str, **overrides: Any) -> Any:
     """The transformers config of a tiny model of ``kind`` (see the module docstring)."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     dims = dict(TINY_DIMS)
     if kind == "qwen3":
@@ -85,6 +86,10 @@ def tiny_config(kind: str, **overrides: Any) -> Any:
             rope_scaling=dict(LLAMA3_SCALING),
         )
         cls = LlamaConfig
+    elif kind == "qwen2":
+        dims.update(tie_word_embeddings=True, rope_theta=10000.0)
+        del dims["head_dim"]  # Qwen2 configs have none: 64 / 4 heads = 16
+        cls = Qwen2Config
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; known: {KINDS}")
     dims.update(overrides)

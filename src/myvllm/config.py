@@ -27,6 +27,7 @@ from myvllm.value_checks import is_int, is_real
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ConfigError(TypeError, ValueError):
@@ -42,7 +43,7 @@ class ConfigError(TypeError, ValueError):
 class Config:
     model: str | None = None
     """Hub id, local checkpoint folder, or ``.gguf`` file; None picks the bundled default model.
-    It is the one thing that decides the architecture and the weights."""
+    It decides the architecture and, unless load_format is "dummy", the weights."""
 
     max_num_sequences: int = 256
     """Most sequences alive (running) at once. Bounds every batch, and is the largest batch size
@@ -86,6 +87,12 @@ class Config:
 
     device: str = "auto"
     """"auto" (CUDA when available, else CPU), "cuda" or "cpu"."""
+
+    load_format: str = "auto"
+    """"auto": read the weights from the checkpoint (safetensors or GGUF). "dummy": build the
+    model from its config alone, with small random weights and no checkpoint read (vLLM's
+    name), to measure speed on a large shape; then model may be a folder holding only
+    config.json (with no tokenizer, prompts must be token ids)."""
 
     eos: int | tuple[int, ...] | None = None
     """End-of-sequence token id(s). None = read them from the checkpoint's tokenizer/generation
@@ -150,6 +157,9 @@ class Config:
             raise ValueError("Config.async_scheduling=True needs tensor_parallel_size 1: the "
                              "worker ranks read each step's input tokens from rank 0's "
                              "message, so they must be known when it is sent.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"Config.load_format must be one of {LOAD_FORMATS}, "
+                             f"got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -112,7 +112,9 @@ class LLMEngine:
             config = dataclasses.replace(model, **kwargs) if kwargs else model
         else:
             config = Config.from_dict({"model": model, **kwargs})
-        self.model_path = resolve_model_path(config.model)
+        # Dummy weights need only config.json (and a tokenizer, when there is one).
+        self.model_path = resolve_model_path(config.model,
+                                             weights=config.load_format != "dummy")
         hf_config = load_hf_config(self.model_path)
         get_model_class(getattr(hf_config, "architectures", None) or [])  # unknown -> error now
         self._check_tensor_parallel(config, hf_config)

@@ -50,6 +50,7 @@ from myvllm.models.config import get_head_dim
 from myvllm.utils.context import forward_context
 from myvllm.utils.device import resolve_device, resolve_dtype
 from myvllm.utils.distributed import get_tp_size
+from myvllm.utils.dummy_weights import initialize_dummy_weights
 from myvllm.utils.hf_config import load_hf_config
 from myvllm.utils.loader import load_model
 
@@ -96,7 +97,10 @@ class ModelRunner:
                 module = model_class(self.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(module, model_path)
+        if config.load_format == "dummy":
+            initialize_dummy_weights(module)  # no checkpoint read: config.json is enough
+        else:
+            load_model(module, model_path)
         module.eval()
         self.model: CausalLM = module  # type: ignore[assignment]  # nn.Module hides its methods
         self.sampler = Sampler()

@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 class CheckpointError(ValueError):
@@ -199,7 +203,8 @@ class Checkpoint:
                     f"{self.path.name!r}: {e}"
                 ) from e
             tensor = torch.from_numpy(array)
-            # Only llama.cpp's *llama* converter permutes q/k (qwen3 uses the HF layout as is).
+            # Only llama.cpp's *llama* converter permutes q/k (qwen2 and qwen3 keep the HF
+            # layout, biases included).
             m = _GGUF_LAYER_RE.match(t.name)
             if self.arch == "llama" and m is not None and m.group(2) in ("attn_q", "attn_k"):
                 heads = n_head if m.group(2) == "attn_q" else n_kv_head

