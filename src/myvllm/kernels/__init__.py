@@ -29,7 +29,8 @@ prologue; references: the two references one after the other):
 and the experts of a mixture-of-experts layer (reference in layer_ops_reference.py too):
 
     fused_moe                each token through its top-k experts' gated MLPs, weighted and
-                             summed: two grouped matmuls over all experts (kernels/fused_moe.py)
+                             summed: two grouped matmuls over all experts
+                             (kernels/fused_moe_kernel.py)
 
 Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
 (and Triton is installed), otherwise the PyTorch reference. The environment variable
@@ -296,7 +297,7 @@ def fused_moe(
     """The experts of a MoE layer -> [M, H]: x [M, H] through experts topk_ids [M, k] of w13
     [E, 2I, H] (gate | up) and w2 [E, H, I], weighted by topk_weights [M, k] and summed."""
     if use_triton(x):
-        from . import fused_moe as triton_impl
+        from . import fused_moe_kernel as triton_impl
 
         return triton_impl.fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

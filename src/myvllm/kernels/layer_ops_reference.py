@@ -20,7 +20,7 @@ fused forms, which are simply the two references one after the other:
     rms_norm_skinny_gemm       rms_norm, then x W^T       layer norms -> qkv_proj, gate_up_proj
     silu_and_mul_skinny_gemm   silu_and_mul, then x W^T   act_fn -> down_proj
 
-And the experts of a mixture-of-experts layer (kernels/fused_moe.py on the GPU):
+And the experts of a mixture-of-experts layer (kernels/fused_moe_kernel.py on the GPU):
 
     fused_moe      each token through its top-k experts' gated MLPs, weighted, summed
 """
@@ -131,11 +131,13 @@ def fused_moe_ref(
     kernel keeps them in that dtype until they are summed), the k of a token summed in float32
     and rounded once.
     """
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    wide = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64 (tests)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=wide, device=x.device)
     for expert in topk_ids.unique().tolist():
         tokens, slot = torch.where(topk_ids == expert)
-        gate_up = skinny_gemm_ref(x[tokens], w13[expert])  # [n, 2I]
-        y = skinny_gemm_ref(silu_and_mul_ref(gate_up), w2[expert])  # [n, H]
-        weighted = (y.float() * topk_weights[tokens, slot, None].float()).to(x.dtype)
-        out.index_add_(0, tokens, weighted.float())
+        gate_up = (x[tokens].to(wide) @ w13[expert].to(wide).t()).to(x.dtype)  # [n, 2I]
+        act = silu_and_mul_ref(gate_up)
+        y = (act.to(wide) @ w2[expert].to(wide).t()).to(x.dtype)  # [n, H]
+        weighted = (y.to(wide) * topk_weights[tokens, slot, None].to(wide)).to(x.dtype)
+        out.index_add_(0, tokens, weighted.to(wide))
     return out.to(x.dtype)

@@ -124,7 +124,8 @@ def load_model(model: nn.Module, path: str | os.PathLike[str]) -> None:
         target, shard_id = _packed_target(name, packed, experts)
         if target in aliases:
             continue  # e.g. lm_head.weight of a tied model: it IS embed_tokens.weight
-        if target not in params:
+        if target not in params or (isinstance(shard_id, tuple)  # an expert past the last
+                                    and shard_id[0] >= params[target].shape[0]):
             unexpected.append(name)
         else:
             provided.add((target, shard_id))
