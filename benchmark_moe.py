@@ -60,7 +60,9 @@ sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
 from benchmark_decoding import bench_ms, copy_bandwidth_gbs  # noqa: E402
 
-TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+# bf16: the expert outputs (up to ~4 in size) are rounded to bf16 before they are summed;
+# on the CPU the per-expert loop in bf16 measured 1e-2 at 64 tokens against float32 math.
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-2}
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 

@@ -81,12 +81,12 @@ def moe_align_block_size(
     padded_end = padded.cumsum(0)
     # The pairs in expert order; pair number j of expert e goes to padded_start[e] + j.
     order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
+    expert_of = flat.gather(0, order)
     first_in_order = counts.cumsum(0) - counts
-    dest = (padded_end - padded)[expert_of] + (
-        torch.arange(num_pairs, device=flat.device) - first_in_order[expert_of])
+    dest = (padded_end - padded).gather(0, expert_of) + (
+        torch.arange(num_pairs, device=flat.device) - first_in_order.gather(0, expert_of))
     sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[dest] = order.to(torch.int32)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(0, capacity, block_m, device=flat.device)
     # Blocks past the padded total get a valid expert id; the kernel skips them anyway.
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
