@@ -115,6 +115,7 @@ def _grouped_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no tf32 rounding), else "tf32"
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -135,9 +136,11 @@ def _grouped_matmul_kernel(
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc,
+                     input_precision=DOT_PRECISION)
         if GATED:  # the up_proj rows sit N rows below the gate_proj rows
-            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0), acc_up)
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
@@ -192,6 +195,7 @@ def fused_moe_triton(
     weights = topk_weights.to(torch.float32).contiguous()
     num_blocks = sorted_ids.numel() // cfg.block_m
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
     hidden_act = x.new_empty((num_pairs, inter))
     _grouped_matmul_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
