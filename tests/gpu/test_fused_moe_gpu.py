@@ -1,6 +1,7 @@
 """The fused-MoE kernel and Qwen3-MoE on a GPU. Skipped without CUDA: CI has no GPU.
 
-Run on a GPU machine with `PYTHONPATH=src:tests python3 -m pytest tests/gpu/test_fused_moe_gpu.py -q`.
+Run on a GPU machine with
+`PYTHONPATH=src python3 -m pytest tests/gpu/test_fused_moe_gpu.py -q`.
 
 - the kernel in bf16 at Qwen3-30B-A3B's expert shape (128 experts, 8 active, hidden 2048,
   expert intermediate 768; 384 = that over 2 ranks) against the per-expert reference, for

@@ -53,7 +53,8 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [M, E] -> (weights [M, k] float32, expert ids [M, k]), as transformers'
     Qwen3-MoE router: softmax over all experts in float32, the k largest, divided by their
-    sum when renormalize (config.norm_topk_prob)."""
+    sum when renormalize (config.norm_topk_prob). The weights stay in float32 (as in vLLM);
+    transformers rounds them to the model dtype before it multiplies."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -10,8 +10,8 @@ parameter's ``weight_loader``, which cuts out this rank's shard (see layers/line
         -> param "model.layers.0.self_attn.qkv_proj.weight", shard "k"
         -> param.weight_loader(param, tensor, "k")
 
-The experts of a mixture-of-experts layer are stacked into one parameter per projection, so
-an expert's tensors name their expert and the shard id carries it (``model.expert_params_mapping``,
+The experts of a mixture-of-experts layer are stacked into one parameter per projection; an
+expert's tensor names its expert, and the shard id carries it (``model.expert_params_mapping``,
 layers/fused_moe.py):
 
     model.layers.1.mlp.experts.5.up_proj.weight
