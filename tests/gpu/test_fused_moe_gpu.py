@@ -6,7 +6,9 @@ Run on a GPU machine with
 - the kernel in bf16 at Qwen3-30B-A3B's expert shape (128 experts, 8 active, hidden 2048,
   expert intermediate 768; 384 = that over 2 ranks) against the per-expert reference, for
   1 to 4096 tokens;
-- inside a CUDA graph it gives the eager call's bits (the engine captures decode steps);
+- the one-program alignment (decode batches) gives the PyTorch ops' tensors;
+- inside a CUDA graph it gives the eager call's bits (the engine captures decode steps), with
+  either alignment (1 and 8 tokens: the kernel; 64: the PyTorch ops);
 - two layers of Qwen3-30B-A3B's shape with random weights against transformers;
 - the tiny random Qwen3-MoE through the engine: CUDA-graph tokens equal eager tokens.
 """
@@ -57,6 +59,18 @@ def test_fused_moe_bf16_real_shapes(num_tokens: int, inter: int) -> None:
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     # The same roundings as the reference; what differs is the order of the float32 sums.
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("num_tokens", [1, 8, 32])
+def test_align_kernel_gives_the_pytorch_tensors(num_tokens: int, block_m: int) -> None:
+    from myvllm.kernels.fused_moe_kernel import moe_align_block_size
+
+    ids = make_experts(num_tokens)[4]
+    by_ops = moe_align_block_size(ids, block_m, 128, use_kernel=False)
+    by_kernel = moe_align_block_size(ids, block_m, 128, use_kernel=True)
+    for name, a, b in zip(("sorted_ids", "block_expert", "num_padded"), by_ops, by_kernel):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])

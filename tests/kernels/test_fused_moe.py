@@ -50,15 +50,22 @@ def test_fused_moe_ref_matches_a_token_loop() -> None:
     torch.testing.assert_close(fused_moe_ref(x, w13, w2, weights, ids), want)
 
 
+def random_routing(num_tokens: int, top_k: int, num_experts: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(num_tokens)
+    return torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                        for _ in range(num_tokens)])  # fmt: skip
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 2, 16), (7, 3, 4), (40, 2, 16)])
-def test_moe_align_block_size_groups_pairs_by_expert(device, num_tokens, top_k, block_m) -> None:
+def test_moe_align_block_size_groups_pairs_by_expert(device, num_tokens, top_k, block_m,
+                                                     use_kernel) -> None:  # fmt: skip
     from myvllm.kernels.fused_moe_kernel import moe_align_block_size
 
     num_experts = 5
-    gen = torch.Generator().manual_seed(num_tokens)
-    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
-                       for _ in range(num_tokens)]).to(device)  # fmt: skip
-    sorted_ids, block_expert, num_padded = moe_align_block_size(ids, block_m, num_experts)
+    ids = random_routing(num_tokens, top_k, num_experts).to(device)
+    sorted_ids, block_expert, num_padded = moe_align_block_size(ids, block_m, num_experts,
+                                                                use_kernel)  # fmt: skip
     num_pairs = ids.numel()
     counts = torch.bincount(ids.flatten().cpu(), minlength=num_experts)
     assert int(num_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
@@ -73,6 +80,20 @@ def test_moe_align_block_size_groups_pairs_by_expert(device, num_tokens, top_k, 
         block = block[block < num_pairs]
         assert len(block) > 0, "a block inside the padded total holds no pair"
         assert (flat[block] == int(block_expert[b])).all(), f"block {b} mixes experts"
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(1, 8, 128, 16), (32, 8, 128, 16),
+                                                                  (9, 3, 6, 32), (2, 1, 3, 16)])
+def test_moe_align_kernel_gives_the_pytorch_tensors(device, num_tokens, top_k, num_experts,
+                                                    block_m) -> None:  # fmt: skip
+    """The one-program alignment (decode batches) and the PyTorch ops agree bit for bit."""
+    from myvllm.kernels.fused_moe_kernel import moe_align_block_size
+
+    ids = random_routing(num_tokens, top_k, num_experts).to(device)
+    by_ops = moe_align_block_size(ids, block_m, num_experts, use_kernel=False)
+    by_kernel = moe_align_block_size(ids, block_m, num_experts, use_kernel=True)
+    for name, a, b in zip(("sorted_ids", "block_expert", "num_padded"), by_ops, by_kernel):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,9 +5,9 @@ gated MLP of its own. Done one expert at a time (fused_moe_ref) that is E small 
 projection, most of them over a handful of rows, plus a gather and a scatter per expert. Here
 each projection is ONE kernel launch over all experts:
 
-1. moe_align_block_size (PyTorch, no host sync): the M*k (token, slot) pairs, sorted by expert,
-   each expert's list padded to a multiple of BLOCK_M, so that every block of BLOCK_M rows
-   belongs to a single expert:
+1. moe_align_block_size (no host sync; one Triton program for a decode batch, PyTorch ops
+   above that): the M*k (token, slot) pairs, sorted by expert, each expert's list padded to a
+   multiple of BLOCK_M, so that every block of BLOCK_M rows belongs to a single expert:
 
        topk_ids [[2, 0], [2, 1], [0, 2]]  (M = 3, k = 2; pair i = token i // k, slot i % k)
        sorted_ids   0: [1, 4, P, P]   1: [3, P, P, P]   2: [0, 2, 5, P]     (BLOCK_M = 4,
@@ -60,21 +60,43 @@ def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
     return MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
+# Up to this many (token, expert) pairs (a decode batch of 32 tokens at k = 8), the alignment
+# is one Triton program (_moe_align_kernel) instead of ~25 small PyTorch kernels: at decode
+# each costs a few microseconds, the order of the whole layer's weight read (~18 us on an
+# H200 for 8 experts of Qwen3-30B-A3B). 0 turns the kernel off.
+ALIGN_KERNEL_MAX_PAIRS = 256
+
+
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, use_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (sorted_ids [P] int32, block_expert [P / block_m] int32, num_padded [1] int32).
 
     sorted_ids lists the (token, slot) pairs (index token * k + slot into topk_ids.flatten())
-    grouped by expert, each expert's group padded to a multiple of block_m with M*k; block b
-    (rows b*block_m ...) belongs to expert block_expert[b]; num_padded is the padded total,
-    on the device. P, the capacity, is the largest total the shapes allow: at most
-    min(E, M*k) experts are hit, each adding at most block_m - 1 rows of padding.
+    grouped by expert, in pair order within an expert, each expert's group padded to a multiple
+    of block_m with M*k; block b (rows b*block_m ...) belongs to expert block_expert[b];
+    num_padded is the padded total, on the device. P, the capacity, is the largest total the
+    shapes allow: at most min(E, M*k) experts are hit, each adding at most block_m - 1 rows of
+    padding. use_kernel (default: up to ALIGN_KERNEL_MAX_PAIRS pairs) picks _moe_align_kernel
+    over the PyTorch ops; both give the same tensors.
     """
     flat = topk_ids.flatten().long()
     num_pairs = flat.numel()
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1),
                            block_m) * block_m  # fmt: skip
+    if use_kernel is None:
+        use_kernel = num_pairs <= ALIGN_KERNEL_MAX_PAIRS
+    if use_kernel:
+        sorted_ids = torch.empty(capacity, dtype=torch.int32, device=flat.device)
+        block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
+        num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+        _moe_align_kernel[(1,)](
+            flat, sorted_ids, block_expert, num_padded, num_pairs, num_experts, capacity,
+            BLOCK_M=block_m, BLOCK_T=triton.next_power_of_2(num_pairs),
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_B=triton.next_power_of_2(capacity // block_m), BLOCK_C=256, num_warps=8,
+        )  # fmt: skip
+        return sorted_ids, block_expert, num_padded
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -92,6 +114,49 @@ def moe_align_block_size(
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_ids, block_expert, padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,  # [num_pairs] expert of each (token, slot) pair
+    sorted_ids_ptr,  # [capacity] int32 out
+    block_expert_ptr,  # [capacity / BLOCK_M] int32 out
+    num_padded_ptr,  # [1] int32 out
+    num_pairs,
+    num_experts,
+    capacity,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # >= num_pairs
+    BLOCK_E: tl.constexpr,  # >= num_experts
+    BLOCK_B: tl.constexpr,  # >= capacity / BLOCK_M
+    BLOCK_C: tl.constexpr,
+):
+    """moe_align_block_size for a few pairs, in one program: a [pairs, experts] one-hot
+    matrix gives each expert's count (sum over pairs) and each pair's rank among its expert's
+    pairs (cumulative sum down the pairs)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    t_mask = offs_t < num_pairs
+    ids = tl.load(topk_ids_ptr + offs_t, mask=t_mask, other=-1)  # -1: no expert
+    onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [T, E]
+    counts = tl.sum(onehot, axis=0)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # [T]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    start = tl.sum((padded_end - padded)[None, :] * onehot, axis=1)  # [T]: its expert's start
+    for c0 in range(0, capacity, BLOCK_C):  # padding everywhere first ...
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        tl.store(sorted_ids_ptr + offs_c, tl.zeros([BLOCK_C], tl.int32) + num_pairs,
+                 mask=offs_c < capacity)
+    tl.debug_barrier()  # ... (stored by all threads of the program) then the pairs over it
+    tl.store(sorted_ids_ptr + start + rank, offs_t, mask=t_mask)
+    # Block b belongs to the first expert whose padded group ends after b * BLOCK_M (as
+    # searchsorted(padded_end, b * BLOCK_M, right=True)); blocks past the total get the last.
+    offs_b = tl.arange(0, BLOCK_B)
+    ended = (padded_end[None, :] <= (offs_b * BLOCK_M)[:, None]) & (offs_e < num_experts)[None, :]
+    expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), num_experts - 1)
+    tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < capacity // BLOCK_M)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
 
 
 @triton.jit
