@@ -8,6 +8,8 @@ intermediate 768), bf16, for several token counts (decode batches to a long pref
                     its tokens, two matmuls, scatter back; what runs on a CPU
   fused Triton      myvllm's kernel: tokens sorted by expert, one grouped matmul per
                     projection (kernels/fused_moe_kernel.py)
+  fused, torch sort the same with the sorting done by ~25 PyTorch ops, at the token counts
+                    where the kernel sorts in one Triton program (decode batches)
 
 Columns: correct (max_err against the per-expert loop in float32 math), then for OK rows only:
 ms (median; CUDA-graph replays for the kernel, as a decode step runs; eager for the loop,
@@ -95,7 +97,12 @@ def main() -> None:
     import triton
 
     from myvllm.kernels import fused_moe_ref
-    from myvllm.kernels.fused_moe_kernel import MoeConfig, fused_moe_triton, moe_config
+    from myvllm.kernels.fused_moe_kernel import (
+        ALIGN_KERNEL_MAX_PAIRS,
+        MoeConfig,
+        fused_moe_triton,
+        moe_config,
+    )
 
     gpu = device.type == "cuda"
     if args.quick:
@@ -136,6 +143,9 @@ def main() -> None:
             ("per-expert loop", lambda: fused_moe_ref(x, w13, w2, weights, ids), False),
             ("fused Triton", lambda: fused_moe_triton(x, w13, w2, weights, ids), True),
         ]
+        if tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS:
+            impls.append(("fused, torch sort", lambda: fused_moe_triton(
+                x, w13, w2, weights, ids, align_kernel=False), True))  # fmt: skip
         for label, fn, graph in impls:
             out = fn()
             err = (out.float() - ref).abs().max().item()

@@ -243,10 +243,12 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeConfig | None = None,
+    align_kernel: bool | None = None,
 ) -> torch.Tensor:
     """The contract of fused_moe_ref (kernels/layer_ops_reference.py) -> [M, H] in x's dtype.
 
-    `config` overrides the tiles (tests, tuning sweeps).
+    `config` overrides the tiles, `align_kernel` moe_align_block_size's choice (tests,
+    benchmarks, tuning sweeps).
     """
     _check(x, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
@@ -256,7 +258,7 @@ def fused_moe_triton(
         return x.new_zeros((num_tokens, hidden))
     cfg = config or moe_config(num_pairs, num_experts)
     sorted_ids, block_expert, num_padded = moe_align_block_size(topk_ids, cfg.block_m,
-                                                                num_experts)  # fmt: skip
+                                                                num_experts, align_kernel)
     weights = topk_weights.to(torch.float32).contiguous()
     num_blocks = sorted_ids.numel() // cfg.block_m
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
