@@ -11,6 +11,8 @@ Kinds (all: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, vocab 256, ML
     llama3       Llama, tied, "llama3" RoPE scaling (all three frequency bands hit), with
                  attention and MLP biases
     qwen2        Qwen2, tied, q/k/v biases (head_dim = hidden_size / heads)
+    qwen3_moe    Qwen3-MoE, untied, 3 layers: layer 0 dense (mlp_only_layers), layers 1-2
+                 with 8 experts (intermediate 32), top-2, norm_topk_prob
 
 Weights are random but NOT HF's init: HF sets every norm weight to 1 and uses std 0.02, under
 which swapping q_norm/k_norm or forgetting a norm changes nothing visible. Here norms are
@@ -60,12 +62,12 @@ LLAMA3_SCALING: dict[str, Any] = dict(
     original_max_position_embeddings=64,
 )
 
-KINDS = ("qwen3", "qwen3_bias", "llama", "llama3", "qwen2")
+KINDS = ("qwen3", "qwen3_bias", "llama", "llama3", "qwen2", "qwen3_moe")
 
 
 def tiny_config(kind: str, **overrides: Any) -> Any:
     """The transformers config of a tiny model of ``kind`` (see the module docstring)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     dims = dict(TINY_DIMS)
     if kind == "qwen3":
@@ -90,6 +92,11 @@ def tiny_config(kind: str, **overrides: Any) -> Any:
         dims.update(tie_word_embeddings=True, rope_theta=10000.0)
         del dims["head_dim"]  # Qwen2 configs have none: 64 / 4 heads = 16
         cls = Qwen2Config
+    elif kind == "qwen3_moe":
+        dims.update(tie_word_embeddings=False, rope_theta=10000.0, num_hidden_layers=3,
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1)
+        cls = Qwen3MoeConfig
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; known: {KINDS}")
     dims.update(overrides)

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("script", ["benchmark_prefilling.py", "benchmark_decoding.py"])
+@pytest.mark.parametrize("script", ["benchmark_prefilling.py", "benchmark_decoding.py",
+                                    "benchmark_moe.py"])
 def test_benchmark_quick_mode_is_correct(script: str) -> None:
     pytest.importorskip("triton")
     result = subprocess.run(

@@ -60,7 +60,8 @@ __all__ = ["ModelRunner", "SampledTokens", "StepInputs"]
 
 
 class CausalLM(Protocol):
-    """What the runner needs of a model class (models/qwen3.py, models/llama.py)."""
+    """What the runner needs of a model class (models/decoder.py's CausalLM, which every model
+    file builds on)."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 

@@ -26,6 +26,12 @@ prologue; references: the two references one after the other):
     rms_norm_skinny_gemm     (residual add +) RMSNorm, then x W^T  (qkv_proj, gate_up_proj)
     silu_and_mul_skinny_gemm silu(gate) * up, then x W^T           (down_proj)
 
+and the experts of a mixture-of-experts layer (reference in layer_ops_reference.py too):
+
+    fused_moe                each token through its top-k experts' gated MLPs, weighted and
+                             summed: two grouped matmuls over all experts
+                             (kernels/fused_moe_kernel.py)
+
 Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
 (and Triton is installed), otherwise the PyTorch reference. The environment variable
 MYVLLM_FORCE_TRITON overrides that choice at call time:
@@ -47,6 +53,7 @@ from typing import overload
 import torch
 
 from .layer_ops_reference import (
+    fused_moe_ref,
     norm_rope_ref,
     rms_norm_ref,
     rms_norm_skinny_gemm_ref,
@@ -63,6 +70,8 @@ from .reference import (
 __all__ = [
     "flash_attention_varlen",
     "flash_attention_varlen_ref",
+    "fused_moe",
+    "fused_moe_ref",
     "norm_rope",
     "norm_rope_ref",
     "paged_attention_decode",
@@ -281,3 +290,19 @@ def silu_and_mul_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 
         return triton_impl.silu_and_mul_skinny_gemm_triton(x, weight)
     return silu_and_mul_skinny_gemm_ref(x, weight)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts of a MoE layer -> [M, H]: x [M, H] through experts topk_ids [M, k] of w13
+    [E, 2I, H] (gate | up) and w2 [E, H, I], weighted by topk_weights [M, k] and summed."""
+    if use_triton(x):
+        from . import fused_moe_kernel as triton_impl
+
+        return triton_impl.fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -19,6 +19,10 @@ fused forms, which are simply the two references one after the other:
 
     rms_norm_skinny_gemm       rms_norm, then x W^T       layer norms -> qkv_proj, gate_up_proj
     silu_and_mul_skinny_gemm   silu_and_mul, then x W^T   act_fn -> down_proj
+
+And the experts of a mixture-of-experts layer (kernels/fused_moe_kernel.py on the GPU):
+
+    fused_moe      each token through its top-k experts' gated MLPs, weighted, summed
 """
 
 from __future__ import annotations
@@ -108,3 +112,32 @@ def rms_norm_skinny_gemm_ref(
 def silu_and_mul_skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_and_mul_ref then skinny_gemm_ref: x [M, 2K] = gate | up, weight [N, K] -> [M, N]."""
     return skinny_gemm_ref(silu_and_mul_ref(x), weight)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts of a MoE layer, one expert at a time -> [M, H].
+
+    x [M, H]; w13 [E, 2I, H] (each expert's gate_proj rows, then its up_proj rows); w2 [E, H, I]
+    (down_proj); topk_ids [M, k] the experts each token goes to, topk_weights [M, k] float32
+    their weights. Token t's output: sum over j of topk_weights[t, j] * expert_j(x[t]), where
+    expert_e(x) = down_e(silu(gate_e(x)) * up_e(x)), each matmul rounded to x's dtype as
+    transformers' per-expert loop rounds it. Each weighted output is rounded to x's dtype (the
+    kernel keeps them in that dtype until they are summed), the k of a token summed in float32
+    and rounded once.
+    """
+    wide = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64 (tests)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=wide, device=x.device)
+    for expert in topk_ids.unique().tolist():
+        tokens, slot = torch.where(topk_ids == expert)
+        gate_up = (x[tokens].to(wide) @ w13[expert].to(wide).t()).to(x.dtype)  # [n, 2I]
+        act = silu_and_mul_ref(gate_up)
+        y = (act.to(wide) @ w2[expert].to(wide).t()).to(x.dtype)  # [n, H]
+        weighted = (y.to(wide) * topk_weights[tokens, slot, None].to(wide)).to(x.dtype)
+        out.index_add_(0, tokens, weighted.to(wide))
+    return out.to(x.dtype)

@@ -16,6 +16,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The decoder stack that Qwen3 and Llama share; each model file brings its own attention.
+"""The decoder stack that every model shares; each model file brings its own attention (and
+Qwen3-MoE its own MLP).
 
 Module names equal the checkpoint's tensor names, except for the two packed matmuls, which
 ``packed_modules_mapping`` tells the loader about:
@@ -8,10 +9,10 @@ Module names equal the checkpoint's tensor names, except for the two packed matm
         embed_tokens                     VocabParallelEmbedding
         layers.N                         DecoderLayer
           input_layernorm                RMSNorm
-          self_attn                      the model's attention (qwen3.py, llama.py)
+          self_attn                      the model's attention (qwen3.py, llama.py, qwen2.py)
             qkv_proj                     QKVParallelLinear   <- q_proj, k_proj, v_proj
           post_attention_layernorm       RMSNorm
-          mlp                            GatedMLP
+          mlp                            GatedMLP, or the model's own (Qwen3-MoE's experts)
             gate_up_proj                 MergedColumnParallelLinear <- gate_proj, up_proj
             down_proj                    RowParallelLinear
         norm                             RMSNorm
@@ -30,7 +31,8 @@ one after the other, so the math is the unfused layers'.
 
 The attention a model brings is built from the config, ``attention(config)``, and runs
 ``forward(positions, x, residual, norm) -> (out, residual)``, where residual is None in the
-first layer.
+first layer. The MLP is GatedMLP unless the model brings one per layer, ``mlp(config,
+layer_index)``, which runs ``forward(x, residual, norm) -> (out, residual)`` like GatedMLP.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 AttentionFactory = Callable[["PretrainedConfig"], nn.Module]
+MLPFactory = Callable[["PretrainedConfig", int], nn.Module]  # (config, layer index)
 
 
 class GatedMLP(nn.Module):
@@ -75,12 +78,11 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, attention: AttentionFactory, mlp_bias: bool
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, attention: AttentionFactory, mlp: nn.Module
+                 ) -> None:  # fmt: skip
         super().__init__()
         self.self_attn = attention(config)
-        self.mlp = GatedMLP(config, mlp_bias)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -94,14 +96,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, attention: AttentionFactory, mlp_bias: bool
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, attention: AttentionFactory, mlp: MLPFactory
+                 ) -> None:  # fmt: skip
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config, attention, mlp_bias) for _ in range(config.num_hidden_layers)]
-        )
+        self.layers = nn.ModuleList([DecoderLayer(config, attention, mlp(config, i))
+                                     for i in range(config.num_hidden_layers)])  # fmt: skip
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -125,11 +125,14 @@ class CausalLM(nn.Module):
     }
 
     def __init__(
-        self, config: PretrainedConfig, attention: AttentionFactory, mlp_bias: bool
+        self, config: PretrainedConfig, attention: AttentionFactory, mlp_bias: bool = False,
+        mlp: MLPFactory | None = None,
     ) -> None:
+        """mlp: the MLP of each layer (default: GatedMLP, with a bias when mlp_bias)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, attention, mlp_bias)
+        self.model = DecoderModel(config, attention,
+                                  mlp or (lambda config, _: GatedMLP(config, mlp_bias)))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             # One Parameter, two uses: the checkpoint then has no lm_head.weight.

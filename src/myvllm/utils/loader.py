@@ -10,6 +10,13 @@ parameter's ``weight_loader``, which cuts out this rank's shard (see layers/line
         -> param "model.layers.0.self_attn.qkv_proj.weight", shard "k"
         -> param.weight_loader(param, tensor, "k")
 
+The experts of a mixture-of-experts layer are stacked into one parameter per projection; an
+expert's tensor names its expert, and the shard id carries it (``model.expert_params_mapping``,
+layers/fused_moe.py):
+
+    model.layers.1.mlp.experts.5.up_proj.weight
+        -> param "model.layers.1.mlp.experts.w13_weight", shard (5, "w3")
+
 It is strict: before reading any tensor data it checks that every checkpoint tensor has a
 parameter and every parameter (every shard of a packed one) has a tensor; a mis-shaped tensor
 stops loading with its name. A tied lm_head (same Parameter as embed_tokens) needs no tensor;
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -36,8 +44,17 @@ logger = logging.getLogger("myvllm")
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _packed_target(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+# An expert's tensor: <prefix>.experts.<expert>.<expert_params_mapping key>.weight
+EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)\.weight$")
+
+
+def _packed_target(name: str, packed: dict[str, tuple[str, Any]],
+                   experts: dict[str, tuple[str, str]]) -> tuple[str, Any]:  # fmt: skip
     """Checkpoint name -> (our parameter name, shard id or None); matches whole name parts."""
+    match = EXPERT_NAME.match(name) if experts else None
+    if match and match.group(3) in experts:
+        target, shard = experts[match.group(3)]
+        return f"{match.group(1)}.{target}", (int(match.group(2)), shard)
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -46,13 +63,23 @@ def _packed_target(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, 
     return name, None
 
 
-def _expected_keys(names: list[str], packed: dict[str, tuple[str, Any]]) -> set[tuple[str, Any]]:
+def _expected_keys(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, Any]],
+                   experts: dict[str, tuple[str, str]]) -> set[tuple[str, Any]]:  # fmt: skip
     """(parameter, shard) pairs that a complete checkpoint must provide."""
     shards_of: dict[str, list[Any]] = {}
     for target, shard_id in packed.values():
         shards_of.setdefault(target, []).append(shard_id)
+    expert_shards: dict[str, list[str]] = {}
+    for target, shard in experts.values():
+        expert_shards.setdefault(target, []).append(shard)
     expected: set[tuple[str, Any]] = set()
-    for name in names:
+    for name, param in params.items():
+        last = name.rsplit(".", 1)[-1]
+        if name.endswith(f"experts.{last}") and last in expert_shards:
+            # A stacked experts parameter: every shard of every expert (dim 0).
+            expected.update((name, (e, s)) for e in range(param.shape[0])
+                            for s in expert_shards[last])  # fmt: skip
+            continue
         packed_part = next((p for p in name.split(".") if p in shards_of), None)
         if packed_part is None:
             expected.add((name, None))
@@ -62,6 +89,11 @@ def _expected_keys(names: list[str], packed: dict[str, tuple[str, Any]]) -> set[
 
 
 def _rename_part(name: str, source_of: dict[tuple[str, Any], str], shard_id: Any) -> str:
+    if isinstance(shard_id, tuple):  # an expert's shard: (expert, "w1" | "w2" | "w3")
+        prefix, target = name.rsplit(".", 1)
+        source = source_of.get((target, shard_id[1]))
+        if source is not None:
+            return f"{prefix}.{shard_id[0]}.{source}.weight"
     parts = name.split(".")
     for i, part in enumerate(parts):
         if (part, shard_id) in source_of:
@@ -79,6 +111,7 @@ def load_model(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """Fill every parameter of ``model`` from the checkpoint at ``path`` (dir or .gguf)."""
     checkpoint = Checkpoint(path)
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    experts: dict[str, tuple[str, str]] = getattr(model, "expert_params_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under the first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
 
@@ -88,18 +121,20 @@ def load_model(model: nn.Module, path: str | os.PathLike[str]) -> None:
     for name in checkpoint.names:
         if name.endswith(IGNORED_TENSOR_SUFFIXES):
             continue
-        target, shard_id = _packed_target(name, packed)
+        target, shard_id = _packed_target(name, packed, experts)
         if target in aliases:
             continue  # e.g. lm_head.weight of a tied model: it IS embed_tokens.weight
-        if target not in params:
+        if target not in params or (isinstance(shard_id, tuple)  # an expert past the last
+                                    and shard_id[0] >= params[target].shape[0]):
             unexpected.append(name)
         else:
             provided.add((target, shard_id))
     # Report missing shards by the checkpoint name they would have come from (k_proj, ...).
     source_of = {(target, shard): part for part, (target, shard) in packed.items()}
+    source_of.update({(target, shard): part for part, (target, shard) in experts.items()})
     missing = sorted(
         p if s is None else _rename_part(p, source_of, s)
-        for p, s in _expected_keys(list(params), packed) - provided
+        for p, s in _expected_keys(params, packed, experts) - provided
     )
     if unexpected or missing:
         problems = []
@@ -119,7 +154,7 @@ def load_model(model: nn.Module, path: str | os.PathLike[str]) -> None:
         for name, tensor in checkpoint.tensors():
             if name.endswith(IGNORED_TENSOR_SUFFIXES):
                 continue
-            target, shard_id = _packed_target(name, packed)
+            target, shard_id = _packed_target(name, packed, experts)
             param = all_params[target]
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
             if target in aliases:
