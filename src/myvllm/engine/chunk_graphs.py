@@ -11,7 +11,9 @@ Three things make such a step replayable from a CUDA graph:
     2. the step's inputs live in fixed buffers (ChunkBuffers) that the graphs read in place;
     3. attention launches a fixed grid: the host lists the step's query tiles in q_tiles
        (kernels/prefill_attention.build_tile_map) and the kernel's programs read their
-       (sequence, tile) from it, instead of a grid sized by the batch.
+       (sequence, tile) from it, instead of a grid sized by the batch. Rows of one new token
+       (decode rows) get no tile: the decode kernel computes them (context.decode_rows),
+       padded to min(max_num_sequences, tokens) rows of context 0.
 
 The graph holds the model's body only (embedding to the final norm). The LM head runs
 eagerly on the one row per sequence that samples, and attention always reads K/V through
@@ -31,7 +33,7 @@ import torch
 
 from myvllm.engine.batch import StepInputs
 from myvllm.kernels.prefill_attention import build_tile_map, tile_map_slots
-from myvllm.utils.context import Context, forward_context
+from myvllm.utils.context import Context, DecodeRows, forward_context
 
 # Above this many tokens a step's GPU work (tens of milliseconds) dwarfs launching it, and a
 # graph would keep that many tokens' activations allocated for good.
@@ -66,6 +68,12 @@ class ChunkBuffers:
                                        device=device)
         self.q_tiles = torch.full((self.slots(self.max_tokens), 2), -1, dtype=torch.int32,
                                   device=device)
+        rows = min(max_num_seqs, self.max_tokens)
+        self.row_gather = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.row_scatter = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.row_block_tables = torch.full((rows, max_width), -1, dtype=torch.int32,
+                                           device=device)
+        self.row_context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The smallest size that holds num_tokens, or None when the step is too large."""
@@ -73,6 +81,10 @@ class ChunkBuffers:
 
     def slots(self, padded_tokens: int) -> int:
         return tile_map_slots(padded_tokens, self.max_num_seqs, self.block_m)
+
+    def num_rows(self, padded_tokens: int) -> int:
+        """Decode-row slots of a step of this padded size."""
+        return min(self.max_num_seqs, padded_tokens)
 
     def context(self, padded_tokens: int, num_seqs: int, max_seqlen_q: int = 0,
                 max_seqlen_k: int = 0) -> Context:
@@ -85,7 +97,18 @@ class ChunkBuffers:
             slot_mapping=self.slot_mapping[:padded_tokens],
             block_tables=self.block_tables,
             q_tiles=self.q_tiles[: self.slots(padded_tokens)],
+            decode_rows=DecodeRows(
+                gather=self.row_gather[: self.num_rows(padded_tokens)],
+                scatter=self.row_scatter[: self.num_rows(padded_tokens)],
+                block_tables=self.row_block_tables[: self.num_rows(padded_tokens)],
+                context_lens=self.row_context_lens[: self.num_rows(padded_tokens)]),
         )
+
+    def _host(self, array: np.ndarray) -> torch.Tensor:
+        """A host tensor to copy from; pinned on a GPU (a copy from pageable memory would
+        wait for the running step)."""
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory() if self.pin_memory else tensor
 
     def fill(self, ids: torch.Tensor, positions: list[int], slot_mapping: list[int],
              cu_seqlens_q: list[int], cu_seqlens_k: list[int], tables: list[list[int]],
@@ -97,7 +120,10 @@ class ChunkBuffers:
         assert padded is not None and num_seqs <= self.max_num_seqs
         seqlens_q = np.diff(cu_seqlens_q).tolist()
         seqlens_k = np.diff(cu_seqlens_k).tolist()
-        tiles = build_tile_map(seqlens_q, seqlens_k, self.block_m, self.slots(padded))
+        # Sequences with one new token are decode rows; the others get query tiles.
+        one_token = [i for i, n in enumerate(seqlens_q) if n == 1]
+        tiles = build_tile_map([0 if n == 1 else n for n in seqlens_q], seqlens_k,
+                               self.block_m, self.slots(padded))
         self.input_ids[:num_tokens].copy_(ids, non_blocking=True)
         self.positions[:num_tokens].copy_(to_device(positions, torch.int64), non_blocking=True)
         # Padding tokens store nothing (slot -1); their ids and positions are left over from
@@ -109,15 +135,25 @@ class ChunkBuffers:
         self.cu_seqlens_k[: num_seqs + 1].copy_(to_device(cu_seqlens_k, torch.int32),
                                                 non_blocking=True)
         width = max(len(table) for table in tables)
-        rows = np.full((num_seqs, width), -1, dtype=np.int32)
+        table_array = np.full((num_seqs, width), -1, dtype=np.int32)
         for row, table in enumerate(tables):
-            rows[row, : len(table)] = table
-        host_rows = torch.from_numpy(rows)
-        if self.pin_memory:  # a copy from pageable memory would wait for the running step
-            host_rows = host_rows.pin_memory()
-        self.block_tables[:num_seqs, :width].copy_(host_rows, non_blocking=True)
+            table_array[row, : len(table)] = table
+        self.block_tables[:num_seqs, :width].copy_(self._host(table_array), non_blocking=True)
         self.q_tiles[: self.slots(padded)].copy_(
             to_device(tiles, torch.int32).view(-1, 2), non_blocking=True)
+        num_rows = len(one_token)
+        pad_rows = self.num_rows(padded) - num_rows
+        tokens = [cu_seqlens_q[i] for i in one_token]
+        self.row_gather[: num_rows + pad_rows].copy_(
+            to_device(tokens + [0] * pad_rows, torch.int64), non_blocking=True)
+        self.row_scatter[: num_rows + pad_rows].copy_(
+            to_device(tokens + [padded] * pad_rows, torch.int64), non_blocking=True)
+        self.row_context_lens[: num_rows + pad_rows].copy_(
+            to_device([seqlens_k[i] for i in one_token] + [0] * pad_rows, torch.int32),
+            non_blocking=True)
+        if one_token:
+            self.row_block_tables[:num_rows, :width].copy_(
+                self._host(table_array[one_token]), non_blocking=True)
         context = self.context(padded, num_seqs, max(seqlens_q), max(seqlens_k))
         return StepInputs(self.input_ids[:padded], self.positions[:padded], context)
 
@@ -140,8 +176,11 @@ class ChunkGraphRunner:
         no tiles (sequence -1 everywhere) and slot -1: the capture computes nothing real."""
         buffers.q_tiles.fill_(-1)
         buffers.slot_mapping.fill_(-1)
+        buffers.row_gather.zero_()
+        buffers.row_context_lens.zero_()
         pool = None
         for size in sorted(buffers.sizes, reverse=True):
+            buffers.row_scatter.fill_(size)  # the spare output row of this size
             # All max_num_seqs sequences: the launch must not see an empty batch.
             context = buffers.context(size, buffers.max_num_seqs)
             ids, positions = buffers.input_ids[:size], buffers.positions[:size]

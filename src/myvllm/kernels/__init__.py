@@ -141,8 +141,9 @@ def flash_attention_varlen(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     tile_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal prefill attention -> o [Nq, Hq, D].
+    """Causal prefill attention -> o [Nq, Hq, D] (written into `out` when given).
 
     q [Nq, Hq, D]; sequence b's new tokens are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and
     are the LAST seqlen_q of its seqlen_k context tokens (query i sits at absolute position
@@ -160,8 +161,9 @@ def flash_attention_varlen(
     if use_triton(q):
         from . import prefill_attention as triton_impl
 
-        return triton_impl.flash_attention_varlen_triton(*args, tile_map)
-    return flash_attention_varlen_ref(*args)
+        return triton_impl.flash_attention_varlen_triton(*args, tile_map, out)
+    o = flash_attention_varlen_ref(*args)
+    return o if out is None else out.copy_(o)
 
 
 def paged_attention_decode(

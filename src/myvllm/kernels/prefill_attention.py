@@ -295,6 +295,7 @@ def flash_attention_varlen_triton(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     tile_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
@@ -302,11 +303,13 @@ def flash_attention_varlen_triton(
 
     `tile_map` ([tiles, 2] int32, from build_tile_map with this config's block_m) fixes the
     grid at `tiles` programs per head whatever the batch, so a CUDA graph can replay it.
+    `out` ([tokens, heads, D]) receives the output instead of a new tensor.
     `config` overrides the tile sizes (benchmarks and tuning sweeps use it).
     """
     del max_seqlen_k  # the kernel reads each sequence's K length from cu_seqlens_k
     num_tokens, num_heads, head_dim = q.shape
-    o = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    o = (out if out is not None
+         else torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device))
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch == 0 or (max_seqlen_q == 0 and tile_map is None):
         return o

@@ -6,7 +6,8 @@ The layer owns no weights; it routes q/k/v to the right kernel using the per-ste
 
     prefill, no cached prefix   flash_attention_varlen(q, k, v, cu_seqlens ...)   K/V from k, v
     prefill, cached prefix      flash_attention_varlen(..., block_tables, caches) K/V from cache
-      (also every padded chunked-prefill step: a fixed launch grid from context.q_tiles)
+      (also every padded chunked-prefill step: a fixed launch grid from context.q_tiles;
+      its one-token rows go to paged_attention_decode, context.decode_rows)
     decode                      paged_attention_decode(q, caches, block_tables, context_lens)
 
 k_cache/v_cache are plain attributes, empty until the ModelRunner points them at this layer's
@@ -59,13 +60,22 @@ class Attention(nn.Module):
             if context.block_tables is not None:
                 if not has_cache:
                     raise RuntimeError("prefill with block_tables (cached prefix) needs a KV cache")
+                rows = context.decode_rows
+                # With decode rows, one spare output row takes the padding rows' results.
+                o_all = torch.empty(n + (rows is not None), self.num_heads, self.head_dim,
+                                    dtype=q.dtype, device=q.device)
                 o = flash_attention_varlen(
                     q, k, v,
                     context.cu_seqlens_q, context.cu_seqlens_k,
                     context.max_seqlen_q, context.max_seqlen_k, self.scale,
                     block_tables=context.block_tables, k_cache=k_cache, v_cache=v_cache,
-                    tile_map=context.q_tiles,
+                    tile_map=context.q_tiles, out=o_all[:n],
                 )  # fmt: skip
+                if rows is not None:
+                    o_rows = paged_attention_decode(
+                        q.index_select(0, rows.gather), k_cache, v_cache, rows.block_tables,
+                        rows.context_lens, self.scale)
+                    o = o_all.index_copy_(0, rows.scatter, o_rows)[:n]
             else:
                 o = flash_attention_varlen(
                     q, k, v,

@@ -25,6 +25,8 @@ Shapes (N = tokens in the step, B = sequences in the step):
               q_tiles        [tiles, 2] int32 or None: a padded chunked-prefill step (N rounded
                              up to a captured size, B up to max_num_sequences) lists its query
                              tiles here, so attention launches the same grid at every step
+              decode_rows    DecodeRows or None: in such a step, the rows of one new token
+                             (decode rows), which the decode kernel computes instead
     decode    slot_mapping   [B]   int32  slot of the one new token per sequence (-1 = padding)
               context_lens   [B]   int32  tokens of context including the new one
               block_tables   [B, max_blocks] int32, -1 padded
@@ -40,6 +42,17 @@ import torch
 
 
 @dataclass
+class DecodeRows:
+    """The one-token rows of a padded chunked-prefill step, for the decode kernel (a prefill
+    tile of 128 query rows would compute 127 for nothing). R = min(max_num_sequences, N)."""
+
+    gather: torch.Tensor  # [R] int64: each row's token in the flat batch (padding: 0)
+    scatter: torch.Tensor  # [R] int64: where its output goes (padding: row N, a spare row)
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    context_lens: torch.Tensor  # [R] int32: context including the row's token (padding: 0)
+
+
+@dataclass
 class Context:
     is_prefill: bool = False
     cu_seqlens_q: torch.Tensor | None = None
@@ -50,6 +63,7 @@ class Context:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     q_tiles: torch.Tensor | None = None
+    decode_rows: DecodeRows | None = None
 
 
 _EMPTY = Context()
