@@ -114,11 +114,11 @@ class WorkerWatchdog:
             if self.failure is None:
                 self.failure = (f"tensor-parallel worker rank {rank} died "
                                 f"({describe_exit(process.exitcode)})")
+                logger.error(self.failure)
             return self.failure
 
     def _handle_death(self, rank: int) -> None:
-        cause = self._record(rank)
-        logger.error(f"{cause}; stopping the other workers")
+        self._record(rank)
         with self.lock:
             for process in self.processes:
                 if process.is_alive():
