@@ -2,13 +2,16 @@
 
     the watchdog alone (quick)   a process killed -> recorded with its signal, the others
                                  killed, the abort callback run; an expected exit -> nothing
-    SIGKILL mid-step (gloo)      EngineDeadError naming rank 1 and SIGKILL; no worker left,
-                                 no process group; generate/add_request/step refused; a new
-                                 engine in the same process gives the same tokens
+    SIGKILL mid-step (gloo)      rank 0 waits in a collective for a stopped worker, which
+                                 is then killed: EngineDeadError naming rank 1 and SIGKILL;
+                                 no worker and no process group left; generate, add_request
+                                 and step refused; a new engine in the same process gives
+                                 the same tokens (tests/gpu/ does the same over NCCL)
     exit code mid-step           a worker that exits with code 7 is reported with its code
 
 "Never hangs" is checked by running the call in a thread and failing the test if it is
-still blocked after HANG_LIMIT_S, far above the watchdog's bound of about a second.
+still blocked after HANG_LIMIT_S (helpers_workers.py), far above the watchdog's bound of
+about a second.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from helpers_models import tiny_checkpoint
+from helpers_workers import (HANG_LIMIT_S, assert_stopped_for_good, kill_during_step,
+                             returns_within)
 
 from myvllm import LLM, SamplingParams
 from myvllm.engine.errors import EngineDeadError
@@ -32,35 +35,6 @@ from myvllm.engine.tp_watchdog import WorkerWatchdog, describe_exit
 ENGINE_KW: dict[str, Any] = dict(block_size=4, max_model_length=64, max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23]]
-HANG_LIMIT_S = 30.0
-
-
-def returns_within(fn: Callable[[], Any], limit_s: float = HANG_LIMIT_S) -> BaseException | None:
-    """Run fn in a thread; the exception it raised (None if none). Fails the test if fn is
-    still running after limit_s: the thread is left blocked, the test does not hang."""
-    raised: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as e:
-            raised.append(e)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    assert not thread.is_alive(), f"still blocked {limit_s:.0f} s after the worker died"
-    return raised[0] if raised else None
-
-
-def assert_stopped_for_good(llm: LLM, match: str) -> None:
-    """No worker process and no process group left; every entry point refuses, naming why."""
-    assert multiprocessing.active_children() == []
-    assert not dist.is_initialized(), "the process group outlived the engine"
-    for call in (lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False),
-                 lambda: llm.add_request(PROMPTS[0], GREEDY), llm.step):
-        with pytest.raises(EngineDeadError, match=match):
-            call()
 
 
 # ================================================================== the watchdog alone
@@ -116,25 +90,13 @@ def path() -> str:
 def test_sigkill_mid_generate_fails_fast_and_a_new_engine_works(path: str) -> None:
     llm = LLM(path, tensor_parallel_size=2, **ENGINE_KW)
     expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert llm._pool is not None
-    worker = llm._pool.processes[0]
-    original = llm.model_runner.run
-    calls = 0
-
-    def run(seqs: Any, is_prefill: bool) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 4:  # a decode step: kill rank 1 while rank 0 computes its shard
-            threading.Timer(0.01, os.kill, (worker.pid, signal.SIGKILL)).start()
-        return original(seqs, is_prefill)
-
-    llm.model_runner.run = run  # type: ignore[method-assign]
+    worker = kill_during_step(llm, step=4)  # a decode step
     error = returns_within(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert isinstance(error, EngineDeadError), repr(error)
     assert isinstance(error, RuntimeError)
     assert "tensor-parallel worker rank 1 died (killed by SIGKILL" in str(error)
     assert worker.exitcode == -signal.SIGKILL
-    assert_stopped_for_good(llm, r"rank 1 died \(killed by SIGKILL")
+    assert_stopped_for_good(llm, PROMPTS[0], GREEDY, r"rank 1 died \(killed by SIGKILL")
     assert not llm.scheduler.waiting and not llm.scheduler.running
 
     # Fresh workers, a fresh process group on a new port: nothing of the dead engine left.
@@ -174,4 +136,4 @@ def test_worker_exiting_with_a_code_mid_generate(path: str) -> None:
     error = returns_within(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert isinstance(error, EngineDeadError), repr(error)
     assert "tensor-parallel worker rank 1 died (exited with code 7) during run()" in str(error)
-    assert_stopped_for_good(llm, r"rank 1 died \(exited with code 7\)")
+    assert_stopped_for_good(llm, PROMPTS[0], GREEDY, r"rank 1 died \(exited with code 7\)")

@@ -274,7 +274,9 @@ def release_process_group(graceful: bool) -> None:
     teardown waits for its peers, so rank 0 must not wait for the workers to finish first;
     seen on two H200s: rank 0 destroying after the workers had been reaped hung for good.
     Not graceful (a worker died, or was stopped mid-collective): NCCL would wait for the
-    missing peer forever, so abort the communicators instead; gloo's teardown is local.
+    missing peer forever, so abort the communicators instead (again, if the watchdog did
+    already: a second abort of a communicator returns at once) and drop the group's
+    bookkeeping, so that a new engine can create a group; gloo's teardown is local.
     """
     if graceful or dist.get_backend() != "nccl":
         dist.destroy_process_group()
@@ -284,4 +286,8 @@ def release_process_group(graceful: bool) -> None:
         logger.warning("This torch cannot abort an NCCL process group; it stays initialized "
                        "until the process exits.")
         return
-    abort()
+    try:
+        abort()
+    except Exception:  # the engine's own error matters more; this one is logged
+        logger.exception("Aborting the NCCL process group failed; a new tensor-parallel "
+                         "engine in this process may fail to start.")
