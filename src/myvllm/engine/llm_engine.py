@@ -243,8 +243,8 @@ class LLMEngine:
         self._dead_reason = message
         self.exit()
         detail = f":\n{traceback}" if traceback else ""
-        return EngineDeadError(f"{message} during {method}(); the other workers were stopped "
-                               f"and this engine cannot continue (build a new one){detail}")
+        return EngineDeadError(f"{message} during {method}(); this engine stopped its "
+                               f"workers and cannot continue (build a new one){detail}")
 
     @property
     def dead_reason(self) -> str | None:
