@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from myvllm.engine.detokenizer import IncrementalDetokenizer
+from myvllm.engine.errors import EngineDeadError
 from myvllm.sampling_parameters import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,9 +54,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("myvllm")
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down, or a step raised): no request can run."""
+__all__ = ["AsyncLLM", "EngineDeadError", "StatLogger", "StreamOutput"]
 
 
 @dataclasses.dataclass
@@ -111,6 +110,10 @@ class _Add:
     stream: _Stream
 
 
+# While idle, the engine thread wakes this often to see whether the engine died meanwhile
+# (a tensor-parallel worker killed between requests), so it stops and frees it at once.
+IDLE_CHECK_S = 1.0
+
 _ABORTED = object()  # put in a stream's queue: the request was aborted on our side
 _STOP = object()  # put in the command queue: the engine thread aborts everything and ends
 
@@ -141,8 +144,10 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        """True while requests are accepted: not shut down, engine loop alive."""
-        return not self._closing and self.dead_error is None
+        """True while requests are accepted: not shut down, engine loop alive, and the engine
+        itself able to run (a dead tensor-parallel worker stops it even while idle)."""
+        return (not self._closing and self.dead_error is None
+                and self.engine.dead_reason is None)
 
     def abort_all(self) -> None:
         """Stop accepting requests and abort every request in flight (safe from a signal
@@ -184,7 +189,9 @@ class AsyncLLM:
         """
         self._start()
         if not self.is_running:
-            raise EngineDeadError("the engine is shutting down or has stopped"
+            why = self.engine.dead_reason or (f"its loop failed: {self.dead_error!r}"
+                                              if self.dead_error else "it is shutting down")
+            raise EngineDeadError(f"the engine cannot take requests: {why}"
                                   ) from self.dead_error
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._by_request_id:
@@ -327,8 +334,13 @@ class AsyncLLM:
         try:
             while True:
                 # Block for a command only when there is nothing to step.
-                idle = not engine.has_unfinished_requests()
-                commands = [self._commands.get()] if idle else []
+                commands = []
+                if not engine.has_unfinished_requests():
+                    try:
+                        commands.append(self._commands.get(timeout=IDLE_CHECK_S))
+                    except queue.Empty:
+                        engine.check_alive()  # raises once the engine died while idle
+                        continue
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())

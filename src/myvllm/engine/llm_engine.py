@@ -17,12 +17,14 @@ KV-cache blocks fit in memory, and the scheduler's BlockManager is built with th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import numbers
 import os
 import time
 import weakref
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,13 @@ from tqdm.auto import tqdm
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
+from myvllm.engine.errors import EngineDeadError
 from myvllm.engine.model_runner import ModelRunner, SampledTokens
 from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.tp_workers import (WorkerPool, init_distributed, pick_init_method,
-                                      release_process_group)
+from myvllm.engine.tp_workers import (WorkerPool, init_distributed, nccl_abort,
+                                      pick_init_method, release_process_group)
 from myvllm.layers.linear import check_tp_divides_heads
 from myvllm.models import get_model_class
 from myvllm.sampling_parameters import SamplingParams
@@ -50,6 +53,10 @@ from myvllm.utils.model_path import resolve_model_path
 logger = logging.getLogger("myvllm")
 
 Prompt = str | list[int]
+
+# After rank 0's side of a step failed: how long to wait for a worker's death to explain it
+# (a worker that raised sends its traceback, then exits; a killed one is usually gone already).
+WORKER_EXIT_WAIT_S = 2.0
 
 
 @dataclasses.dataclass
@@ -136,6 +143,8 @@ class LLMEngine:
         if not use_cuda and not config.enforce_eager:
             logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
         self._pool: WorkerPool | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._dead_reason: str | None = None  # set when a tensor-parallel step fails
         owns_group = config.tensor_parallel_size > 1
         torch_threads = None  # the caller's thread count, restored at shutdown if we change it
         if owns_group and not use_cuda:
@@ -149,6 +158,9 @@ class LLMEngine:
                 self._pool = WorkerPool(config, self.model_path, init_method, use_cuda)
                 self._pool.wait_for("alive")
                 init_distributed(config, 0, init_method, use_cuda)
+                abort = nccl_abort() if use_cuda else None
+                if abort is not None:  # gloo needs none: a dead peer's sockets close
+                    self._pool.watchdog.call_on_death(abort)
             self.model_runner = ModelRunner(config, 0, self.model_path, hf_config)
             if self._pool is not None:
                 self._pool.wait_for("ready")
@@ -195,23 +207,77 @@ class LLMEngine:
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, *args: Any) -> Any:
         """Run a ModelRunner method on every rank (workers first, they block on NCCL/gloo)."""
-        if self._pool is not None:
-            if self._pool.closed:
-                raise RuntimeError("This engine was shut down (exit() or an earlier failure).")
-            self._pool.send(method, *args)
-        try:
+        if self._pool is None:
             return getattr(self.model_runner, method)(*args)
+        self.check_alive()
+        with self._watching_workers(method):
+            self._pool.send(method, *args)
+            return getattr(self.model_runner, method)(*args)
+
+    @contextlib.contextmanager
+    def _watching_workers(self, method: str) -> Iterator[None]:
+        """Rank 0's part of a collective step; a worker's death or error is raised from it.
+
+        A dead worker makes rank 0's part fail (gloo: the peer's socket closed) or return
+        early with garbage (NCCL: the watchdog aborted the communicator, tp_watchdog.py).
+        Either way the worker's death, and its traceback if it sent one, is what the caller
+        sees, and the engine stops: the ranks are out of step for good.
+        """
+        pool = self._pool
+        if pool is None:
+            yield
+            return
+        try:
+            yield
         except Exception as e:
-            # Rank 0's collective failed because a worker did: report the worker's error.
-            worker_error = self._pool.reported_error() if self._pool is not None else None
-            if worker_error is not None:
-                raise RuntimeError(f"tensor-parallel worker failed in {method}(), "
-                                   f"{worker_error}") from e
-            raise
+            death = pool.watchdog.find_failure(wait_s=WORKER_EXIT_WAIT_S)
+            traceback = pool.reported_error()
+            if death is None and traceback is None:
+                raise  # rank 0's own error: generate() still stops the workers
+            raise self._worker_failed(method, death, traceback) from e
+        if pool.failure is not None:  # returned, but after the abort: nothing in it is true
+            raise self._worker_failed(method, pool.failure, pool.reported_error())
+
+    def _worker_failed(self, method: str, death: str | None,
+                       traceback: str | None) -> EngineDeadError:
+        """Stop this engine after a worker failed in `method`; the error to raise."""
+        message = death or "a tensor-parallel worker failed"
+        self._dead_reason = message
+        self.exit()
+        detail = f":\n{traceback}" if traceback else ""
+        return EngineDeadError(f"{message} during {method}(); this engine stopped its "
+                               f"workers and cannot continue (build a new one){detail}")
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why this engine can run no more steps, or None while it can.
+
+        Only under tensor parallelism: a worker died (noticed by the watchdog even while the
+        engine is idle), a step failed, or exit() was called. One process has nothing to get
+        out of step, and an engine of size 1 keeps working after an error.
+        """
+        if self._pool is None:
+            return None
+        if self._dead_reason is not None:
+            return self._dead_reason
+        if self._pool.failure is not None:
+            return self._pool.failure
+        if self._pool.closed:
+            return "this engine was shut down (exit() or an earlier failure)"
+        return None
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if this engine can run no more steps (see dead_reason)."""
+        reason = self.dead_reason
+        if reason is None:
+            return
+        self.exit()  # a worker that died while the engine was idle: stop the others now
+        raise EngineDeadError(f"This engine cannot run: {reason}. Build a new engine.")
 
     def exit(self) -> None:
         """Stop the worker processes and release the process group (idempotent)."""
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
     # ------------------------------------------------------------------ requests
     def _make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
@@ -244,6 +310,7 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
         """Queue one prompt; returns its request id. Bad input raises here, before anything
         is queued."""
+        self.check_alive()
         seq = self._make_sequence(prompt, sampling_params)
         self.scheduler.add_sequence(seq)
         self._requests[seq.seq_id] = seq
@@ -288,6 +355,7 @@ class LLMEngine:
         as pending (Sequence.add_pending_token), the runner feeds it from the device, and a
         sequence that ends on eos has one surplus step computed, whose token is dropped.
         """
+        self.check_alive()
         seqs, is_prefill = self.scheduler.schedule()
         queued = None
         if seqs:
@@ -317,7 +385,8 @@ class LLMEngine:
 
     def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
         """Wait for a queued step's tokens and hand them to the scheduler."""
-        token_ids = step.sampled.token_ids()
+        with self._watching_workers("run"):  # under NCCL, rank 0 waits here for its peers
+            token_ids = step.sampled.token_ids()
         seqs = [seq for seq, sample in zip(step.seqs, step.samples, strict=True) if sample]
         known = [len(seq.token_ids) for seq in seqs]
         self.scheduler.postprocess(
@@ -346,6 +415,7 @@ class LLMEngine:
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """Generate completions for all prompts; outputs come back in input order."""
+        self.check_alive()
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list (of strings or token-id lists), "
                             "not a single string.")

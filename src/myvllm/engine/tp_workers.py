@@ -21,6 +21,8 @@ leaving rank 0 stuck in a rendezvous. The tensors themselves only move in NCCL (
 Lifetime: workers are daemonic (multiprocessing ends them when the engine's process exits),
 watch their parent and exit if it disappears, and WorkerPool.shutdown is registered with
 weakref.finalize by the engine, so they end with exit(), garbage collection, or an error.
+A worker that dies on its own is noticed by a watchdog thread of rank 0 (tp_watchdog.py),
+which stops the others and, under NCCL, aborts the communicator so rank 0 stops waiting.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -41,11 +44,13 @@ import torch
 import torch.distributed as dist
 
 from myvllm.config import Config
+from myvllm.engine.tp_watchdog import WorkerWatchdog
 
 logger = logging.getLogger("myvllm")
 
-# Collectives only wait while every rank is inside the same step, so a stuck peer is a bug
-# or a dead process: fail after this long instead of hanging forever.
+# Collectives only wait while every rank is inside the same step, so a stuck peer is a bug:
+# fail after this long instead of hanging forever. (A dead peer is noticed much sooner, by
+# the watchdog: tp_watchdog.py.)
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 START_TIMEOUT_S = 600.0
 
@@ -64,6 +69,12 @@ def pick_init_method() -> str:
 def init_distributed(config: Config, rank: int, init_method: str, use_cuda: bool) -> None:
     # NCCL binds the group to this rank's GPU up front (no guessing at the first collective).
     device_id: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
+    if use_cuda:
+        # When a collective fails or times out, PyTorch's NCCL watchdog by default ends the
+        # whole process. Rank 0 is the caller's process (a server, a notebook): "2" makes it
+        # abort the communicator and leave the process alone; the engine reports the error.
+        # Read when the group is created; a value the user set is kept.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo",
         init_method=init_method,
@@ -138,6 +149,12 @@ class WorkerPool:
             child_conn.close()
             self.processes.append(process)
             self.conns.append(parent_conn)
+        self.watchdog = WorkerWatchdog(self.processes)
+
+    @property
+    def failure(self) -> str | None:
+        """Why a worker ended on its own ("... rank 1 died (killed by SIGKILL)"), or None."""
+        return self.watchdog.failure
 
     def wait_for(self, expected: str) -> None:
         """Block until every worker reported `expected`; raise with a worker's error."""
@@ -145,22 +162,21 @@ class WorkerPool:
         pending = set(range(len(self.conns)))
         while pending:
             for i in list(pending):
-                conn, process = self.conns[i], self.processes[i]
+                conn = self.conns[i]
                 if conn.poll(0.2):
                     try:
                         kind, detail = conn.recv()
                     except EOFError:  # poll() is also true at EOF: the worker died
-                        process.join(timeout=5)
-                        raise RuntimeError(f"tensor-parallel worker rank {i + 1} exited with "
-                                           f"code {process.exitcode} during start-up") from None
+                        failure = (self.watchdog.find_failure(wait_s=5.0)
+                                   or f"tensor-parallel worker rank {i + 1} closed its pipe")
+                        raise RuntimeError(f"{failure} during start-up") from None
                     if kind == "error":
                         raise RuntimeError(f"tensor-parallel worker rank {i + 1} failed to "
                                            f"start:\n{detail}")
                     if kind == expected:
                         pending.discard(i)
-                elif not process.is_alive():
-                    raise RuntimeError(f"tensor-parallel worker rank {i + 1} exited with code "
-                                       f"{process.exitcode} during start-up")
+                elif self.failure is not None:
+                    raise RuntimeError(f"{self.failure} during start-up")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers {sorted(r + 1 for r in pending)} "
                                    f"did not report '{expected}' within {START_TIMEOUT_S:.0f} s")
@@ -170,17 +186,16 @@ class WorkerPool:
             try:
                 conn.send((method, args))
             except OSError as e:  # broken pipe: the worker is gone (killed, crashed)
-                process = self.processes[rank - 1]
-                process.join(timeout=5)
-                raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code "
-                                   f"{process.exitcode}); this engine cannot continue") from e
+                cause = (self.watchdog.find_failure(wait_s=5.0)
+                         or f"tensor-parallel worker rank {rank} closed its pipe")
+                raise RuntimeError(f"{cause}; this engine cannot continue") from e
 
     def reported_error(self) -> str | None:
         """The first error a worker sent since start-up (its traceback), without blocking.
 
         A worker that fails inside a step sends its traceback, then exits; rank 0 notices
-        only when its own side of a collective fails (at once under gloo, at the collective
-        timeout under NCCL) and then asks here what really went wrong.
+        its death (the watchdog, or its own failed collective) and then asks here what
+        really went wrong.
         """
         for rank, conn in enumerate(self.conns, start=1):
             try:
@@ -194,7 +209,10 @@ class WorkerPool:
 
     def all_alive(self) -> bool:
         """Every worker still running and not yet told to stop."""
-        return not self.exit_requested and all(p.is_alive() for p in self.processes)
+        if self.exit_requested or self.failure is not None:
+            return False
+        with self.watchdog.lock:
+            return all(p.is_alive() for p in self.processes)
 
     def request_exit(self) -> None:
         """Send "exit" to every worker without waiting (idempotent): each one leaves its
@@ -202,6 +220,7 @@ class WorkerPool:
         if self.exit_requested:
             return
         self.exit_requested = True
+        self.watchdog.stop()  # the exits that follow are expected
         for conn in self.conns:
             try:
                 conn.send(("exit", ()))
@@ -218,16 +237,34 @@ class WorkerPool:
             return
         self.request_exit()
         self.closed = True
-        for process in self.processes:
-            process.join(timeout=wait_s)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        with self.watchdog.lock:
+            for process in self.processes:
+                process.join(timeout=wait_s)
+                if process.is_alive():
+                    process.terminate()
+                    process.join(timeout=5)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
         for conn in self.conns:
             conn.close()
+
+
+def nccl_abort() -> Callable[[], None] | None:
+    """What the watchdog calls when a worker dies: abort this rank's NCCL communicators.
+
+    ProcessGroup.abort works from any thread and only touches the C++ side (the Python
+    bookkeeping of the group is left to release_process_group on the main thread). NCCL sets
+    its abort flag first, so the kernels spinning in a collective return at once; the rest of
+    the abort waits until rank 0 has dropped its CUDA graphs (GraphRunner.release), which
+    captured NCCL kernels of this communicator.
+    """
+    group = dist.group.WORLD
+    abort: Callable[[], None] | None = getattr(group, "abort", None)
+    if abort is None:
+        logger.warning("This torch cannot abort an NCCL process group: a dead worker is "
+                       "noticed only at the collective timeout.")
+    return abort
 
 
 def release_process_group(graceful: bool) -> None:
@@ -237,7 +274,9 @@ def release_process_group(graceful: bool) -> None:
     teardown waits for its peers, so rank 0 must not wait for the workers to finish first;
     seen on two H200s: rank 0 destroying after the workers had been reaped hung for good.
     Not graceful (a worker died, or was stopped mid-collective): NCCL would wait for the
-    missing peer forever, so abort the communicators instead; gloo's teardown is local.
+    missing peer forever, so abort the communicators instead (again, if the watchdog did
+    already: a second abort of a communicator returns at once) and drop the group's
+    bookkeeping, so that a new engine can create a group; gloo's teardown is local.
     """
     if graceful or dist.get_backend() != "nccl":
         dist.destroy_process_group()
@@ -247,4 +286,8 @@ def release_process_group(graceful: bool) -> None:
         logger.warning("This torch cannot abort an NCCL process group; it stays initialized "
                        "until the process exits.")
         return
-    abort()
+    try:
+        abort()
+    except Exception:  # the engine's own error matters more; this one is logged
+        logger.exception("Aborting the NCCL process group failed; a new tensor-parallel "
+                         "engine in this process may fail to start.")

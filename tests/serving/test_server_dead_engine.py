@@ -1,0 +1,163 @@
+"""The server over a dead engine: /health 503, new requests 503 with OpenAI's error JSON, and
+requests in flight end with an error instead of hanging.
+
+    quick: one process; the engine's step raises EngineDeadError, as LLMEngine does when a
+           tensor-parallel worker dies mid-step
+    slow:  tensor_parallel_size 2 over gloo; rank 1 is SIGKILLed while a stream is running,
+           then a second server's worker is killed while it is idle (the watchdog alone)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("openai")  # test_server's module imports it
+
+from helpers_models import tiny_checkpoint  # noqa: E402
+from test_server import fetch, free_socket  # noqa: E402
+
+from myvllm import Config  # noqa: E402
+from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
+from myvllm.engine.errors import EngineDeadError  # noqa: E402
+from myvllm.engine.llm_engine import LLMEngine  # noqa: E402
+from myvllm.entrypoints.openai_server import make_server  # noqa: E402
+
+HANG_LIMIT_S = 30.0  # a request still open this long after the death counts as hung
+ENGINE_KW: dict[str, Any] = dict(num_kvcache_blocks=128, max_model_length=256,
+                                 max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    return tiny_checkpoint("qwen3")  # a byte-level tokenizer: text prompts work
+
+
+@contextlib.contextmanager
+def serving(engine: LLMEngine) -> Iterator[tuple[str, AsyncLLM]]:
+    llm = AsyncLLM(engine)
+    sock = free_socket()
+    server = make_server(llm, "tiny", "127.0.0.1", sock.getsockname()[1], log_level="critical")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the server thread died while starting"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm
+    finally:
+        server.should_exit = True
+        thread.join(HANG_LIMIT_S)
+        llm.shutdown()
+        sock.close()
+
+
+def completion(base_url: str, stream: bool = False, max_tokens: int = 8) -> tuple[int, bytes]:
+    body = {"model": "tiny", "prompt": "Tell me about the number 7", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    return fetch("POST", f"{base_url}/v1/completions", json.dumps(body).encode())
+
+
+def assert_refused(base_url: str, match: str) -> None:
+    """/health and a new completion answer 503; the body is OpenAI's error JSON."""
+    assert fetch("GET", f"{base_url}/health")[0] == 503
+    status, body = completion(base_url)
+    assert status == 503, body
+    error = json.loads(body)["error"]
+    assert error["code"] == 503 and match in error["message"], error
+
+
+def open_stream(base_url: str, max_tokens: int) -> tuple[http.client.HTTPConnection, Any]:
+    """Start a streamed completion; (connection, response) once its first event arrived."""
+    host, port = base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_LIMIT_S)
+    body = {"model": "tiny", "prompt": "Count to a thousand", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")
+    return conn, response
+
+
+def rest_of_stream(response: Any) -> list[dict[str, Any]]:
+    """The remaining events up to [DONE]; a socket timeout (HANG_LIMIT_S) fails the test."""
+    events = []
+    for line in iter(response.readline, b""):
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):].strip()
+            if data == b"[DONE]":
+                return events
+            events.append(json.loads(data))
+    raise AssertionError("the stream closed without [DONE]")
+
+
+def test_engine_dying_mid_request(checkpoint: Path) -> None:
+    engine = LLMEngine(Config(model=str(checkpoint), **ENGINE_KW))
+    original = engine.model_runner.run
+    die = threading.Event()
+
+    def run(seqs: Any, is_prefill: bool) -> Any:
+        if die.is_set():
+            raise EngineDeadError("tensor-parallel worker rank 1 died (killed by SIGKILL)")
+        time.sleep(0.01)  # a stream long enough to be caught in flight
+        return original(seqs, is_prefill)
+
+    engine.model_runner.run = run  # type: ignore[method-assign]
+    with serving(engine) as (base_url, llm):
+        assert fetch("GET", f"{base_url}/health")[0] == 200
+        conn, stream = open_stream(base_url, max_tokens=200)
+        plain: list[tuple[int, bytes]] = []
+        waiting = threading.Thread(target=lambda: plain.append(completion(base_url, False, 200)))
+        waiting.start()
+        die.set()
+        events = rest_of_stream(stream)
+        conn.close()
+        assert "error" in events[-1], f"the stream ended without the error: {events[-1]}"
+        assert "rank 1 died" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["code"] == 503
+        waiting.join(HANG_LIMIT_S)
+        assert not waiting.is_alive(), "a request in flight was left hanging"
+        assert plain[0][0] == 503, plain
+        assert not llm.is_running
+        assert_refused(base_url, "rank 1 died")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_worker_killed(checkpoint: Path) -> None:
+    # During a stream: the step fails, the stream ends with the error.
+    engine = LLMEngine(Config(model=str(checkpoint), tensor_parallel_size=2, **ENGINE_KW))
+    assert engine._pool is not None
+    worker = engine._pool.processes[0]
+    with serving(engine) as (base_url, _):
+        conn, stream = open_stream(base_url, max_tokens=200)
+        os.kill(worker.pid, signal.SIGKILL)
+        events = rest_of_stream(stream)
+        conn.close()
+        assert "error" in events[-1], f"the stream ended without the error: {events[-1]}"
+        assert "rank 1 died (killed by SIGKILL" in events[-1]["error"]["message"]
+        assert_refused(base_url, "rank 1 died (killed by SIGKILL")
+
+    # While idle: no request needed, the watchdog turns /health to 503.
+    engine = LLMEngine(Config(model=str(checkpoint), tensor_parallel_size=2, **ENGINE_KW))
+    assert engine._pool is not None
+    worker = engine._pool.processes[0]
+    with serving(engine) as (base_url, _):
+        assert fetch("GET", f"{base_url}/health")[0] == 200
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + HANG_LIMIT_S
+        while fetch("GET", f"{base_url}/health")[0] != 503:
+            assert time.monotonic() < deadline, "/health still 200 after the worker died"
+            time.sleep(0.05)
+        assert_refused(base_url, "rank 1 died (killed by SIGKILL")
