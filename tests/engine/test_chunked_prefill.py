@@ -54,16 +54,19 @@ def test_padded_chunked_steps_match_transformers() -> None:
     before. Same tokens as HF."""
     path = tiny_checkpoint("qwen3")
     base = random_prompts([24], seed=5)[0]
-    prompts = [base + p for p in random_prompts([33, 2, 17], seed=6)] + random_prompts([5])
+    prompts = [base + p for p in random_prompts([56, 2, 17], seed=6)] + random_prompts([5])
     llm = LLM(str(path), block_size=4, max_model_length=96, max_num_batched_tokens=40,
-              max_num_sequences=4)
+              max_num_sequences=4, max_prefill_tokens_while_decoding=8)
     buffers = llm.model_runner.inputs.pad_chunked_steps(max_tokens=32, block_m=16)
     assert buffers.sizes == [16, 32]
     sizes = []
     fill = buffers.fill
-    def spy(ids, positions, *args):  # noqa: ANN001, ANN202
-        step = fill(ids, positions, *args)
+    mixed = []  # padded steps with one-token rows (the decode kernel's) beside chunks
+    def spy(ids, positions, slots, cu_q, *args):  # noqa: ANN001, ANN202
+        step = fill(ids, positions, slots, cu_q, *args)
         sizes.append((len(positions), step.input_ids.size(0)))
+        lengths = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        mixed.append(1 in lengths and max(lengths) > 1)
         return step
     buffers.fill = spy  # type: ignore[method-assign]
     outputs, counts = budget_steps(llm, prompts, GREEDY)
@@ -77,6 +80,7 @@ def test_padded_chunked_steps_match_transformers() -> None:
     assert later_outputs[1]["num_cached_tokens"] == 24
     assert any(n > 32 for n in counts)  # some steps too large to pad ran unpadded
     assert any(real < padded for real, padded in sizes)  # and padded ones ran with padding
+    assert any(mixed)
 
 
 def test_long_prompt_with_a_prefix_hit_and_async_scheduling() -> None:
