@@ -49,16 +49,17 @@ def test_prompts_many_times_the_budget_match_transformers(kind: str) -> None:
 
 def test_padded_chunked_steps_match_transformers() -> None:
     """The GPU's way of running chunked steps, switched on here: steps padded to fixed sizes
-    on fixed buffers, attention launched from a tile map (what a CUDA graph replays), with
-    prefix hits and decode rows beside chunks; steps larger than the largest size run as
-    before. Same tokens as HF."""
+    on fixed buffers, attention launched from a tile map (what a CUDA graph replays) with
+    long tiles split along their keys, decode rows beside chunks (the decode kernel's), and
+    prefix hits; steps larger than the largest size run as before. Same tokens as HF."""
     path = tiny_checkpoint("qwen3")
     base = random_prompts([24], seed=5)[0]
     prompts = [base + p for p in random_prompts([56, 2, 17], seed=6)] + random_prompts([5])
     llm = LLM(str(path), block_size=4, max_model_length=96, max_num_batched_tokens=40,
               max_num_sequences=4, max_prefill_tokens_while_decoding=8)
-    buffers = llm.model_runner.inputs.pad_chunked_steps(max_tokens=32, block_m=16)
+    buffers = llm.model_runner.inputs.pad_chunked_steps(max_tokens=32, block_m=16, block_n=16)
     assert buffers.sizes == [16, 32]
+    buffers.split_key_tiles = 2  # cut every tile that sees 32 keys or more (split-K)
     sizes = []
     fill = buffers.fill
     mixed = []  # padded steps with one-token rows (the decode kernel's) beside chunks

@@ -243,40 +243,60 @@ def test_flash_attention_varlen_triton_paged_prefix(device, dtype, block_size, n
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_flash_attention_varlen_triton_tile_map(device, dtype) -> None:
+@pytest.mark.parametrize("split_key_tiles", [1, 1000])
+def test_flash_attention_varlen_triton_tile_map(device, dtype, split_key_tiles) -> None:
     """A fixed grid read from a tile map (what a CUDA graph of a chunked step replays): the
-    same output on every real row, with unused tile slots and padding rows that belong to no
-    sequence (left unwritten), and decode rows (one query each) beside a long chunk."""
+    same output on every row that has a tile, with unused rows, tiles cut along their keys
+    (split-K, merged by the combine kernel) or whole, padding rows and a row left to the
+    caller (a decode row) that stay unwritten."""
     torch.manual_seed(0)
     mod = triton_mod("prefill_attention")
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
-    lengths_k = [40, 6, 1, 23]  # whole context
-    lengths_q = [35, 1, 1, 23]  # new tokens: a chunk after 5 cached, two decode rows, a prompt
+    lengths_k = [90, 6, 23, 40]  # whole context
+    lengths_q = [35, 1, 23, 2]  # a chunk after 55 cached, a decode row, a prompt, a chunk
     k = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
     v = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
     padded = sum(lengths_q) + 5  # five padding rows after the real ones
     q = torch.randn(padded, num_heads, head_dim, device=device).to(dtype)
     k_cache, v_cache, tables = make_paged(k, v, lengths_k, block_size)
     cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
-    block_m = mod.prefill_config(device, head_dim, dtype).block_m
-    slots = mod.tile_map_slots(padded, max_num_seqs=8, block_m=block_m)
-    tiles = mod.build_tile_map(lengths_q, lengths_k, block_m, slots)
-    assert tiles[-2:] == [-1, 0]  # more slots than tiles: the rest run nothing
-    tile_map = torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 2)
+    cfg = mod.prefill_config(device, head_dim, dtype)
+    num_parts = 8
+    slots = mod.tile_map_slots(padded, max_num_seqs=8, block_m=cfg.block_m, num_parts=num_parts)
+    tiled_q = [0 if n == 1 else n for n in lengths_q]  # the decode row gets no tile
+    rows, combine = mod.build_tile_map(tiled_q, lengths_k, cfg.block_m, cfg.block_n, slots,
+                                       num_parts, split_key_tiles)
+    assert rows[-5:] == [-1, 0, 0, 1, -1]  # more rows than programs: the rest run nothing
+    assert (combine[0] != -1) == (split_key_tiles == 1)  # some tiles split, or none
+    tile_map = mod.TileMap(torch.tensor(rows, dtype=torch.int32, device=device).view(-1, 5),
+                           torch.tensor(combine, dtype=torch.int32, device=device).view(-1, 4),
+                           num_parts)
     args = (q, k, v, cu_q, cu_k, 0, 0, 0.25, tables, k_cache, v_cache)
-    out = mod.flash_attention_varlen_triton(*args, tile_map)
-    real = sum(lengths_q)
-    assert_close(out[:real], flash_attention_varlen_ref(*args)[:real], dtype)
+    out = torch.full_like(q, 7.0)
+    mod.flash_attention_varlen_triton(*args, tile_map, out)
+    ref = flash_attention_varlen_ref(*args)
+    tiled = torch.ones(padded, dtype=torch.bool)
+    tiled[sum(lengths_q):] = False
+    tiled[lengths_q[0]] = False  # the decode row
+    assert_close(out[tiled], ref[tiled], dtype)
+    assert torch.all(out[~tiled] == 7.0)
 
 
-def test_build_tile_map_lists_the_heaviest_tiles_first() -> None:
+def test_build_tile_map_lists_the_heaviest_tiles_first_and_splits_them() -> None:
     pytest.importorskip("triton")
     mod = triton_mod("prefill_attention")
-    assert mod.build_tile_map([300, 1, 1], [1324, 40, 7], 128, 6) == [
-        0, 2, 0, 1, 0, 0, 1, 0, 2, 0, -1, 0]
-    assert mod.tile_map_slots(300, max_num_seqs=2, block_m=128) == 5
+    rows, combine = mod.build_tile_map([300, 1], [1324, 7], 128, 128, 5, 2)
+    assert rows == [0, 2, 0, 1, -1, 0, 1, 0, 1, -1, 0, 0, 0, 1, -1, 1, 0, 0, 1, -1,
+                    -1, 0, 0, 1, -1]
+    assert combine == [-1, 0, 0, 0]
+    # A 100-token chunk after 1000 cached tokens (7 unmasked key tiles of 128), cut into
+    # splits of at least 2 key tiles: 3 splits, as many parts, one combine row.
+    rows, combine = mod.build_tile_map([100], [1100], 128, 128, 6, 4, split_key_tiles=2)
+    assert rows[:15] == [0, 0, 0, 3, 0, 0, 0, 1, 3, 1, 0, 0, 2, 3, 2]
+    assert combine == [0, 0, 3, 0, -1, 0, 0, 0]
+    assert mod.tile_map_slots(300, max_num_seqs=2, block_m=128, num_parts=4) == 9
     with pytest.raises(ValueError, match="3 query tiles, only 2 slots"):
-        mod.build_tile_map([300], [300], 128, 2)
+        mod.build_tile_map([300], [300], 128, 128, 2, 0)
 
 
 # --------------------------------------------------------------------------- decode

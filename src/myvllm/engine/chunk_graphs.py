@@ -32,12 +32,20 @@ import numpy as np
 import torch
 
 from myvllm.engine.batch import StepInputs
-from myvllm.kernels.prefill_attention import build_tile_map, tile_map_slots
+from myvllm.kernels.prefill_attention import (
+    SPLIT_KEY_TILES,
+    TileMap,
+    build_tile_map,
+    tile_map_slots,
+)
 from myvllm.utils.context import Context, DecodeRows, forward_context
 
 # Above this many tokens a step's GPU work (tens of milliseconds) dwarfs launching it, and a
 # graph would keep that many tokens' activations allocated for good.
 MAX_CHUNK_GRAPH_TOKENS = 2048
+# Partial results attention's split tiles may leave per step (build_tile_map): 64 of
+# [heads, 128, 128] float32, 64 MiB for 16 heads, allocated per layer from the graph's pool.
+NUM_SPLIT_PARTS = 64
 
 
 def chunk_graph_sizes(max_tokens: int) -> list[int]:
@@ -52,11 +60,13 @@ class ChunkBuffers:
     """The fixed device memory a padded chunked step reads: what its CUDA graph replays on."""
 
     def __init__(self, max_tokens: int, max_num_seqs: int, max_width: int, block_m: int,
-                 device: torch.device, pin_memory: bool) -> None:
+                 block_n: int, device: torch.device, pin_memory: bool) -> None:
         self.sizes = chunk_graph_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
         self.max_num_seqs = max_num_seqs
         self.block_m = block_m  # the prefill kernel's query tile (rows per program)
+        self.block_n = block_n  # and its key tile
+        self.split_key_tiles = SPLIT_KEY_TILES  # see build_tile_map (tests lower it)
         self.device = device
         self.pin_memory = pin_memory
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
@@ -66,8 +76,10 @@ class ChunkBuffers:
         self.cu_seqlens_k = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((max_num_seqs, max_width), -1, dtype=torch.int32,
                                        device=device)
-        self.q_tiles = torch.full((self.slots(self.max_tokens), 2), -1, dtype=torch.int32,
+        self.q_tiles = torch.full((self.slots(self.max_tokens), 5), -1, dtype=torch.int32,
                                   device=device)
+        self.q_tile_combine = torch.full((NUM_SPLIT_PARTS // 2, 4), -1, dtype=torch.int32,
+                                         device=device)
         rows = min(max_num_seqs, self.max_tokens)
         self.row_gather = torch.zeros(rows, dtype=torch.int64, device=device)
         self.row_scatter = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -80,7 +92,7 @@ class ChunkBuffers:
         return next((n for n in self.sizes if n >= num_tokens), None)
 
     def slots(self, padded_tokens: int) -> int:
-        return tile_map_slots(padded_tokens, self.max_num_seqs, self.block_m)
+        return tile_map_slots(padded_tokens, self.max_num_seqs, self.block_m, NUM_SPLIT_PARTS)
 
     def num_rows(self, padded_tokens: int) -> int:
         """Decode-row slots of a step of this padded size."""
@@ -96,7 +108,8 @@ class ChunkBuffers:
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             slot_mapping=self.slot_mapping[:padded_tokens],
             block_tables=self.block_tables,
-            q_tiles=self.q_tiles[: self.slots(padded_tokens)],
+            q_tiles=TileMap(self.q_tiles[: self.slots(padded_tokens)], self.q_tile_combine,
+                            NUM_SPLIT_PARTS),
             decode_rows=DecodeRows(
                 gather=self.row_gather[: self.num_rows(padded_tokens)],
                 scatter=self.row_scatter[: self.num_rows(padded_tokens)],
@@ -122,8 +135,9 @@ class ChunkBuffers:
         seqlens_k = np.diff(cu_seqlens_k).tolist()
         # Sequences with one new token are decode rows; the others get query tiles.
         one_token = [i for i, n in enumerate(seqlens_q) if n == 1]
-        tiles = build_tile_map([0 if n == 1 else n for n in seqlens_q], seqlens_k,
-                               self.block_m, self.slots(padded))
+        tiles, combine = build_tile_map([0 if n == 1 else n for n in seqlens_q], seqlens_k,
+                                        self.block_m, self.block_n, self.slots(padded),
+                                        NUM_SPLIT_PARTS, self.split_key_tiles)
         self.input_ids[:num_tokens].copy_(ids, non_blocking=True)
         self.positions[:num_tokens].copy_(to_device(positions, torch.int64), non_blocking=True)
         # Padding tokens store nothing (slot -1); their ids and positions are left over from
@@ -140,7 +154,9 @@ class ChunkBuffers:
             table_array[row, : len(table)] = table
         self.block_tables[:num_seqs, :width].copy_(self._host(table_array), non_blocking=True)
         self.q_tiles[: self.slots(padded)].copy_(
-            to_device(tiles, torch.int32).view(-1, 2), non_blocking=True)
+            to_device(tiles, torch.int32).view(-1, 5), non_blocking=True)
+        self.q_tile_combine.copy_(to_device(combine, torch.int32).view(-1, 4),
+                                  non_blocking=True)
         num_rows = len(one_token)
         pad_rows = self.num_rows(padded) - num_rows
         tokens = [cu_seqlens_q[i] for i in one_token]
@@ -175,6 +191,7 @@ class ChunkGraphRunner:
         """One graph per padded size, largest first, sharing one memory pool. Captured with
         no tiles (sequence -1 everywhere) and slot -1: the capture computes nothing real."""
         buffers.q_tiles.fill_(-1)
+        buffers.q_tile_combine.fill_(-1)
         buffers.slot_mapping.fill_(-1)
         buffers.row_gather.zero_()
         buffers.row_context_lens.zero_()

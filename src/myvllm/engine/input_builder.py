@@ -63,12 +63,13 @@ class InputBuilder:
         # chunk_graphs.py); the ModelRunner switches it on (on a GPU), tests on a CPU.
         self.chunk_buffers: ChunkBuffers | None = None
 
-    def pad_chunked_steps(self, max_tokens: int, block_m: int) -> ChunkBuffers:
+    def pad_chunked_steps(self, max_tokens: int, block_m: int, block_n: int) -> ChunkBuffers:
         """From now on, run chunked steps of at most max_tokens tokens padded, on fixed
-        buffers, with attention's query tiles of block_m rows listed in q_tiles."""
+        buffers, with attention's tiles (block_m query rows, block_n keys) listed in
+        q_tiles."""
         self.chunk_buffers = ChunkBuffers(
             min(max_tokens, self.config.max_num_batched_tokens), self.config.max_num_sequences,
-            self.max_blocks_per_seq, block_m, self.device, self.pin_memory)
+            self.max_blocks_per_seq, block_m, block_n, self.device, self.pin_memory)
         return self.chunk_buffers
 
     def to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:

@@ -142,8 +142,9 @@ class ModelRunner:
                             f"{time.perf_counter() - start:.1f} s")
         if self.device.type == "cuda" and self.config.enable_chunked_prefill:
             # Padded in eager mode too, so that graphs and eager compute the same.
-            block_m = prefill_config(self.device, self.kv_layout.head_dim, self.dtype).block_m
-            buffers = self.inputs.pad_chunked_steps(MAX_CHUNK_GRAPH_TOKENS, block_m)
+            tiles = prefill_config(self.device, self.kv_layout.head_dim, self.dtype)
+            buffers = self.inputs.pad_chunked_steps(MAX_CHUNK_GRAPH_TOKENS, tiles.block_m,
+                                                    tiles.block_n)
             if not self.enforce_eager:
                 start = time.perf_counter()
                 self.chunk_graphs.capture(self.model, buffers)

@@ -48,9 +48,12 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import lru_cache
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
+
+if TYPE_CHECKING:  # prefill_attention imports triton, which a CPU run may lack
+    from .prefill_attention import TileMap
 
 from .layer_ops_reference import (
     fused_moe_ref,
@@ -140,7 +143,7 @@ def flash_attention_varlen(
     block_tables: torch.Tensor | None = None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
-    tile_map: torch.Tensor | None = None,
+    tile_map: TileMap | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention -> o [Nq, Hq, D] (written into `out` when given).
@@ -152,9 +155,11 @@ def flash_attention_varlen(
     the context is read from k_cache/v_cache (the new tokens must already be stored there)
     and k/v are not used. max_seqlen_q/max_seqlen_k are host ints (no device sync needed).
 
-    tile_map (Triton only; prefill_attention.build_tile_map) lists the query tiles to run,
-    so that the launch has the same shape at every step (CUDA graphs of mixed steps). Rows
-    of q that belong to no sequence (padding) are left unwritten. The reference ignores it.
+    tile_map (Triton only; prefill_attention.build_tile_map) lists the query tiles to run
+    (long ones cut along their keys), so that the launch has the same shape at every step
+    (CUDA graphs of chunked steps). Rows of q that no tile covers (padding, or the decode
+    rows the caller computes with paged_attention_decode) are left unwritten. The reference
+    ignores it.
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
             block_tables, k_cache, v_cache)  # fmt: skip

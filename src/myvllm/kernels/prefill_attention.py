@@ -144,7 +144,9 @@ def _flash_attn_varlen_kernel(
     cu_seqlens_q_ptr,
     cu_seqlens_k_ptr,
     block_tables_ptr,
-    tile_map_ptr,  # [tiles, 2] int32 (sequence, query tile) per program (TILE_MAP only)
+    tile_map_ptr,  # [rows, 5] int32 per program (TILE_MAP only; see build_tile_map)
+    part_acc_ptr,  # [parts, heads, BLOCK_M, BLOCK_D] float32: a split's un-normalised output
+    part_ml_ptr,  # [parts, heads, BLOCK_M, 2] float32: its running max and sum
     qk_scale,  # softmax scale * log2(e)
     stride_qn,
     stride_qh,
@@ -171,15 +173,22 @@ def _flash_attn_varlen_kernel(
     if TILE_MAP:
         # A grid fixed by the step's padded token count (a CUDA graph replays it): the host
         # listed the tiles that exist, heaviest first; slots past them hold sequence -1.
-        seq = tl.load(tile_map_ptr + 2 * tl.program_id(0))
+        row = tile_map_ptr + 5 * tl.program_id(0)
+        seq = tl.load(row)
         if seq < 0:
             return
-        start_m = tl.load(tile_map_ptr + 2 * tl.program_id(0) + 1)
+        start_m = tl.load(row + 1)
+        split = tl.load(row + 2)  # this program's share of the tile's keys (split-K) ...
+        num_splits = tl.load(row + 3)  # ... out of num_splits
+        part = tl.load(row + 4)  # where a split leaves its partial result; -1 = not split
     else:
         # Heaviest query tiles (the last ones: they see the most keys) are launched first, so
         # the short tiles fill the gaps at the end instead of a long tile running alone.
         start_m = tl.num_programs(0) - 1 - tl.program_id(0)
         seq = tl.program_id(2)
+        split = 0
+        num_splits = 1
+        part = -1
     kv_head = head // GROUP
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -213,26 +222,88 @@ def _flash_attn_varlen_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    # Split-K: split s of n takes an equal share of the unmasked key tiles [0, full_end); the
+    # last split also takes the diagonal tiles [full_end, hi), so every split sees key 0 of
+    # its range in full and its running max stays finite.
+    per_split = tl.cdiv(full_end // BLOCK_N, num_splits) * BLOCK_N
+    lo = split * per_split
+    full_hi = tl.minimum(lo + per_split, full_end)
+    diag_lo = tl.where(split == num_splits - 1, full_end, hi)  # an empty range unless last
+
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attn_tile_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
-        k_start, offs_n, offs_d, d_mask, q_pos, 0, full_end, seqlen_k, qk_scale, stride_kn,
+        k_start, offs_n, offs_d, d_mask, q_pos, lo, full_hi, seqlen_k, qk_scale, stride_kn,
         stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, False, BLOCK_D == HEAD_DIM, USE_TMA,
         DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_tile_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
-        k_start, offs_n, offs_d, d_mask, q_pos, full_end, hi, seqlen_k, qk_scale, stride_kn,
+        k_start, offs_n, offs_d, d_mask, q_pos, diag_lo, hi, seqlen_k, qk_scale, stride_kn,
         stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, True, BLOCK_D == HEAD_DIM, USE_TMA,
         DOT_PRECISION,
     )  # fmt: skip
 
-    out = acc / l_i[:, None]
+    if part >= 0:  # one split of several: _combine_splits_kernel finishes the tile
+        rows_m = tl.arange(0, BLOCK_M)
+        base = (part.to(tl.int64) * tl.num_programs(1) + head) * BLOCK_M
+        tl.store(part_acc_ptr + (base + rows_m[:, None]) * BLOCK_D + offs_d[None, :], acc)
+        tl.store(part_ml_ptr + (base + rows_m) * 2, m_i)
+        tl.store(part_ml_ptr + (base + rows_m) * 2 + 1, l_i)
+    else:
+        out = acc / l_i[:, None]
+        o_rows = (q_start + offs_m).to(tl.int64)
+        o_ptrs = o_ptr + o_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    o_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    combine_map_ptr,  # [rows, 4] int32: (sequence, query tile, splits, first part); -1 = none
+    cu_seqlens_q_ptr,
+    stride_on,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Merge the splits of one query tile of one head: each split s left (acc_s, m_s, l_s)
+    over its keys; with m = max m_s, o = sum(acc_s * 2^(m_s - m)) / sum(l_s * 2^(m_s - m))."""
+    row = combine_map_ptr + 4 * tl.program_id(0)
+    seq = tl.load(row)
+    if seq < 0:
+        return
+    start_m = tl.load(row + 1)
+    num_splits = tl.load(row + 2)
+    first = tl.load(row + 3)
+    head = tl.program_id(1)
+    rows_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        base = ((first + s).to(tl.int64) * tl.num_programs(1) + head) * BLOCK_M
+        m = tl.maximum(m, tl.load(part_ml_ptr + (base + rows_m) * 2))
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        base = ((first + s).to(tl.int64) * tl.num_programs(1) + head) * BLOCK_M
+        w = tl.math.exp2(tl.load(part_ml_ptr + (base + rows_m) * 2) - m)
+        l += w * tl.load(part_ml_ptr + (base + rows_m) * 2 + 1)
+        acc += w[:, None] * tl.load(part_acc_ptr + (base + rows_m[:, None]) * BLOCK_D
+                                    + offs_d[None, :])
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    offs_m = start_m * BLOCK_M + rows_m
     o_rows = (q_start + offs_m).to(tl.int64)
     o_ptrs = o_ptr + o_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    mask = (offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(o_ptrs, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -294,15 +365,15 @@ def flash_attention_varlen_triton(
     block_tables: torch.Tensor | None = None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
-    tile_map: torch.Tensor | None = None,
+    tile_map: TileMap | None = None,
     out: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of flash_attention_varlen (contract in kernels/__init__.py).
 
-    `tile_map` ([tiles, 2] int32, from build_tile_map with this config's block_m) fixes the
-    grid at `tiles` programs per head whatever the batch, so a CUDA graph can replay it.
+    `tile_map` (from build_tile_map with this config's block_m and block_n) fixes the grid
+    at one program per row per head whatever the batch, so a CUDA graph can replay it.
     `out` ([tokens, heads, D]) receives the output instead of a new tensor.
     `config` overrides the tile sizes (benchmarks and tuning sweeps use it).
     """
@@ -347,19 +418,27 @@ def flash_attention_varlen_triton(
         k_desc, v_desc = _row_descriptor(k, cfg.block_n), _row_descriptor(v, cfg.block_n)
     else:
         q_desc, k_desc, v_desc = q, kk, vv  # placeholders, never used by the kernel
+    block_d = triton.next_power_of_2(head_dim)
     if tile_map is not None:
-        grid = (tile_map.shape[0], num_heads, 1)
+        grid = (tile_map.rows.shape[0], num_heads, 1)
+        # Scratch for the splits' partial results (from the CUDA graph's pool when captured).
+        part_acc = torch.empty(tile_map.num_parts, num_heads, cfg.block_m, block_d,
+                               dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(tile_map.num_parts, num_heads, cfg.block_m, 2,
+                              dtype=torch.float32, device=q.device)
     else:
         grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_heads, batch)
+        part_acc = part_ml = o  # never read without TILE_MAP
     _flash_attn_varlen_kernel[grid](
         q, kk, vv, o, q_desc, k_desc, v_desc, cu_seqlens_q, cu_seqlens_k, bt,
-        tile_map if tile_map is not None else cu_seqlens_q,  # never read without TILE_MAP
+        tile_map.rows if tile_map is not None else cu_seqlens_q,  # read only with TILE_MAP
+        part_acc, part_ml,
         scale * LOG2E,
         q.stride(0), q.stride(1), stride_kn, stride_kh, stride_vn, stride_vh,
         o.stride(0), o.stride(1), stride_cb, stride_bt,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         PAGED=paged,
@@ -370,6 +449,12 @@ def flash_attention_varlen_triton(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
+    if tile_map is not None and tile_map.combine.shape[0]:
+        _combine_splits_kernel[(tile_map.combine.shape[0], num_heads)](
+            o, part_acc, part_ml, tile_map.combine, cu_seqlens_q, o.stride(0), o.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
+            num_warps=4,
+        )  # fmt: skip
     return o
 
 
@@ -394,27 +479,67 @@ def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
                             block_shape=[block_rows, d])  # fmt: skip
 
 
-def build_tile_map(seqlens_q: list[int], seqlens_k: list[int], block_m: int,
-                   num_slots: int) -> list[int]:
-    """The (sequence, query tile) pairs of a batch, flattened, heaviest first, padded with
-    (-1, 0) to num_slots pairs: the tile_map of flash_attention_varlen_triton.
+@dataclass(frozen=True)
+class TileMap:
+    """What each program of a fixed-grid launch computes (see build_tile_map)."""
 
-        seqlens_q = [300, 1, 1], seqlens_k = [1324, 40, 7], block_m = 128, num_slots = 6
-        tiles (seq, tile): (0, 2) sees 1324 keys, (0, 1) 1280, (0, 0) 1152, (1, 0) 40,
-        (2, 0) 7, then one unused slot (-1, 0)
-        -> [0, 2, 0, 1, 0, 0, 1, 0, 2, 0, -1, 0]
+    rows: torch.Tensor  # [R, 5] int32: sequence, query tile, split, splits, part
+    combine: torch.Tensor  # [C, 4] int32: sequence, query tile, splits, first part
+    num_parts: int  # partial results the splits may leave
+
+
+# A tile is split only where each split still gets this many key tiles.
+SPLIT_KEY_TILES = 16
+
+
+def build_tile_map(seqlens_q: list[int], seqlens_k: list[int], block_m: int, block_n: int,
+                   num_slots: int, num_parts: int, split_key_tiles: int = SPLIT_KEY_TILES
+                   ) -> tuple[list[int], list[int]]:
+    """The rows of a TileMap, flattened: (sequence, query tile, split, splits, part) per
+    program, heaviest tiles first, padded to num_slots rows with sequence -1; and the
+    combine rows (sequence, query tile, splits, first part), padded to num_parts // 2.
+
+    A tile that sees many keys beside few other tiles would keep one program busy while
+    the GPU idles (a 448-token chunk after 16k cached tokens: 4 tiles per head). It is cut
+    along its keys (split-K): each split gets SPLIT_KEY_TILES key tiles or more and leaves
+    a partial result in `part`; the combine rows merge them. Splits go to the heaviest tiles
+    while num_parts and the free slots last.
+
+        seqlens_q = [300, 1], seqlens_k = [1324, 7], block_m = block_n = 128, no splits
+        tiles (seq, tile): (0, 2) sees 1324 keys, (0, 1) 1280, (0, 0) 1152, (1, 0) 7
+        -> rows [0,2,0,1,-1, 0,1,0,1,-1, 0,0,0,1,-1, 1,0,0,1,-1] + padding
     """
-    tiles = [(seqlen_k - seqlen_q + min((tile + 1) * block_m, seqlen_q), seq, tile)
-             for seq, (seqlen_q, seqlen_k) in enumerate(zip(seqlens_q, seqlens_k, strict=True))
-             for tile in range(-(-seqlen_q // block_m))]
+    tiles = []  # (keys seen, sequence, tile, unmasked key tiles)
+    for seq, (seqlen_q, seqlen_k) in enumerate(zip(seqlens_q, seqlens_k, strict=True)):
+        ctx_offset = seqlen_k - seqlen_q
+        for tile in range(-(-seqlen_q // block_m)):
+            m0 = tile * block_m
+            full_end = (ctx_offset + m0 + 1) // block_n * block_n  # as the kernel's
+            tiles.append((ctx_offset + min(m0 + block_m, seqlen_q), seq, tile,
+                          full_end // block_n))
     if len(tiles) > num_slots:
         raise ValueError(f"build_tile_map: {len(tiles)} query tiles, only {num_slots} slots")
     tiles.sort(key=lambda t: -t[0])  # the most keys first (a stable sort keeps ties in order)
-    flat = [value for _, seq, tile in tiles for value in (seq, tile)]
-    return flat + [-1, 0] * (num_slots - len(tiles))
+    rows: list[int] = []
+    combine: list[int] = []
+    free, parts = num_slots - len(tiles), 0
+    for _, seq, tile, full_tiles in tiles:
+        splits = min(full_tiles // split_key_tiles, free + 1, num_parts - parts)
+        if splits < 2:
+            rows += [seq, tile, 0, 1, -1]
+            continue
+        combine += [seq, tile, splits, parts]
+        for split in range(splits):
+            rows += [seq, tile, split, splits, parts + split]
+        free -= splits - 1
+        parts += splits
+    rows += [-1, 0, 0, 1, -1] * (num_slots - len(rows) // 5)
+    combine += [-1, 0, 0, 0] * (num_parts // 2 - len(combine) // 4)
+    return rows, combine
 
 
-def tile_map_slots(num_tokens: int, max_num_seqs: int, block_m: int) -> int:
-    """Enough tile_map slots for any batch of num_tokens new tokens in at most max_num_seqs
-    sequences: each sequence adds at most one partial tile to num_tokens / block_m full ones."""
-    return -(-num_tokens // block_m) + min(max_num_seqs, num_tokens)
+def tile_map_slots(num_tokens: int, max_num_seqs: int, block_m: int, num_parts: int) -> int:
+    """Enough TileMap rows for any batch of num_tokens new tokens in at most max_num_seqs
+    sequences: each sequence adds at most one partial tile to num_tokens / block_m full ones,
+    and splits add at most num_parts rows."""
+    return -(-num_tokens // block_m) + min(max_num_seqs, num_tokens) + num_parts

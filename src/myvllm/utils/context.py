@@ -22,7 +22,7 @@ Shapes (N = tokens in the step, B = sequences in the step):
               slot_mapping   [N]   int32  cache slot (block_id * block_size + offset) per new token
               block_tables   [B, max_blocks] int32, -1 padded; only set when a prefix is cached
                              (or the step is padded, below)
-              q_tiles        [tiles, 2] int32 or None: a padded chunked-prefill step (N rounded
+              q_tiles        TileMap or None: a padded chunked-prefill step (N rounded
                              up to a captured size, B up to max_num_sequences) lists its query
                              tiles here, so attention launches the same grid at every step
               decode_rows    DecodeRows or None: in such a step, the rows of one new token
@@ -37,8 +37,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the kernels module imports triton; the context needs only the type
+    from myvllm.kernels.prefill_attention import TileMap
 
 
 @dataclass
@@ -62,7 +66,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
-    q_tiles: torch.Tensor | None = None
+    q_tiles: TileMap | None = None
     decode_rows: DecodeRows | None = None
 
 
