@@ -36,14 +36,17 @@ import pytest
 
 pytest.importorskip("openai")
 
-from test_server import MODEL, fetch, free_socket, metrics, tiny_chat_checkpoint, wait_for  # noqa: E402
+from helpers_models import build_tiny_checkpoint  # noqa: E402
+from test_server import CHAT_TEMPLATE, MODEL, fetch, free_socket, metrics, wait_for  # noqa: E402
 
 from myvllm import Config  # noqa: E402
 from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from myvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from myvllm.entrypoints.openai_server import make_server  # noqa: E402
 
-MAX_MODEL_LENGTH = 256
+# Long enough that a request whose client left can't end on its own while the test watches:
+# its max_tokens is most of the 1,024 slots of the KV cache.
+MAX_MODEL_LENGTH = 1024
 NUM_BLOCKS = 64  # 16 tokens each: 1,024 slots for up to 32 sequences
 REQUEST_TIMEOUT_S = 60  # a request not answered by then is a hang, and fails the test
 
@@ -56,9 +59,20 @@ class Served:
     engine: LLMEngine
 
 
+def long_chat_checkpoint(path: Path) -> Path:
+    """test_server.py's tiny chat model, with room for MAX_MODEL_LENGTH positions."""
+    from transformers import AutoTokenizer
+
+    build_tiny_checkpoint("qwen3", path, max_position_embeddings=MAX_MODEL_LENGTH)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_faults"))
+    path = long_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_faults"))
     engine = LLMEngine(Config(model=str(path), num_kvcache_blocks=NUM_BLOCKS,
                               max_model_length=MAX_MODEL_LENGTH, max_num_sequences=32))
     llm = AsyncLLM(engine)
@@ -125,7 +139,7 @@ BAD_SHARED: dict[str, list[Any]] = {
 BAD_COMPLETION: dict[str, list[Any]] = {
     "prompt": [None, 5, 1.5, True, {}, [], [[1, 2], [3]], ["a", "b"], [1, "a"], [-1], [10**30],
                [256], [2**63], "", [""], [[]], [1.5], "word " * 2 * MAX_MODEL_LENGTH,
-               list(range(1, 200)) * 2],
+               [1 + i % 255 for i in range(MAX_MODEL_LENGTH + 1)]],
     "echo": [True, "x"],
     "best_of": [2, 0, -5, "1"],
     "suffix": ["x", 5],
@@ -145,7 +159,8 @@ BAD_CHAT: dict[str, list[Any]] = {
 # Extreme values a request may carry and still be served.
 EXTREME: dict[str, list[Any]] = {
     "prompt": ["\x00" * 8, "\U0001f600" * 20, "\u202e\u0301\uffff\ufeff", "e\u0301" * 30,
-               "x" * (MAX_MODEL_LENGTH - 4), list(range(1, MAX_MODEL_LENGTH - 3)), [0]],
+               "x" * (MAX_MODEL_LENGTH - 4), [1 + i % 255 for i in range(MAX_MODEL_LENGTH - 4)],
+               [0]],
     "temperature": [0, 1e-320, 1e-30, 1e30, 1e308],
     "top_p": [1e-300, 5e-324, 1],
     "top_k": [1, 0, -1, 2**63 - 1, 10**6],
@@ -242,6 +257,38 @@ def check_answer(fault: Fault, status: int, answer: bytes) -> None:
     assert error["code"] == status and error["message"], (fault.what, answer[:300])
 
 
+def listed_faults() -> Iterator[Fault]:
+    """Every value of the tables above once (a shared field's values alternate between the
+    two routes), every bad JSON body on both routes."""
+    for i, (name, values) in enumerate(sorted(BAD_SHARED.items())):
+        for j, value in enumerate(values):
+            path, base = (("/v1/completions", COMPLETION) if (i + j) % 2
+                          else ("/v1/chat/completions", CHAT))
+            yield Fault(f"{path} {name}={value!r:.40}", "POST", path,
+                        encode({**base, name: value}))
+    for path, base, table in (("/v1/completions", COMPLETION, BAD_COMPLETION),
+                              ("/v1/chat/completions", CHAT, BAD_CHAT)):
+        for name, values in sorted(table.items()):
+            for value in values:
+                yield Fault(f"{path} {name}={value!r:.40}", "POST", path,
+                            encode({**base, name: value}))
+        for raw in BAD_JSON:
+            yield Fault(f"{path} {raw[:40]!r}", "POST", path, raw)
+    for name, values in sorted(EXTREME.items()):
+        for value in values:
+            body = {**COMPLETION, name: value}
+            if name == "max_tokens":
+                body["prompt"] = "x" * (MAX_MODEL_LENGTH - 30)
+            yield Fault(f"extreme {name}={value!r:.40}", "POST", "/v1/completions",
+                        encode(body), valid=True)
+
+
+def test_every_listed_fault_gets_its_answer(served: Served) -> None:
+    for fault in listed_faults():
+        check_answer(fault, *send(served, fault))
+    check_nothing_held(served)
+
+
 def run_fault_matrix(served: Served, num_requests: int) -> None:
     maker = FaultMaker(seed=num_requests)
     statuses: dict[int, int] = {}
@@ -256,7 +303,7 @@ def run_fault_matrix(served: Served, num_requests: int) -> None:
 
 
 def test_fault_matrix_short(served: Served) -> None:
-    run_fault_matrix(served, 150)
+    run_fault_matrix(served, 100)
 
 
 @pytest.mark.slow
@@ -291,14 +338,43 @@ def test_too_many_or_too_long_stop_strings_get_400(served: Served) -> None:
 
 
 # ---------------------------------------------------------------------------- disconnects
+@dataclass
+class EngineEnds:
+    """How the engine's requests ended, counted in the engine thread."""
+
+    natural: int = 0  # finished ("stop" or "length")
+    aborted: int = 0  # aborted while the engine still held them
+
+
+def count_engine_ends(engine: LLMEngine) -> EngineEnds:
+    ends = EngineEnds()
+    abort, finish = engine.abort, engine.scheduler.finish
+
+    def counting_abort(request_id: int) -> None:
+        ends.aborted += request_id in engine._requests
+        abort(request_id)
+
+    def counting_finish(seq: Any, reason: Any) -> None:
+        ends.natural += 1
+        finish(seq, reason)
+
+    engine.abort = counting_abort  # type: ignore[method-assign]
+    engine.scheduler.finish = counting_finish  # type: ignore[method-assign]
+    return ends
+
+
 async def disconnecting_client(served: Served, rng: random.Random, i: int) -> str:
-    """One client that leaves at a random point; returns where it left."""
+    """One client; returns where it left: "read-all" read its whole answer, the others left
+    before it was complete. Those ask for most of the KV cache, so their request can only
+    end by an abort while the test runs."""
     stream = rng.random() < 0.5
     chat = rng.random() < 0.3
+    where = rng.choices(["mid-body", "after-body", "mid-answer", "read-all"], [10, 30, 45, 15])[0]
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body: dict[str, Any] = {"max_tokens": rng.randint(1, 200), "ignore_eos": True,
-                            "stream": stream, "temperature": rng.choice([0, 1.0])}
-    text = f"Client {i} says: " + "words " * rng.randint(0, 30)
+    text = f"Client {i} says: " + "words " * rng.randint(0, 20)
+    max_tokens = rng.randint(1, 16) if where == "read-all" else MAX_MODEL_LENGTH - 200
+    body: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
+                            "temperature": rng.choice([0, 1.0])}
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -306,7 +382,6 @@ async def disconnecting_client(served: Served, rng: random.Random, i: int) -> st
     raw = encode(body)
     head = (f"POST {path} HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
             f"content-length: {len(raw)}\r\nconnection: close\r\n\r\n").encode()
-    where = rng.choices(["mid-body", "after-body", "mid-answer", "read-all"], [10, 30, 45, 15])[0]
     reader, writer = await asyncio.open_connection(served.host, served.port)
     try:
         if where == "mid-body":
@@ -322,20 +397,25 @@ async def disconnecting_client(served: Served, rng: random.Random, i: int) -> st
         if where == "mid-answer" and not stream:
             await asyncio.sleep(rng.random() * 0.5)  # the answer is being computed
             return where
-        lines = 0
         stop_after = rng.randint(1, 20) if where == "mid-answer" else -1
-        while True:
+        lines = []
+        while True:  # the status line, headers, then the body (ends when the server closes)
             line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT_S)
-            lines += 1
-            if not line or lines == stop_after or b"[DONE]" in line or (
-                    not stream and line.startswith(b"{")):
+            lines.append(line)
+            if len(lines) == stop_after:
                 return where
+            if not line:
+                break
+        assert lines[0].startswith(b"HTTP/1.1 200"), lines[:3]
+        assert not stream or b"data: [DONE]\n" in lines
+        return where
     finally:
         writer.close()  # the client goes away: the server sees the connection close
 
 
 def run_disconnects(served: Served, num_clients: int) -> None:
     rng = random.Random(num_clients)
+    ends = count_engine_ends(served.engine)
 
     async def main() -> dict[str, int]:
         wheres: dict[str, int] = {}
@@ -351,9 +431,16 @@ def run_disconnects(served: Served, num_clients: int) -> None:
             wheres[where] = wheres.get(where, 0) + 1
         return wheres
 
-    wheres = asyncio.run(main())
-    assert sum(wheres.values()) == num_clients and len(wheres) == 4, wheres
-    check_nothing_held(served)
+    try:
+        wheres = asyncio.run(main())
+        assert sum(wheres.values()) == num_clients and len(wheres) == 4, wheres
+        check_nothing_held(served)
+        # Only the clients that read their whole answer saw their request end on its own;
+        # every other request the engine took was aborted.
+        assert ends.natural == wheres["read-all"], (ends, wheres)
+        assert ends.aborted > 0
+    finally:
+        del served.engine.abort, served.engine.scheduler.finish  # the class's methods again
     # And the server still serves.
     status, answer = fetch("POST", f"{served.base_url}/v1/completions", encode(COMPLETION))
     assert status == 200, answer
