@@ -209,9 +209,10 @@ class FaultMaker:
             for name in names:
                 body[name] = rng.choice(EXTREME[name])
             if body["max_tokens"] > MAX_MODEL_LENGTH:  # keep it short: a long prompt
-                body["prompt"] = "x" * (MAX_MODEL_LENGTH - 30)
-            if "messages" in body and "prompt" in body:
-                body["messages"] = [{"role": "user", "content": str(body.pop("prompt"))[:200]}]
+                body["prompt"] = "x" * (MAX_MODEL_LENGTH - 40)
+            if "messages" in body and "prompt" in body:  # the template adds ~20 tokens
+                content = str(body.pop("prompt"))[:MAX_MODEL_LENGTH - 40]
+                body["messages"] = [{"role": "user", "content": content}]
             return Fault(f"{path} extreme {names}", "POST", path, encode(body), valid=True)
         if kind == "type":
             content_type, raw, valid = rng.choice([
