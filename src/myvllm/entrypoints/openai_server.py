@@ -8,7 +8,8 @@
 
 A request's way through this file (the engine side is in myvllm/engine/async_llm.py):
 
-    body bytes --parse_request--> CompletionRequest (strict; a mistake is a 400)
+    body bytes (a 413 over the size limit)
+      --parse_request--> CompletionRequest (strict; a mistake is a 400)
       -> token ids, SamplingParams -> AsyncLLM.generate(...) -> async iterator of StreamOutput
       -> stream=false: collect the text, one JSON body
          stream=true:  one server-sent event per output, "data: {...}\\n\\n", then
