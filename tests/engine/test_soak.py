@@ -31,7 +31,6 @@ import asyncio
 import gc
 import random
 import tracemalloc
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
