@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 from myvllm.value_checks import is_int, is_real
+
+logger = logging.getLogger("myvllm")
+
+# Below this a positive temperature is raised to it (vLLM's rule): logits / 1e-40 overflow
+# float32 to inf, and the softmax of inf - inf is NaN, which samples token 0 whatever the
+# logits say. At 0.01 sampling is as good as greedy already.
+MIN_TEMPERATURE = 1e-2
+MAX_INT64 = 2**63 - 1  # top_k is an int64 tensor on the device
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
     """Divides the logits before softmax. 0 means greedy (argmax), the deterministic mode every
-    correctness test uses; larger values flatten the distribution."""
+    correctness test uses; larger values flatten the distribution. A positive value below
+    0.01 is raised to 0.01."""
 
     top_k: int = -1
     """Sample only among the k most likely tokens; -1 = no limit."""
@@ -36,10 +47,14 @@ class SamplingParams:
         if not (is_real(t) and math.isfinite(t) and t >= 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 "
                              f"(0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            logger.warning(f"temperature {t} is raised to {MIN_TEMPERATURE}: smaller ones "
+                           "overflow the logits (use 0 for greedy)")
+            self.temperature = MIN_TEMPERATURE
         k = self.top_k
-        if not (is_int(k) and (k == -1 or k >= 1)):
-            raise ValueError(f"SamplingParams.top_k must be -1 (no limit) or an int >= 1, "
-                             f"got {k!r}")
+        if not (is_int(k) and (k == -1 or 1 <= k <= MAX_INT64)):
+            raise ValueError(f"SamplingParams.top_k must be -1 (no limit) or an int in "
+                             f"[1, 2**63 - 1], got {k!r}")
         p = self.top_p
         if not (is_real(p) and 0.0 < p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
@@ -49,7 +64,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, "
                              f"got {self.ignore_eos!r}")
-        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
-            raise ValueError(f"SamplingParams.seed must be None or an int >= 0, "
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64 - 1], "
                              f"got {self.seed!r}")
 

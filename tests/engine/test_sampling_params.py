@@ -31,10 +31,26 @@ def test_valid_edges() -> None:
         ("max_tokens", 0, ">= 1"),
         ("max_tokens", 3.0, ">= 1"),
         ("ignore_eos", 1, "True or False"),
-        ("seed", -1, "None or an int >= 0"),
-        ("seed", 1.0, "None or an int >= 0"),
+        ("top_k", 2**63, r"\[1, 2\*\*63 - 1\]"),  # top_k is an int64 on the device
+        ("seed", -1, r"None or an int in \[0, 2\*\*64 - 1\]"),
+        ("seed", 1.0, r"None or an int in \[0, 2\*\*64 - 1\]"),
+        ("seed", 2**64, r"None or an int in \[0, 2\*\*64 - 1\]"),  # torch seeds are uint64
     ],
 )
 def test_bad_values_raise_naming_field(field: str, value: object, allowed: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*{allowed}"):
         SamplingParams(**{field: value})
+
+
+def test_largest_seed_and_top_k_are_accepted() -> None:
+    p = SamplingParams(seed=2**64 - 1, top_k=2**63 - 1)
+    assert p.seed == 2**64 - 1 and p.top_k == 2**63 - 1
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 0.009])
+def test_tiny_temperature_is_raised_to_the_minimum(temperature: float) -> None:
+    # logits / 1e-45 overflow float32 and the softmax turns NaN: raised, not left to sample
+    # token 0.
+    assert SamplingParams(temperature=temperature).temperature == 0.01
+    assert SamplingParams(temperature=0.0).temperature == 0.0
+    assert SamplingParams(temperature=0.01).temperature == 0.01

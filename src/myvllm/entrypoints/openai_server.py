@@ -8,7 +8,8 @@
 
 A request's way through this file (the engine side is in myvllm/engine/async_llm.py):
 
-    body bytes --parse_request--> CompletionRequest (strict; a mistake is a 400)
+    body bytes (a 413 over the size limit)
+      --parse_request--> CompletionRequest (strict; a mistake is a 400)
       -> token ids, SamplingParams -> AsyncLLM.generate(...) -> async iterator of StreamOutput
       -> stream=false: collect the text, one JSON body
          stream=true:  one server-sent event per output, "data: {...}\\n\\n", then
@@ -39,6 +40,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from myvllm.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput
 from myvllm.entrypoints import protocol
@@ -50,6 +52,12 @@ logger = logging.getLogger("myvllm")
 # /v1/completions without max_tokens: OpenAI's default. Chat without max_tokens may use
 # the rest of the context, as vLLM does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# The largest request body read, unless make_server is told otherwise: room for a prompt of
+# max_model_length tokens at 64 bytes each (a token's text escaped in JSON, or its id and a
+# comma, is far less), and never under 1 MiB. A larger body gets a 413 before it is parsed.
+MIN_BODY_LIMIT = 1 << 20
+BODY_BYTES_PER_TOKEN = 64
+DRAIN_LIMIT = 64 << 20  # the most of a too-large body read (and dropped) before the 413
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -61,6 +69,35 @@ def error_response(message: str, status: int, param: str | None = None) -> JSONR
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+def default_body_limit(max_model_length: int) -> int:
+    return max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * max_model_length)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 if it is larger than limit bytes. A too-large body is read
+    to its end and dropped (up to DRAIN_LIMIT bytes), not kept: a client that sends its
+    whole body before it reads the answer then gets the 413 rather than a broken pipe."""
+    too_large = RequestError(f"the request body is larger than this server's limit of "
+                             f"{limit} bytes", 413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max(limit, DRAIN_LIMIT):
+        raise too_large  # not worth reading; the connection is closed after the answer
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > DRAIN_LIMIT:
+                break
+    except ClientDisconnect:  # nobody reads the answer; a client's doing, not a server error
+        raise RequestError("the client closed the connection before the request body "
+                           "was complete") from None
+    if size > limit:
+        raise too_large
+    return b"".join(chunks)
+
+
 async def _disconnected(request: Request) -> None:
     """Return when the client closes the connection (the body has been read already)."""
     while True:
@@ -69,9 +106,12 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger) -> FastAPI:
+def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
+              max_body_bytes: int | None = None) -> FastAPI:
     app = FastAPI(title="myvllm", docs_url=None, redoc_url=None)
     max_model_length = llm.engine.max_model_length
+    body_limit = (max_body_bytes if max_body_bytes is not None
+                  else default_body_limit(max_model_length))
     created = int(time.time())
 
     @app.exception_handler(RequestError)
@@ -204,13 +244,15 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = protocol.parse_request(protocol.CompletionRequest, await request.body())
+        body = protocol.parse_request(protocol.CompletionRequest,
+                                      await read_body(request, body_limit))
         prompt_ids = _encode(llm, body.prompt)
         return await run(request, body, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = protocol.parse_request(protocol.ChatCompletionRequest, await request.body())
+        body = protocol.parse_request(protocol.ChatCompletionRequest,
+                                      await read_body(request, body_limit))
         prompt_ids = apply_chat_template(llm, body)
         return await run(request, body, prompt_ids,
                          max(1, max_model_length - len(prompt_ids)), chat=True)
@@ -282,10 +324,11 @@ class Server(uvicorn.Server):
 
 
 def make_server(llm: AsyncLLM, model_name: str, host: str, port: int,
-                log_level: str = "info") -> Server:
+                log_level: str = "info", max_body_bytes: int | None = None) -> Server:
+    """max_body_bytes: the largest request body taken (None: default_body_limit)."""
     stat_logger = PrometheusStatLogger(model_name)
     llm.stat_logger = stat_logger
-    app = build_app(llm, model_name, stat_logger)
+    app = build_app(llm, model_name, stat_logger, max_body_bytes)
     # timeout_graceful_shutdown: a connection that still hangs after the aborts is cut.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=3, access_log=False)

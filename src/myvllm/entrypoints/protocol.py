@@ -28,8 +28,14 @@ class RequestError(Exception):
         self.param = param
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+# Every generated token is matched against every stop string (and a stop string's beginnings
+# are looked for at the end of the text), so their number and length bound that work.
+# OpenAI allows 4 stop strings; these limits are far above any real use.
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 256
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -74,10 +80,14 @@ class _SamplingRequest(_Strict):
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
             raise ValueError("presence_penalty, frequency_penalty and logit_bias are not "
                              "supported")
-        if isinstance(self.stop, list) and not all(self.stop):
+        stop = self.stop_strings
+        if not all(stop):
             raise ValueError("stop strings must not be empty")
-        if self.stop == "":
-            raise ValueError("stop strings must not be empty")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are taken")
+        if any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise ValueError(f"a stop string of {max(len(s) for s in stop)} characters; "
+                             f"at most {MAX_STOP_LENGTH} are taken")
         return self
 
     @property
@@ -106,7 +116,7 @@ class CompletionRequest(_SamplingRequest):
     # A string, token ids, or a list of one of those (a batch of one).
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
     @model_validator(mode="after")
