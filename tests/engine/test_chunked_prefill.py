@@ -47,7 +47,8 @@ def test_prompts_many_times_the_budget_match_transformers(kind: str) -> None:
     assert any(n < 0 for n in counts)  # and pure decode steps came once the prompts were in
 
 
-def test_padded_chunked_steps_match_transformers() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_chunked_steps_match_transformers(async_scheduling: bool) -> None:
     """The GPU's way of running chunked steps, switched on here: steps padded to fixed sizes
     on fixed buffers, attention launched from a tile map (what a CUDA graph replays) with
     long tiles split along their keys, decode rows beside chunks (the decode kernel's), and
@@ -56,15 +57,19 @@ def test_padded_chunked_steps_match_transformers() -> None:
     base = random_prompts([24], seed=5)[0]
     prompts = [base + p for p in random_prompts([56, 2, 17], seed=6)] + random_prompts([5])
     llm = LLM(str(path), block_size=4, max_model_length=96, max_num_batched_tokens=40,
-              max_num_sequences=4, max_prefill_tokens_while_decoding=8)
+              max_num_sequences=4, max_prefill_tokens_while_decoding=8,
+              async_scheduling=async_scheduling)
     buffers = llm.model_runner.inputs.pad_chunked_steps(max_tokens=32, block_m=16, block_n=16)
     assert buffers.sizes == [16, 32]
     buffers.split_key_tiles = 2  # cut every tile that sees 32 keys or more (split-K)
     sizes = []
     fill = buffers.fill
     mixed = []  # padded steps with one-token rows (the decode kernel's) beside chunks
-    def spy(ids, positions, slots, cu_q, *args):  # noqa: ANN001, ANN202
-        step = fill(ids, positions, slots, cu_q, *args)
+    pending_steps = []  # padded steps with tokens still on the device
+    def spy(ids, pending, pool, positions, slots, cu_q, *args):  # noqa: ANN001, ANN202
+        step = fill(ids, pending, pool, positions, slots, cu_q, *args)
+        if pending:
+            pending_steps.append(pending)
         sizes.append((len(positions), step.input_ids.size(0)))
         lengths = [b - a for a, b in zip(cu_q, cu_q[1:])]
         mixed.append(1 in lengths and max(lengths) > 1)
@@ -82,6 +87,8 @@ def test_padded_chunked_steps_match_transformers() -> None:
     assert any(n > 32 for n in counts)  # some steps too large to pad ran unpadded
     assert any(real < padded for real, padded in sizes)  # and padded ones ran with padding
     assert any(mixed)
+    if async_scheduling:  # decode rows read their token from the device's pool
+        assert pending_steps
 
 
 def test_long_prompt_with_a_prefix_hit_and_async_scheduling() -> None:

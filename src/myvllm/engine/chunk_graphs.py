@@ -57,35 +57,61 @@ def chunk_graph_sizes(max_tokens: int) -> list[int]:
 
 
 class ChunkBuffers:
-    """The fixed device memory a padded chunked step reads: what its CUDA graph replays on."""
+    """The fixed device memory a padded chunked step reads: what its CUDA graph replays on.
+
+    As in the DecodeBuffers, every field lives in one of two device buffers, filled from a
+    pinned host copy (two slots that alternate, an event each) with a few copies per step:
+
+        int64:  [ input_ids (T) | positions (T) | row gather (R) | row scatter (R) |
+                  pending tokens: position in the batch (R) | row of the token pool (R) ]
+        int32:  [ slot_mapping (T) | cu_seqlens_q (S+1) | cu_seqlens_k (S+1) |
+                  row context lens (R) | q tiles (tile rows x 5) | combine (parts/2 x 4) |
+                  block_tables (S x W) | row block tables (R x W) ]
+
+    T = the largest padded size, S = max_num_sequences, R = min(S, T) decode-row slots,
+    W = blocks per sequence. A step copies all of int64 (small), int32 up to its sequences'
+    block tables, and its decode rows' block tables.
+    """
 
     def __init__(self, max_tokens: int, max_num_seqs: int, max_width: int, block_m: int,
                  block_n: int, device: torch.device, pin_memory: bool) -> None:
         self.sizes = chunk_graph_sizes(max_tokens)
-        self.max_tokens = self.sizes[-1]
-        self.max_num_seqs = max_num_seqs
+        self.max_tokens = t = self.sizes[-1]
+        self.max_num_seqs = s = max_num_seqs
+        self.max_width = w = max_width
         self.block_m = block_m  # the prefill kernel's query tile (rows per program)
         self.block_n = block_n  # and its key tile
         self.split_key_tiles = SPLIT_KEY_TILES  # see build_tile_map (tests lower it)
-        self.device = device
-        self.pin_memory = pin_memory
-        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
-        self.cu_seqlens_k = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((max_num_seqs, max_width), -1, dtype=torch.int32,
-                                       device=device)
-        self.q_tiles = torch.full((self.slots(self.max_tokens), 5), -1, dtype=torch.int32,
-                                  device=device)
-        self.q_tile_combine = torch.full((NUM_SPLIT_PARTS // 2, 4), -1, dtype=torch.int32,
-                                         device=device)
-        rows = min(max_num_seqs, self.max_tokens)
-        self.row_gather = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.row_scatter = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.row_block_tables = torch.full((rows, max_width), -1, dtype=torch.int32,
-                                           device=device)
-        self.row_context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        r = self.num_rows(t)
+        fields64 = [("input_ids", t), ("positions", t), ("row_gather", r), ("row_scatter", r),
+                    ("pending_at", r), ("pending_row", r)]
+        fields32 = [("slot_mapping", t), ("cu_seqlens_q", s + 1), ("cu_seqlens_k", s + 1),
+                    ("row_context_lens", r), ("q_tiles", 5 * self.slots(t)),
+                    ("q_tile_combine", 4 * (NUM_SPLIT_PARTS // 2)), ("block_tables", s * w),
+                    ("row_block_tables", r * w)]
+        self.offset: dict[str, tuple[int, int]] = {}  # field -> (start, end) in its buffer
+        for fields in (fields64, fields32):
+            start = 0
+            for name, size in fields:
+                self.offset[name] = (start, start + size)
+                start += size
+        self.int64 = torch.zeros(self.offset["pending_row"][1], dtype=torch.int64,
+                                 device=device)
+        self.int32 = torch.zeros(self.offset["row_block_tables"][1], dtype=torch.int32,
+                                 device=device)
+        self.host64 = [torch.zeros_like(self.int64, device="cpu", pin_memory=pin_memory)
+                       for _ in range(2)]
+        self.host32 = [torch.zeros_like(self.int32, device="cpu", pin_memory=pin_memory)
+                       for _ in range(2)]
+        self.copied = [torch.cuda.Event() if pin_memory else None for _ in range(2)]
+        self.slot = 0
+
+    def field(self, name: str, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """A field's whole region, of the device buffers (or of the host slot `buffer`)."""
+        start, end = self.offset[name]
+        if buffer is None:
+            buffer = self.int64 if name in _INT64_FIELDS else self.int32
+        return buffer[start:end]
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The smallest size that holds num_tokens, or None when the step is too large."""
@@ -101,33 +127,32 @@ class ChunkBuffers:
     def context(self, padded_tokens: int, num_seqs: int, max_seqlen_q: int = 0,
                 max_seqlen_k: int = 0) -> Context:
         """The Context of a padded step over these buffers (num_seqs real sequences)."""
+        rows = self.num_rows(padded_tokens)
         return Context(
             is_prefill=True,
-            cu_seqlens_q=self.cu_seqlens_q[: num_seqs + 1],
-            cu_seqlens_k=self.cu_seqlens_k[: num_seqs + 1],
+            cu_seqlens_q=self.field("cu_seqlens_q")[: num_seqs + 1],
+            cu_seqlens_k=self.field("cu_seqlens_k")[: num_seqs + 1],
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            slot_mapping=self.slot_mapping[:padded_tokens],
-            block_tables=self.block_tables,
-            q_tiles=TileMap(self.q_tiles[: self.slots(padded_tokens)], self.q_tile_combine,
-                            NUM_SPLIT_PARTS),
+            slot_mapping=self.field("slot_mapping")[:padded_tokens],
+            block_tables=self.field("block_tables").view(self.max_num_seqs, self.max_width),
+            q_tiles=TileMap(self.field("q_tiles").view(-1, 5)[: self.slots(padded_tokens)],
+                            self.field("q_tile_combine").view(-1, 4), NUM_SPLIT_PARTS),
             decode_rows=DecodeRows(
-                gather=self.row_gather[: self.num_rows(padded_tokens)],
-                scatter=self.row_scatter[: self.num_rows(padded_tokens)],
-                block_tables=self.row_block_tables[: self.num_rows(padded_tokens)],
-                context_lens=self.row_context_lens[: self.num_rows(padded_tokens)]),
+                gather=self.field("row_gather")[:rows],
+                scatter=self.field("row_scatter")[:rows],
+                block_tables=self.field("row_block_tables").view(-1, self.max_width)[:rows],
+                context_lens=self.field("row_context_lens")[:rows]),
         )
 
-    def _host(self, array: np.ndarray) -> torch.Tensor:
-        """A host tensor to copy from; pinned on a GPU (a copy from pageable memory would
-        wait for the running step)."""
-        tensor = torch.from_numpy(array)
-        return tensor.pin_memory() if self.pin_memory else tensor
+    def fill(self, input_ids: list[int], pending: list[tuple[int, int]], pool: torch.Tensor,
+             positions: list[int], slot_mapping: list[int], cu_seqlens_q: list[int],
+             cu_seqlens_k: list[int], tables: list[list[int]]) -> StepInputs:
+        """Write one step to a host slot, send it (stream-ordered: a step still running on
+        the buffers has read them before these copies land), return its padded StepInputs.
 
-    def fill(self, ids: torch.Tensor, positions: list[int], slot_mapping: list[int],
-             cu_seqlens_q: list[int], cu_seqlens_k: list[int], tables: list[list[int]],
-             to_device: Callable[[list[int], torch.dtype], torch.Tensor]) -> StepInputs:
-        """Copy one step into the buffers (stream-ordered: a step still running on them has
-        read them before these copies land) and return its padded StepInputs."""
+        pending: (position in input_ids, row of `pool`) of each token still on the device
+        (overlapped scheduling); its entry of input_ids is a placeholder.
+        """
         num_tokens, num_seqs = len(positions), len(tables)
         padded = self.padded_size(num_tokens)
         assert padded is not None and num_seqs <= self.max_num_seqs
@@ -138,40 +163,64 @@ class ChunkBuffers:
         tiles, combine = build_tile_map([0 if n == 1 else n for n in seqlens_q], seqlens_k,
                                         self.block_m, self.block_n, self.slots(padded),
                                         NUM_SPLIT_PARTS, self.split_key_tiles)
-        self.input_ids[:num_tokens].copy_(ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(to_device(positions, torch.int64), non_blocking=True)
+        rows, num_rows = self.num_rows(padded), len(one_token)
+        row_tokens = [cu_seqlens_q[i] for i in one_token]
+
+        slot, self.slot = self.slot, 1 - self.slot
+        event = self.copied[slot]
+        if event is not None:
+            event.synchronize()  # the copy two steps ago out of this slot (long done)
+        h64, h32 = self.host64[slot].numpy(), self.host32[slot].numpy()
+
+        def put(name: str, values: list[int] | np.ndarray) -> None:
+            start, _ = self.offset[name]
+            host = h64 if name in _INT64_FIELDS else h32
+            host[start: start + len(values)] = values
+
         # Padding tokens store nothing (slot -1); their ids and positions are left over from
         # an earlier step, valid values whose results nobody reads.
-        slots = slot_mapping + [-1] * (padded - num_tokens)
-        self.slot_mapping[:padded].copy_(to_device(slots, torch.int32), non_blocking=True)
-        self.cu_seqlens_q[: num_seqs + 1].copy_(to_device(cu_seqlens_q, torch.int32),
-                                                non_blocking=True)
-        self.cu_seqlens_k[: num_seqs + 1].copy_(to_device(cu_seqlens_k, torch.int32),
-                                                non_blocking=True)
-        width = max(len(table) for table in tables)
-        table_array = np.full((num_seqs, width), -1, dtype=np.int32)
+        put("input_ids", input_ids)
+        put("positions", positions)
+        put("slot_mapping", slot_mapping + [-1] * (padded - num_tokens))
+        put("cu_seqlens_q", cu_seqlens_q)
+        put("cu_seqlens_k", cu_seqlens_k)
+        put("q_tiles", tiles)
+        put("q_tile_combine", combine)
+        # Decode rows; padding rows attend to nothing and write to the spare row `padded`.
+        put("row_gather", row_tokens + [0] * (rows - num_rows))
+        put("row_scatter", row_tokens + [padded] * (rows - num_rows))
+        put("row_context_lens", [seqlens_k[i] for i in one_token] + [0] * (rows - num_rows))
+        put("pending_at", [at for at, _ in pending])
+        put("pending_row", [row for _, row in pending])
+        block_tables = self.field("block_tables", self.host32[slot]).numpy()
+        block_tables = block_tables.reshape(-1, self.max_width)
+        row_tables = self.field("row_block_tables", self.host32[slot]).numpy()
+        row_tables = row_tables.reshape(-1, self.max_width)
+        block_tables[:num_seqs].fill(-1)
         for row, table in enumerate(tables):
-            table_array[row, : len(table)] = table
-        self.block_tables[:num_seqs, :width].copy_(self._host(table_array), non_blocking=True)
-        self.q_tiles[: self.slots(padded)].copy_(
-            to_device(tiles, torch.int32).view(-1, 5), non_blocking=True)
-        self.q_tile_combine.copy_(to_device(combine, torch.int32).view(-1, 4),
-                                  non_blocking=True)
-        num_rows = len(one_token)
-        pad_rows = self.num_rows(padded) - num_rows
-        tokens = [cu_seqlens_q[i] for i in one_token]
-        self.row_gather[: num_rows + pad_rows].copy_(
-            to_device(tokens + [0] * pad_rows, torch.int64), non_blocking=True)
-        self.row_scatter[: num_rows + pad_rows].copy_(
-            to_device(tokens + [padded] * pad_rows, torch.int64), non_blocking=True)
-        self.row_context_lens[: num_rows + pad_rows].copy_(
-            to_device([seqlens_k[i] for i in one_token] + [0] * pad_rows, torch.int32),
-            non_blocking=True)
-        if one_token:
-            self.row_block_tables[:num_rows, :width].copy_(
-                self._host(table_array[one_token]), non_blocking=True)
+            block_tables[row, : len(table)] = table
+        row_tables[:num_rows] = block_tables[one_token]
+
+        non_blocking = event is not None
+        self.int64.copy_(self.host64[slot], non_blocking=non_blocking)
+        end = self.offset["block_tables"][0] + num_seqs * self.max_width
+        self.int32[:end].copy_(self.host32[slot][:end], non_blocking=non_blocking)
+        if num_rows:
+            start = self.offset["row_block_tables"][0]
+            end = start + num_rows * self.max_width
+            self.int32[start:end].copy_(self.host32[slot][start:end], non_blocking=non_blocking)
+        if event is not None:
+            event.record()
+        ids = self.field("input_ids")
+        if pending:  # tokens sampled by the step before, still on the device
+            at = self.field("pending_at")[: len(pending)]
+            ids.index_copy_(0, at, pool.index_select(0, self.field("pending_row")[: len(pending)]))
         context = self.context(padded, num_seqs, max(seqlens_q), max(seqlens_k))
-        return StepInputs(self.input_ids[:padded], self.positions[:padded], context)
+        return StepInputs(ids[:padded], self.field("positions")[:padded], context)
+
+
+_INT64_FIELDS = frozenset({"input_ids", "positions", "row_gather", "row_scatter", "pending_at",
+                           "pending_row"})
 
 
 # What a chunk graph captures: the model's body on padded StepInputs -> hidden states.
@@ -190,17 +239,17 @@ class ChunkGraphRunner:
     def capture(self, body: BodyForward, buffers: ChunkBuffers) -> None:
         """One graph per padded size, largest first, sharing one memory pool. Captured with
         no tiles (sequence -1 everywhere) and slot -1: the capture computes nothing real."""
-        buffers.q_tiles.fill_(-1)
-        buffers.q_tile_combine.fill_(-1)
-        buffers.slot_mapping.fill_(-1)
-        buffers.row_gather.zero_()
-        buffers.row_context_lens.zero_()
+        buffers.field("q_tiles").fill_(-1)
+        buffers.field("q_tile_combine").fill_(-1)
+        buffers.field("slot_mapping").fill_(-1)
+        buffers.field("row_gather").zero_()
+        buffers.field("row_context_lens").zero_()
         pool = None
         for size in sorted(buffers.sizes, reverse=True):
-            buffers.row_scatter.fill_(size)  # the spare output row of this size
+            buffers.field("row_scatter").fill_(size)  # the spare output row of this size
             # All max_num_seqs sequences: the launch must not see an empty batch.
             context = buffers.context(size, buffers.max_num_seqs)
-            ids, positions = buffers.input_ids[:size], buffers.positions[:size]
+            ids, positions = buffers.field("input_ids")[:size], buffers.field("positions")[:size]
             graph = torch.cuda.CUDAGraph()
             with forward_context(context):
                 body(ids, positions)  # warm-up outside the graph (Triton compiles, cuBLAS)

@@ -188,6 +188,11 @@ class InputBuilder:
                 first = seq.block_table[pos // self.block_size] * self.block_size + offset
                 slot_mapping.extend(range(first, first + count))
                 pos += count
+        buffers = self.chunk_buffers
+        if buffers is not None and buffers.padded_size(len(positions)) is not None:
+            return buffers.fill(input_ids, pending_rows, self.decode_buffers.sampled, positions,
+                                slot_mapping, cu_seqlens_q, cu_seqlens_k,
+                                [seq.block_table for seq in seqs])
         ids = self.to_device(input_ids, torch.int64)
         if pending_rows:
             # [pool | host ids] indexed once: pending rows read the pool, the others their id.
@@ -196,10 +201,6 @@ class InputBuilder:
                 index[position] = row
             ids = torch.cat([self.decode_buffers.sampled, ids]).index_select(
                 0, self.to_device(index, torch.int64))
-        buffers = self.chunk_buffers
-        if buffers is not None and buffers.padded_size(len(positions)) is not None:
-            return buffers.fill(ids, positions, slot_mapping, cu_seqlens_q, cu_seqlens_k,
-                                [seq.block_table for seq in seqs], self.to_device)
         context = Context(
             is_prefill=True,
             cu_seqlens_q=self.to_device(cu_seqlens_q, torch.int32),
