@@ -84,11 +84,14 @@ class BlockManager:
         h.update(np.asarray(token_ids, dtype="<i8").tobytes())
         return h.intdigest()  # unsigned 64-bit: never -1
 
-    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Hash every block of ``seq`` and find the leading run of cache hits.
+    def _match_prefix(self, seq: Sequence, hash_all: bool = True) -> tuple[list[int], list[int]]:
+        """Hash the blocks of ``seq`` and find the leading run of cache hits.
 
         Returns (hashes, hits): hashes[i] is block i's chained hash (-1 when partial or prefix
-        caching is off); hits are the block ids serving blocks 0..len(hits)-1.
+        caching is off); hits are the block ids serving blocks 0..len(hits)-1. Without
+        hash_all, hashing stops at the first miss (-1 after it): enough to find the hits,
+        and a 16k-token prompt's thousand hashes are then computed chunk by chunk, as its
+        chunks register their blocks, not all in the step that admits it.
         """
         hashes: list[int] = []
         hits: list[int] = []
@@ -98,7 +101,7 @@ class BlockManager:
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             full = len(token_ids) == self.block_size
-            if not (self.enable_prefix_caching and full):
+            if not (self.enable_prefix_caching and full) or (missed and not hash_all):
                 h = -1
             elif i < len(seq.block_hashes):  # hashed on an earlier look (can_allocate)
                 h = seq.block_hashes[i]
@@ -174,7 +177,7 @@ class BlockManager:
     # ------------------------------------------------------------------ prefill
     def can_allocate(self, seq: Sequence) -> bool:
         """Enough free blocks for every block of seq that is not shared with a running seq?"""
-        _, hits = self._match_prefix(seq)
+        _, hits = self._match_prefix(seq, hash_all=False)
         shared = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         # Hits on *free* cached blocks still come out of the free list (revived).
         return len(self.free_block_ids) >= seq.num_blocks - shared
@@ -192,7 +195,9 @@ class BlockManager:
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
-        hashes, hits = self._match_prefix(seq)
+        # Registration needs every hash only when all blocks are registered now (num_computable
+        # None); otherwise register_full_blocks hashes the rest as chunks write them.
+        hashes, hits = self._match_prefix(seq, hash_all=num_computable is None)
         shared = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         if len(self.free_block_ids) < seq.num_blocks - shared:
             raise RuntimeError(f"cannot allocate {seq.num_blocks - shared} blocks for sequence "
