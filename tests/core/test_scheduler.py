@@ -382,3 +382,20 @@ def test_prompt_chunks_beside_decode_rows_are_capped() -> None:
         done = newcomer.num_computed_tokens == 30  # its last chunk: it samples too
         sch.postprocess(batch if done else batch[:1], [7, 8] if done else [7])
     assert newcomer.num_completion_tokens == 1
+
+
+def test_chunks_far_into_a_long_prompt_shrink_beside_decode_rows() -> None:
+    """Beside decode rows, a chunk's attention grows with its position: past
+    ATTENTION_BOUND_CONTEXT tokens the cap counts a token for more, so chunks shrink."""
+    from myvllm.engine.scheduler import ATTENTION_BOUND_CONTEXT as long
+
+    chunk = Scheduler._chunk_size
+    assert chunk(0, 10_000, 16384, 512, capped=True) == (512, 512)
+    assert chunk(long - 512, 10_000, 16384, 512, capped=True) == (512, 512)
+    assert chunk(3 * long, 10_000, 16384, 512, capped=True) == (163, 496)  # ~3x the context
+    assert chunk(4 * long - 512, 10_000, 16384, 512, capped=True) == (128, 500)  # ~4x
+    assert chunk(3 * long, 10_000, 16384, 512, capped=False) == (512, 512)
+    assert chunk(3 * long, 100, 16384, 512, capped=True) == (100, 303)  # its last 100 tokens
+    for start in range(0, 40_000, 997):  # never over the budget
+        n, cost = chunk(start, 10_000, 16384, 300, capped=True)
+        assert 1 <= n <= 300 and n <= cost <= 300

@@ -34,6 +34,13 @@ from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
+# Beyond this position a prompt token's attention (over every token before it) costs more
+# than its matmuls: 4 * layers * heads * head_dim FLOPs per token of context against
+# 2 * parameters per token, ~3,800 tokens for Qwen3-0.6B (more for larger models). Beside
+# decode rows, a chunk this far into its prompt is charged in proportion (see _chunk_size).
+ATTENTION_BOUND_CONTEXT = 4096
+
+
 class Scheduler:
     def __init__(self, config: Config) -> None:
         if config.num_kvcache_blocks < 1:
@@ -184,7 +191,8 @@ class Scheduler:
            admitted with a first chunk (after its cached prefix) and the whole block table.
 
         While any running sequence decodes, prompt chunks together get at most
-        max_prefill_tokens_while_decoding tokens: the decode rows' wait stays short.
+        max_prefill_tokens_while_decoding tokens, a token past ATTENTION_BOUND_CONTEXT
+        counting for more: the decode rows' wait stays short.
 
         Each scheduled sequence gets num_new_tokens (its chunk) and its num_computed_tokens
         is advanced past it; it samples a token only when the chunk reaches its last token.
@@ -192,7 +200,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prompt_budget = budget
         cap = self.max_prefill_tokens_while_decoding
-        if cap and any(seq.num_tokens - seq.num_computed_tokens <= 1 for seq in self.running):
+        capped = bool(cap) and any(seq.num_tokens - seq.num_computed_tokens <= 1
+                                   for seq in self.running)
+        if capped:
             prompt_budget = min(budget, cap)
         preempted = False
         scheduled: list[Sequence] = []
@@ -206,8 +216,10 @@ class Scheduler:
             if remaining > 1:  # a prompt part-way through its prefill
                 if prompt_budget == 0:
                     continue  # its next chunk waits; it keeps its place in running
-                self._schedule_chunk(seq, min(remaining, budget, prompt_budget))
-                prompt_budget -= seq.num_new_tokens
+                chunk, cost = self._chunk_size(seq.num_computed_tokens, remaining, budget,
+                                               prompt_budget, capped)
+                self._schedule_chunk(seq, chunk)
+                prompt_budget -= cost
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
@@ -241,11 +253,13 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens
-            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget, prompt_budget)
+            chunk, cost = self._chunk_size(seq.num_cached_tokens,
+                                           seq.num_tokens - seq.num_cached_tokens, budget,
+                                           prompt_budget, capped)
             self._schedule_chunk(seq, chunk)
             self.running.append(seq)
             budget -= chunk
-            prompt_budget -= chunk
+            prompt_budget -= cost
             scheduled.append(seq)
 
         if scheduled:
@@ -259,6 +273,26 @@ class Scheduler:
         if not preempted:
             self._raise_no_progress()
         return self.schedule()
+
+    @staticmethod
+    def _chunk_size(start: int, remaining: int, budget: int, prompt_budget: int,
+                    capped: bool) -> tuple[int, int]:
+        """(tokens, cost) of the next chunk of a prompt at position `start`.
+
+        Capped (decode rows beside it), a chunk of n tokens ending past
+        ATTENTION_BOUND_CONTEXT costs n * (start + n) / ATTENTION_BOUND_CONTEXT of
+        prompt_budget, since its attention grows with its position: a 16k-token prompt goes
+        in chunks of 512 tokens at first and of 128 near its end, each step about as long.
+        """
+        if not capped:
+            n = min(remaining, budget, prompt_budget)
+            return n, n
+        long = ATTENTION_BOUND_CONTEXT
+        # The largest n with n * max(long, start + n) / long <= prompt_budget, nearly.
+        n = min(remaining, budget,
+                max(1, prompt_budget * long // max(long, start + prompt_budget)))
+        cost = -(-n * max(long, start + n) // long)
+        return n, min(cost, prompt_budget)
 
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
         """seq computes its next num_tokens tokens in this step. The blocks those fill are
