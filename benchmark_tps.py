@@ -70,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (default: Config's)")
+    parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                        help="prompt tokens a step may add beside decode rows (default: "
+                             "Config's; 0 = no cap)")
     parser.add_argument("--no-chunked-prefill", action="store_true",
                         help="prefill-first scheduling instead of chunked prefill")
     parser.add_argument("--no-async-scheduling", action="store_true",
@@ -277,6 +280,9 @@ def main() -> None:
                   max_model_length=args.max_input_len + args.max_output_len,
                   max_num_sequences=256 if not args.quick else 8,
                   enable_chunked_prefill=not args.no_chunked_prefill,
+                  **({"max_prefill_tokens_while_decoding":
+                      args.max_prefill_tokens_while_decoding}
+                     if args.max_prefill_tokens_while_decoding is not None else {}),
                   **({"max_num_batched_tokens": args.max_num_batched_tokens}
                      if args.max_num_batched_tokens else
                      {"max_num_batched_tokens": 512} if args.quick else {}))
