@@ -12,6 +12,7 @@ NCCL only gives up at the collective timeout (minutes). Run with
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import os
 import random
@@ -35,7 +36,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("qwen3-4-layers-random")
-    config = AutoConfig.from_pretrained(REPO / "configs" / "Qwen3-0.6B", num_hidden_layers=4)
+    values = json.loads((REPO / "configs" / "Qwen3-0.6B" / "config.json").read_text())
+    values["num_hidden_layers"] = 4
+    values.pop("layer_types", None)  # one entry per layer: transformers checks the count
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     return path

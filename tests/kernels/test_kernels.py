@@ -252,15 +252,16 @@ def test_flash_attention_varlen_triton_tile_map(device, dtype, split_key_tiles) 
     torch.manual_seed(0)
     mod = triton_mod("prefill_attention")
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
-    lengths_k = [90, 6, 23, 40]  # whole context
-    lengths_q = [35, 1, 23, 2]  # a chunk after 55 cached, a decode row, a prompt, a chunk
+    cfg = mod.prefill_config(device, head_dim, dtype)
+    # A chunk with three key tiles cached before it, a decode row, a prompt, a chunk.
+    lengths_k = [35 + 3 * cfg.block_n, 6, 23, 40]  # whole context
+    lengths_q = [35, 1, 23, 2]  # new tokens
     k = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
     v = torch.randn(sum(lengths_k), num_kv_heads, head_dim, device=device).to(dtype)
     padded = sum(lengths_q) + 5  # five padding rows after the real ones
     q = torch.randn(padded, num_heads, head_dim, device=device).to(dtype)
     k_cache, v_cache, tables = make_paged(k, v, lengths_k, block_size)
     cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
-    cfg = mod.prefill_config(device, head_dim, dtype)
     num_parts = 8
     slots = mod.tile_map_slots(padded, max_num_seqs=8, block_m=cfg.block_m, num_parts=num_parts)
     tiled_q = [0 if n == 1 else n for n in lengths_q]  # the decode row gets no tile
