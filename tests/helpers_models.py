@@ -232,3 +232,40 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Prompts of these lengths, token ids 1..255 (inside every tiny vocabulary)."""
     rng = random.Random(seed)
     return [[rng.randint(1, 255) for _ in range(n)] for n in lengths]
+
+
+def assert_prefill_logits_match_transformers(path: Path, hf: Any, top_5: bool = True) -> None:
+    """GPU, bf16: our model built from the checkpoint at `path` against the transformers
+    model `hf` (on the GPU) on three prompts of 37, 300 and 5 random tokens in one varlen
+    batch. bf16 through many layers: compare each last-token logit vector's direction
+    (cosine > 0.99) and, with top_5, that our top 5 tokens hold transformers' top token."""
+    from myvllm.models import get_model_class
+    from myvllm.utils.context import Context, forward_context
+    from myvllm.utils.hf_config import load_hf_config
+    from myvllm.utils.loader import load_model
+
+    config = load_hf_config(path)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            ours = get_model_class(config.architectures)(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    load_model(ours, path)
+    rng = random.Random(0)
+    lens = [37, 300, 5]
+    prompts = [[rng.randint(0, 150000) for _ in range(n)] for n in lens]
+    ids = torch.tensor(sum(prompts, []), device="cuda")
+    positions = torch.tensor([p for n in lens for p in range(n)], device="cuda")
+    cu = torch.tensor([0, 37, 337, 342], dtype=torch.int32, device="cuda")
+    with torch.inference_mode(), forward_context(Context(is_prefill=True, cu_seqlens_q=cu,
+                                                 cu_seqlens_k=cu, max_seqlen_q=300,
+                                                 max_seqlen_k=300)):  # fmt: skip
+        logits = ours.compute_logits(ours(ids, positions)).float()
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+            cos = torch.nn.functional.cosine_similarity(logits[i], ref, dim=0).item()
+            assert cos > 0.99, f"prompt {i}: cosine {cos:.4f}"
+            if top_5:
+                assert ref.argmax().item() in set(logits[i].topk(5).indices.tolist())

@@ -15,7 +15,6 @@ Run on a GPU machine with
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -98,12 +97,8 @@ def test_fused_moe_in_a_cuda_graph_gives_eager_bits(num_tokens: int) -> None:
 
 
 def test_two_layers_of_qwen3_30b_a3b_match_transformers(tmp_path) -> None:
+    from helpers_models import assert_prefill_logits_match_transformers
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from myvllm.models import get_model_class
-    from myvllm.utils.context import Context, forward_context
-    from myvllm.utils.hf_config import load_hf_config
-    from myvllm.utils.loader import load_model
 
     config = Qwen3MoeConfig(**QWEN3_30B_A3B, num_hidden_layers=2,
                             architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
@@ -111,30 +106,8 @@ def test_two_layers_of_qwen3_30b_a3b_match_transformers(tmp_path) -> None:
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     hf.save_pretrained(tmp_path)
-    config = load_hf_config(tmp_path)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            ours = get_model_class(config.architectures)(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    load_model(ours, tmp_path)
-    rng = random.Random(0)
-    lens = [37, 300, 5]
-    prompts = [[rng.randint(0, 150000) for _ in range(n)] for n in lens]
-    ids = torch.tensor(sum(prompts, []), device="cuda")
-    positions = torch.tensor([p for n in lens for p in range(n)], device="cuda")
-    cu = torch.tensor([0, 37, 337, 342], dtype=torch.int32, device="cuda")
-    with torch.inference_mode(), forward_context(Context(is_prefill=True, cu_seqlens_q=cu,
-                                                 cu_seqlens_k=cu, max_seqlen_q=300,
-                                                 max_seqlen_k=300)):  # fmt: skip
-        logits = ours.compute_logits(ours(ids, positions)).float()
-    with torch.inference_mode():
-        for i, prompt in enumerate(prompts):
-            ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
-            cos = torch.nn.functional.cosine_similarity(logits[i], ref, dim=0).item()
-            assert cos > 0.99, f"prompt {i}: cosine {cos:.4f}"
-
+    # Only the direction: the top-token check has not been run on this shape.
+    assert_prefill_logits_match_transformers(tmp_path, hf, top_5=False)
 
 def test_tiny_qwen3_moe_graph_tokens_equal_eager() -> None:
     from helpers_models import random_prompts, tiny_checkpoint

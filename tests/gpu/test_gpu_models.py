@@ -46,41 +46,12 @@ def qwen25_random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_qwen25_05b_shape_logits_match_transformers(qwen25_random_checkpoint: Path) -> None:
+    from helpers_models import assert_prefill_logits_match_transformers
     from transformers import AutoModelForCausalLM
-
-    from myvllm.models import get_model_class
-    from myvllm.utils.context import Context, forward_context
-    from myvllm.utils.hf_config import load_hf_config
-    from myvllm.utils.loader import load_model
 
     path = qwen25_random_checkpoint
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    config = load_hf_config(path)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            ours = get_model_class(config.architectures)(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    load_model(ours, path)
-    rng = random.Random(0)
-    lens = [37, 300, 5]
-    prompts = [[rng.randint(0, 150000) for _ in range(n)] for n in lens]
-    ids = torch.tensor(sum(prompts, []), device="cuda")
-    positions = torch.tensor([p for n in lens for p in range(n)], device="cuda")
-    cu = torch.tensor([0, 37, 337, 342], dtype=torch.int32, device="cuda")
-    with torch.inference_mode(), forward_context(Context(is_prefill=True, cu_seqlens_q=cu,
-                                                 cu_seqlens_k=cu, max_seqlen_q=300,
-                                                 max_seqlen_k=300)):
-        logits = ours.compute_logits(ours(ids, positions)).float()
-    with torch.inference_mode():
-        for i, prompt in enumerate(prompts):
-            ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
-            # bf16 through 24 layers: compare direction and the top token, not bits.
-            cos = torch.nn.functional.cosine_similarity(logits[i], ref, dim=0).item()
-            assert cos > 0.99, f"prompt {i}: cosine {cos:.4f}"
-            assert ref.argmax().item() in set(logits[i].topk(5).indices.tolist())
-
+    assert_prefill_logits_match_transformers(path, hf)
 
 def test_qwen3_8b_dummy_weights_run_with_cuda_graphs() -> None:
     from myvllm import LLM, SamplingParams
