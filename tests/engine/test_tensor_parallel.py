@@ -58,12 +58,15 @@ def record_pending_rows(llm: LLM) -> list[tuple[bool, int]]:
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked_budget_12", "prefill_first"])
 def test_tp2_async_gives_the_tokens_of_tp1_sync(chunked: bool) -> None:
-    """Greedy rows that stop on eos or max_tokens, and seeded sampled rows. With a budget of
-    12 tokens, the prompts go in chunks beside decode rows whose token is still pending."""
+    """Greedy rows that stop on eos or max_tokens, seeded sampled rows, and preemptions (a
+    pool of 14 blocks where ~29 would be needed at the peak): a preempted sequence is
+    prefilled again over all its tokens, which the workers get once its pending token is
+    known. With a budget of 12 tokens, prompts go in chunks beside decode rows whose token is
+    still pending."""
     path = str(tiny_checkpoint("qwen3"))
     prompts = random_prompts([7, 13, 4, 21, 9], seed=5)
     max_tokens = [12, 7, 16, 10, 14]
-    kwargs: dict[str, Any] = dict(block_size=4, max_model_length=64, num_kvcache_blocks=64,
+    kwargs: dict[str, Any] = dict(block_size=4, max_model_length=64, num_kvcache_blocks=14,
                                   enable_chunked_prefill=chunked,
                                   max_num_batched_tokens=12 if chunked else 128)
     # A token the model emits often becomes eos, so that some sequences stop early.
@@ -80,8 +83,17 @@ def test_tp2_async_gives_the_tokens_of_tp1_sync(chunked: bool) -> None:
     llm = LLM(path, eos=eos, tensor_parallel_size=2, async_scheduling=True, **kwargs)
     assert llm.async_scheduling and llm.model_runner.broadcast_sampled
     steps = record_pending_rows(llm)
+    preempted: list[int] = []
+    preempt = llm.scheduler.preempt
+
+    def counting_preempt(seq: Any) -> None:
+        preempted.append(seq.seq_id)
+        preempt(seq)
+
+    llm.scheduler.preempt = counting_preempt  # type: ignore[method-assign]
     sharded = llm.generate(prompts, params, use_tqdm=False)
     llm.exit()
+    assert preempted, "the small KV pool was meant to force a preemption"
     assert [o["token_ids"] for o in sharded] == [o["token_ids"] for o in single]
     assert any(len(o["token_ids"]) < n for o, n in zip(single[:3], max_tokens)), "no eos stop"
     # The workers had to read pending tokens, in mixed steps where prompts go in chunks.
