@@ -116,8 +116,11 @@ class Config:
 
     async_scheduling: bool | None = None
     """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where
-    it pays, a GPU with tensor_parallel_size 1; True also on a CPU (for tests); it is not
-    available with tensor parallelism. Greedy and seeded tokens are the same either way."""
+    it is measured to pay, one GPU; True also under tensor parallelism (not yet measured over
+    NCCL) and on a CPU (for tests).
+    Under tensor parallelism rank 0 broadcasts each step's sampled tokens to the other ranks
+    on the device, where the next step reads them. Greedy and seeded tokens are the same
+    either way."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Config:
         # The dataclass writes __init__; Python calls __new__ with the same arguments first,
@@ -153,10 +156,6 @@ class Config:
                    minimum=0)
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("Config.async_scheduling=True needs tensor_parallel_size 1: the "
-                             "worker ranks read each step's input tokens from rank 0's "
-                             "message, so they must be known when it is sent.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"Config.load_format must be one of {LOAD_FORMATS}, "
                              f"got {self.load_format!r}")

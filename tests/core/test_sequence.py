@@ -88,3 +88,19 @@ def test_pickle_after_preemption_carries_all_tokens_again() -> None:
     s.reset_for_recompute()  # what Scheduler.preempt does
     w = pickle.loads(pickle.dumps(s))
     assert w.token_ids == [1, 2, 3, 4, 5] and w.num_prompt_tokens == 3
+
+
+def test_pickle_with_a_pending_token_carries_its_row_of_the_pool() -> None:
+    # Async scheduling under tensor parallelism: the token is still on the device, so the
+    # worker gets where to read it (its row of the sampled-token pool), not its value.
+    s = Sequence([1, 2, 3], 4)
+    s.status = SequenceStatus.RUNNING
+    s.append_token(4)
+    s.sampled_row = 5
+    s.add_pending_token()
+    w = pickle.loads(pickle.dumps(s))
+    assert (w.num_pending_tokens, w.sampled_row, len(w)) == (1, 5, 5)
+    assert w.last_block_num_tokens == 1  # the pending token's slot: the next block's first
+    s.append_token(9)  # read back: nothing pending, the next message carries the token
+    w = pickle.loads(pickle.dumps(s))
+    assert (w.num_pending_tokens, w.sampled_row, w.last_token, len(w)) == (0, None, 9, 5)

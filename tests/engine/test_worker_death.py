@@ -9,6 +9,9 @@
                                  the same tokens (tests/gpu/ does the same over NCCL)
     exit code mid-step           a worker that exits with code 7 is reported with its code
 
+Both mid-step cases run with and without async scheduling (a step in flight while the next
+is queued).
+
 "Never hangs" is checked by running the call in a thread and failing the test if it is
 still blocked after HANG_LIMIT_S (helpers_workers.py), far above the watchdog's bound of
 about a second.
@@ -87,8 +90,10 @@ def path() -> str:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_generate_fails_fast_and_a_new_engine_works(path: str) -> None:
-    llm = LLM(path, tensor_parallel_size=2, **ENGINE_KW)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sigkill_mid_generate_fails_fast_and_a_new_engine_works(path: str,
+                                                                async_scheduling: bool) -> None:
+    llm = LLM(path, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE_KW)
     expected = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     worker = kill_during_step(llm, step=4)  # a decode step
     error = returns_within(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -118,8 +123,10 @@ class ExitOnArrival:
 
 
 @pytest.mark.slow
-def test_worker_exiting_with_a_code_mid_generate(path: str) -> None:
-    llm = LLM(path, tensor_parallel_size=2, **ENGINE_KW)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_worker_exiting_with_a_code_mid_generate(path: str, async_scheduling: bool) -> None:
+    # With async scheduling, step 3 is queued while step 2 is still in flight.
+    llm = LLM(path, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE_KW)
     pool = llm._pool
     assert pool is not None
     original_send = pool.send

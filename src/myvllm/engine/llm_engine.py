@@ -140,6 +140,13 @@ class LLMEngine:
         self.vocab_size: int = hf_config.vocab_size
 
         use_cuda = resolve_device(config).type == "cuda"
+        if config.async_scheduling is None:
+            # On where it is measured to pay: one GPU. Under tensor parallelism it works when
+            # asked for (tested over gloo) but is not yet measured over NCCL. Resolved before
+            # any worker starts: every rank's ModelRunner must know whether the next step may
+            # read this step's tokens from the device (ModelRunner.run).
+            config = dataclasses.replace(
+                config, async_scheduling=use_cuda and config.tensor_parallel_size == 1)
         if not use_cuda and not config.enforce_eager:
             logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
         self._pool: WorkerPool | None = None
@@ -182,8 +189,7 @@ class LLMEngine:
                                           max_model_length=max_len)
         self.max_model_length: int = max_len
         self.scheduler = Scheduler(self.config)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else use_cuda and config.tensor_parallel_size == 1)
+        self.async_scheduling: bool = bool(config.async_scheduling)
         self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
         # The requests added and not yet finished or aborted, by request id (= seq_id).
         self._requests: dict[int, Sequence] = {}

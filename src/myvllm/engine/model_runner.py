@@ -23,6 +23,11 @@ What happens to one step:
                   includes the LM head and the sampling kernels, else the LM head and the
                   Sampler run after it
     -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
+
+With async scheduling the next step is queued before these tokens reach the host, and a
+sequence's pending token is read from the pool on the device. Under tensor parallelism only
+rank 0 samples, so it broadcasts the pool's rows to the other ranks at the end of each step
+(a collective of a few hundred bytes): every rank's pool then holds the same tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
@@ -87,6 +93,9 @@ class ModelRunner:
         # kernels. With tensor parallelism the LM head gathers the logits to rank 0 over
         # NCCL, and that gather stays outside the graph.
         self.sample_in_graph = get_tp_size() == 1
+        # Async scheduling under tensor parallelism: the ranks that do not sample read the
+        # next step's pending tokens from their own pool, so rank 0 shares its (see run).
+        self.broadcast_sampled = get_tp_size() > 1 and bool(config.async_scheduling)
 
         # Rank 0 gets the config the engine already parsed (a GGUF parse takes seconds).
         self.hf_config = hf_config if hf_config is not None else load_hf_config(model_path)
@@ -252,23 +261,30 @@ class ModelRunner:
         """Queue one step that computes a token for every sequence.
 
         Rank 0 returns the tokens as SampledTokens (call .token_ids() to wait for them),
-        other ranks None. Nothing here waits for the device.
+        other ranks None. Nothing here waits for the device (NCCL collectives are queued on
+        the stream like any kernel).
         """
         if is_prefill:
             logits = self.forward_prefill(seqs, chunks=self.config.enable_chunked_prefill)
         else:
             logits = self.run_decode(seqs)
-        if self.rank != 0:
-            return None
         num_seqs = len(seqs)
         pool = self.inputs.decode_buffers.sampled
-        if logits is not None:  # else the decode step sampled into the pool itself
+        if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
             args = prepare_sample(seqs, self.inputs.to_device, self.device,
                                   chunked=self.config.enable_chunked_prefill)
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
             pool[:num_seqs].copy_(self.sampler(
                 logits[:num_seqs], args.temperatures, args.top_ks, args.top_ps,
                 args.generators, all_greedy=args.all_greedy))
+        if self.broadcast_sampled:
+            # Collective: every rank's pool now holds this step's tokens, in the rows where
+            # the next step's pending tokens are read (Sequence.sampled_row, shipped with
+            # the sequences). Under NCCL it is queued on the stream after rank 0's sampler
+            # and before the next step's reads; the host does not wait for it.
+            dist.broadcast(pool[:num_seqs], src=0)
+        if self.rank != 0:
+            return None
         for row, seq in enumerate(seqs):
             seq.sampled_row = row
         return self.inputs.decode_buffers.read_back(num_seqs)

@@ -198,28 +198,29 @@ class Sequence:
     # just "no completion token yet": a sequence preempted after generating tokens is
     # re-prefilled over prompt + completion, and its workers need all of those tokens.
     #
+    # With async scheduling the last token may still be pending: its value is nowhere on the
+    # host yet. The worker gets num_pending_tokens and sampled_row instead, and reads the
+    # token from its own sampled-token pool, where rank 0 broadcast it (ModelRunner.run).
+    #
     # A worker-side copy is therefore partial: in a decode step it has no token_ids (reading
     # them raises AttributeError instead of returning wrong data) and its sampling_params
     # is None.
     def __getstate__(self) -> tuple[Any, ...]:
-        if self.num_pending_tokens:
-            raise RuntimeError(f"sequence {self.seq_id} has a pending token: tensor-parallel "
-                               "workers need every input token on the host (no async_scheduling)")
         tokens: list[int] | int | None = (self.token_ids if self.needs_prefill
                                           else self.last_token)
         return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
                 self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
-                self.block_table, self.needs_prefill, tokens)
+                self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
+                self.sampled_row if self.num_pending_tokens else None)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
          self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
-         self.block_table, self.needs_prefill, tokens) = state
+         self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
+         self.sampled_row) = state
         self.status = SequenceStatus.RUNNING
-        self.num_pending_tokens = 0
         self.num_cached_prompt_tokens = None
         self.generator = None
-        self.sampled_row = None
         self.finish_reason = None
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
         if self.needs_prefill:

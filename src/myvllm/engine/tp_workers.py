@@ -8,7 +8,9 @@
     call("initialize_cache")  -- pipe ------>  same method; warm-up and KV sizing meet in
                                                collectives (all_reduce MIN of the block count)
     call("run", seqs, is_prefill) -- pipe -->  run(seqs, is_prefill): every rank computes its
-                                               shard; all_reduce / gather inside the layers
+                                               shard; all_reduce / gather inside the layers;
+                                               with async scheduling, a broadcast of rank 0's
+                                               sampled tokens ends the step
     shutdown: "exit" -- pipe --------------->  leave the loop, destroy the process group
               destroy the process group <===>  (all ranks at once: NCCL waits for peers)
 
@@ -16,7 +18,8 @@ Commands travel over one multiprocessing Pipe per worker rather than a torch.dis
 broadcast: a worker waits for the next command for as long as the engine is idle, and a
 collective would time out; a pipe also lets a worker report a start-up error instead of
 leaving rank 0 stuck in a rendezvous. The tensors themselves only move in NCCL (GPU) or gloo
-(CPU) collectives inside the layers.
+(CPU) collectives: inside the layers, and with async scheduling the sampled tokens, which the
+next step may read before the host has seen them (ModelRunner.run).
 
 Lifetime: workers are daemonic (multiprocessing ends them when the engine's process exits),
 watch their parent and exit if it disappears, and WorkerPool.shutdown is registered with
