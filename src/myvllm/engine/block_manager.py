@@ -99,9 +99,12 @@ class BlockManager:
         h = -1
         missed = not self.enable_prefix_caching
         for i in range(seq.num_blocks):
+            if missed and not hash_all:  # nothing after the first miss is needed
+                hashes += [-1] * (seq.num_blocks - i)
+                break
             token_ids = seq.block(i)
             full = len(token_ids) == self.block_size
-            if not (self.enable_prefix_caching and full) or (missed and not hash_all):
+            if not (self.enable_prefix_caching and full):
                 h = -1
             elif i < len(seq.block_hashes):  # hashed on an earlier look (can_allocate)
                 h = seq.block_hashes[i]
