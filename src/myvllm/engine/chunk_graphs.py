@@ -1,4 +1,4 @@
-"""Step 5c: CUDA graphs of chunked-prefill steps (prompt chunks and decode rows together).
+"""Step 5b: CUDA graphs of chunked-prefill steps (prompt chunks and decode rows together).
 
 A chunked-prefill step has a new shape at every step (how many decode rows, which chunks),
 so run eagerly it pays Python's price for launching some 300 kernels (28 layers of the
@@ -16,7 +16,7 @@ Three things make such a step replayable from a CUDA graph:
        padded to min(max_num_sequences, tokens) rows of context 0.
 
 The graph holds the model's body only (embedding to the final norm). The LM head runs
-eagerly on the one row per sequence that samples, and attention always reads K/V through
+eagerly on each sequence's last row, and attention always reads K/V through
 the block tables, also for a chunk with no cached prefix. On a GPU every chunked step that
 fits the largest size runs this padded way, graph or not, so enforce_eager=True computes
 bit-identical tokens (the same shapes pick the same kernels), as decode steps do.

@@ -156,7 +156,8 @@ class InputBuilder:
         sampled-token pool on the device, as a decode step does.
 
         With pad_chunked_steps on, a step that fits goes to the fixed ChunkBuffers instead,
-        padded to a graph size (engine/chunk_graphs.py).
+        padded to a graph size (engine/chunk_graphs.py); there the decode rows are left to
+        the decode kernel and the chunks' query tiles are listed in a TileMap.
         """
         input_ids: list[int] = []
         positions: list[int] = []
