@@ -177,3 +177,47 @@ def test_max_model_length_defaults_to_the_checkpoint_capped_by_the_cache(
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
                                                 ignore_eos=True), use_tqdm=False)[0]
     assert len(out["token_ids"]) == 10  # stopped at max_model_length = 160
+
+
+def test_a_failed_step_leaves_no_unwritten_block_findable() -> None:
+    """A step that raises before it runs (Ctrl-C, out of memory) had registered the blocks
+    its chunks were to write. They must not serve later prefix hits: the engine unregisters
+    them and sends the step's sequences back to be recomputed, and every later answer equals
+    an engine's that never failed."""
+    path = str(tiny_checkpoint("qwen3"))
+    prompt = random_prompts([30], seed=8)[0]
+    cold = LLM(path, block_size=4, max_model_length=96, enable_prefix_caching=False,
+               enable_chunked_prefill=False).generate([prompt], GREEDY, use_tqdm=False)
+    llm = LLM(path, block_size=4, max_model_length=96, max_num_batched_tokens=10)
+    run, calls = llm.model_runner.run, []
+
+    def failing_run(seqs, is_prefill):  # noqa: ANN001, ANN202
+        calls.append(len(calls))
+        if len(calls) == 2:  # the second chunk (tokens 10..19) never runs
+            raise KeyboardInterrupt
+        return run(seqs, is_prefill)
+
+    llm.model_runner.run = failing_run  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    llm.model_runner.run = run  # type: ignore[method-assign]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == 8  # the first chunk's two full blocks, no more
+    assert again["token_ids"] == cold[0]["token_ids"]
+
+    # Driven by step(): the failed step's sequences are recomputed, and all finish right.
+    other = random_prompts([22], seed=9)[0]
+    cold_other = LLM(path, block_size=4, max_model_length=96, enable_prefix_caching=False,
+                     enable_chunked_prefill=False).generate([other], GREEDY, use_tqdm=False)
+    calls.clear()
+    llm.model_runner.run = failing_run  # type: ignore[method-assign]
+    ids = [llm.add_request(p, GREEDY) for p in (prompt, other)]
+    outputs = {}
+    while not llm.is_finished():
+        try:
+            finished, _ = llm.step()
+        except KeyboardInterrupt:
+            continue
+        outputs.update({out["seq_id"]: out["token_ids"] for out in finished})
+    assert [outputs[i] for i in ids] == [cold[0]["token_ids"], cold_other[0]["token_ids"]]
+    assert llm.scheduler.block_manager.used_block_ids == set()

@@ -264,6 +264,18 @@ class BlockManager:
         # This step writes the K/V of every position below num_tokens.
         self.register_full_blocks(seq, num_written=seq.num_tokens)
 
+    def unregister_after(self, seq: Sequence, num_written: int) -> None:
+        """Make seq's blocks past its first num_written tokens unfindable again: the step
+        that was to write them was registered when it was scheduled, and then never ran."""
+        keep = num_written // self.block_size
+        for i in range(keep, len(seq.block_hashes)):
+            block = self.blocks[seq.block_table[i]]
+            if self.hash_to_block_id.get(block.hash) == block.block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash = -1
+            block.token_ids = []
+        del seq.block_hashes[keep:]
+
     def register_full_blocks(self, seq: Sequence, num_written: int) -> None:
         """Make seq's newly full blocks findable by later requests.
 

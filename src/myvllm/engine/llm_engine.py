@@ -375,9 +375,8 @@ class LLMEngine:
             try:
                 sampled = self._call("run", seqs, is_prefill)
             except BaseException:
-                if self.config.enable_chunked_prefill:  # the step never ran: undo its plan
-                    for seq in seqs:
-                        seq.num_computed_tokens -= seq.num_new_tokens
+                if self.config.enable_chunked_prefill:
+                    self._undo_step(seqs)
                 raise
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
@@ -388,6 +387,19 @@ class LLMEngine:
         if queued is None:  # nothing queued (or the first step of a run, still in flight)
             return [], 0
         return self._read_back(queued)
+
+    def _undo_step(self, seqs: list[Sequence]) -> None:
+        """A chunked step failed before it ran (Ctrl-C, out of memory): none of its K/V was
+        written. Its blocks were registered for prefix hits when it was scheduled, so they are
+        unregistered, and its sequences go back to waiting to be recomputed (one admitted in
+        this step may hold a hit on a block that another row of this step was to write)."""
+        block_manager = self.scheduler.block_manager
+        for seq in seqs:
+            seq.num_computed_tokens -= seq.num_new_tokens
+            block_manager.unregister_after(seq, seq.num_computed_tokens)
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.preempt(seq)
 
     def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
         """Wait for a queued step's tokens and hand them to the scheduler."""
