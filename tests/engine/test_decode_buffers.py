@@ -85,3 +85,22 @@ def test_sampled_tokens_must_be_read_before_two_more_steps() -> None:
     with pytest.raises(RuntimeError, match="overwritten"):
         first.token_ids()
     assert second.token_ids() == [5, 6, 7]
+
+
+def test_the_view_cache_stays_bounded_and_views_keep_their_memory() -> None:
+    """A CPU run is not padded: every (batch, width) is a new shape. The cache of views must
+    not grow with them (a long-running server), and a view rebuilt after the cache was
+    dropped covers the same memory as before (what a captured graph relies on)."""
+    from myvllm.engine.decode_buffers import MAX_CACHED_VIEWS
+
+    buffers = DecodeBuffers(max_batch_size=64, max_width=64, device=torch.device("cpu"),
+                            pin_memory=False)
+    first = buffers.views(3, 5)
+    for bs in range(1, 65):
+        for width in range(1, 65):
+            buffers.views(bs, width)
+    assert len(buffers._views) <= MAX_CACHED_VIEWS
+    again = buffers.views(3, 5)
+    assert again is not first  # rebuilt...
+    assert again.block_tables.data_ptr() == first.block_tables.data_ptr()  # ...same memory
+    assert again.slot_mapping.data_ptr() == first.slot_mapping.data_ptr()

@@ -38,6 +38,7 @@ import torch
 INT64_FIELDS = ("input_ids_host", "positions", "token_index")
 INT32_FIELDS = ("slot_mapping", "context_lens", "temperatures")
 N64, N32 = len(INT64_FIELDS), len(INT32_FIELDS)
+MAX_CACHED_VIEWS = 256
 
 
 @dataclass
@@ -94,7 +95,10 @@ class DecodeBuffers:
         """The device views a step of bs rows and block tables `width` wide reads.
 
         They depend only on (bs, width), so a graph captured with them reads what every
-        later step of that shape writes.
+        later step of that shape writes. They are kept for reuse, up to MAX_CACHED_VIEWS
+        shapes: on a GPU the graph sizes are a few dozen, but an unpadded CPU run meets one
+        shape per (batch, table width) and would keep every one for as long as it serves.
+        Views rebuilt later cover the same memory, so dropping them changes nothing else.
         """
         cached = self._views.get((bs, width))
         if cached is not None:
@@ -109,6 +113,8 @@ class DecodeBuffers:
         tables = self.int32[N32 * bs: (N32 + width) * bs].view(bs, width)
         views = DecodeViews(self.input_ids[:bs], ids, positions, index, slots, lens,
                             temps.view(torch.float32), tables, self.int64[:bs])
+        if len(self._views) >= MAX_CACHED_VIEWS:
+            self._views.clear()
         self._views[(bs, width)] = views
         return views
 
