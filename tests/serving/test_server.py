@@ -45,10 +45,11 @@ def free_socket() -> socket.socket:
     return sock
 
 
-def tiny_chat_checkpoint(path: Path) -> Path:
+def tiny_chat_checkpoint(path: Path, **overrides: Any) -> Path:
+    """The tiny Qwen3 with a chat template (overrides go to its transformers config)."""
     from transformers import AutoTokenizer
 
-    build_tiny_checkpoint("qwen3", path)
+    build_tiny_checkpoint("qwen3", path, **overrides)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(path))

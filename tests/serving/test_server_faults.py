@@ -36,8 +36,14 @@ import pytest
 
 pytest.importorskip("openai")
 
-from helpers_models import build_tiny_checkpoint  # noqa: E402
-from test_server import CHAT_TEMPLATE, MODEL, fetch, free_socket, metrics, wait_for  # noqa: E402
+from test_server import (  # noqa: E402
+    MODEL,
+    fetch,
+    free_socket,
+    metrics,
+    tiny_chat_checkpoint,
+    wait_for,
+)
 
 from myvllm import Config  # noqa: E402
 from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
@@ -59,20 +65,11 @@ class Served:
     engine: LLMEngine
 
 
-def long_chat_checkpoint(path: Path) -> Path:
-    """test_server.py's tiny chat model, with room for MAX_MODEL_LENGTH positions."""
-    from transformers import AutoTokenizer
-
-    build_tiny_checkpoint("qwen3", path, max_position_embeddings=MAX_MODEL_LENGTH)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    path = long_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_faults"))
+    # test_server.py's tiny chat model, with room for MAX_MODEL_LENGTH positions.
+    path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_faults"),
+                                max_position_embeddings=MAX_MODEL_LENGTH)
     engine = LLMEngine(Config(model=str(path), num_kvcache_blocks=NUM_BLOCKS,
                               max_model_length=MAX_MODEL_LENGTH, max_num_sequences=32))
     llm = AsyncLLM(engine)

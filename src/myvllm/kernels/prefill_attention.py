@@ -16,6 +16,11 @@ and may see keys 0 .. that position.
 Softmax uses exp2: scores are multiplied by scale * log2(e) once, and exp(x) = exp2(x *
 log2(e)) so the maths is unchanged while the GPU's native exp2 is used.
 
+With a TileMap (build_tile_map; the CUDA graphs of chunked steps) the grid is instead one
+program per map row and head, fixed by the step's padded size: each program reads which
+(sequence, query tile) it computes, and a tile that sees many keys may be cut into splits
+along its keys, each leaving a partial (acc, m, l) that _combine_splits_kernel merges.
+
 On Hopper, contiguous Q/K/V tiles are fetched through TMA tensor descriptors (the copy engine
 moves a whole [rows, D] tile; see PrefillConfig.use_tma); elsewhere, and for the paged gather,
 through per-element pointers. Both paths compute the same thing and are tested.
