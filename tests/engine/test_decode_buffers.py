@@ -104,3 +104,15 @@ def test_the_view_cache_stays_bounded_and_views_keep_their_memory() -> None:
     assert again is not first  # rebuilt...
     assert again.block_tables.data_ptr() == first.block_tables.data_ptr()  # ...same memory
     assert again.slot_mapping.data_ptr() == first.slot_mapping.data_ptr()
+
+
+def test_building_an_engine_imports_no_triton() -> None:
+    """Triton is imported on first use of a kernel, so a machine without it (no Linux wheel)
+    runs the references: the engine's modules, chunked-step buffers included, must not
+    import it themselves."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import myvllm.engine.llm_engine, myvllm.engine.chunk_graphs; "
+            "assert 'triton' not in sys.modules, 'triton was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,7 +10,7 @@ Three things make such a step replayable from a CUDA graph:
        padding tokens have slot -1 (store nothing) and belong to no sequence;
     2. the step's inputs live in fixed buffers (ChunkBuffers) that the graphs read in place;
     3. attention launches a fixed grid: the host lists the step's query tiles in q_tiles
-       (kernels/prefill_attention.build_tile_map) and the kernel's programs read their
+       (kernels/tile_map.build_tile_map) and the kernel's programs read their
        (sequence, tile) from it, instead of a grid sized by the batch. Rows of one new token
        (decode rows) get no tile: the decode kernel computes them (context.decode_rows),
        padded to min(max_num_sequences, tokens) rows of context 0.
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from myvllm.engine.batch import StepInputs
-from myvllm.kernels.prefill_attention import (
+from myvllm.kernels.tile_map import (
     SPLIT_KEY_TILES,
     TileMap,
     build_tile_map,

@@ -48,7 +48,6 @@ from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sequence import Sequence
-from myvllm.kernels.prefill_attention import prefill_config
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
@@ -151,6 +150,8 @@ class ModelRunner:
                             f"{time.perf_counter() - start:.1f} s")
         if self.device.type == "cuda" and self.config.enable_chunked_prefill:
             # Padded in eager mode too, so that graphs and eager compute the same.
+            from myvllm.kernels.prefill_attention import prefill_config  # imports triton
+
             tiles = prefill_config(self.device, self.kv_layout.head_dim, self.dtype)
             buffers = self.inputs.pad_chunked_steps(MAX_CHUNK_GRAPH_TOKENS, tiles.block_m,
                                                     tiles.block_n)

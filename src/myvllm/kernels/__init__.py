@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, overload
 
 import torch
 
-if TYPE_CHECKING:  # prefill_attention imports triton, which a CPU run may lack
-    from .prefill_attention import TileMap
+if TYPE_CHECKING:
+    from .tile_map import TileMap
 
 from .layer_ops_reference import (
     fused_moe_ref,
@@ -155,7 +155,7 @@ def flash_attention_varlen(
     the context is read from k_cache/v_cache (the new tokens must already be stored there)
     and k/v are not used. max_seqlen_q/max_seqlen_k are host ints (no device sync needed).
 
-    tile_map (Triton only; prefill_attention.build_tile_map) lists the query tiles to run
+    tile_map (Triton only; kernels/tile_map.build_tile_map) lists the query tiles to run
     (long ones cut along their keys), so that the launch has the same shape at every step
     (CUDA graphs of chunked steps). Rows of q that no tile covers (padding, or the decode
     rows the caller computes with paged_attention_decode) are left unwritten. The reference

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # the kernels module imports triton; the context needs only the type
-    from myvllm.kernels.prefill_attention import TileMap
+if TYPE_CHECKING:
+    from myvllm.kernels.tile_map import TileMap
 
 
 @dataclass
