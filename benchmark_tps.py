@@ -75,8 +75,12 @@ def parse_args() -> argparse.Namespace:
                              "Config's; 0 = no cap)")
     parser.add_argument("--no-chunked-prefill", action="store_true",
                         help="prefill-first scheduling instead of chunked prefill")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="read each step's tokens before planning the next one")
+    async_group = parser.add_mutually_exclusive_group()
+    async_group.add_argument("--no-async-scheduling", action="store_true",
+                             help="read each step's tokens before planning the next one")
+    async_group.add_argument("--async-scheduling", action="store_true",
+                             help="plan the next step before this step's tokens are read (the "
+                                  "default on a GPU; this flag turns it on on a CPU too)")
     parser.add_argument("--plot", default=str(REPO / "docs" / "benchmark_tps.png"))
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--timeline", metavar="FILE",
@@ -276,7 +280,8 @@ def main() -> None:
         llm = LLM(str(path), load_format=load_format, enforce_eager=args.enforce_eager,
                   gpu_memory_utilization=0.9 if hf is None else 0.6,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  async_scheduling=False if args.no_async_scheduling else None,
+                  async_scheduling=(False if args.no_async_scheduling else
+                                    True if args.async_scheduling else None),
                   max_model_length=args.max_input_len + args.max_output_len,
                   max_num_sequences=256 if not args.quick else 8,
                   enable_chunked_prefill=not args.no_chunked_prefill,

@@ -116,8 +116,7 @@ class Config:
 
     async_scheduling: bool | None = None
     """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where
-    it is measured to pay, one GPU; True also under tensor parallelism (not yet measured over
-    NCCL) and on a CPU (for tests).
+    it is measured to pay, on GPUs (one or several); True also on a CPU (for tests).
     Under tensor parallelism rank 0 broadcasts each step's sampled tokens to the other ranks
     on the device, where the next step reads them. Greedy and seeded tokens are the same
     either way."""

@@ -6,8 +6,8 @@ workers read each pending token from their own sampled-token pool, which rank 0 
 broadcast at the end of every step (ModelRunner.run). Checked on the Qwen3-0.6B shape with CUDA
 graphs, whole prompts (decode graphs that captured NCCL all-reduces) and chunks of a 256-token
 budget (mixed steps on the chunked-prefill graphs, where pending decode rows sit beside prompt
-chunks), with eos stops and seeded sampling. (Under tensor parallelism async scheduling is off
-by default until this test and a throughput run have passed on two GPUs.) Run with
+chunks), with eos stops and seeded sampling. (It passed on two H200s, and async scheduling is
+now on by default under tensor parallelism too.) Run with
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 -m pytest tests/gpu/test_gpu_tp_async.py -q
 """
