@@ -7,7 +7,10 @@ token, and the token budget's trade-off between the two and throughput.
 1. Stall: 64 sequences decode; then one 16,000-token prompt arrives. The longest step until
    that prompt has its first token, over the median decode step before it. Prefill-first
    runs the whole prompt in one step beside nobody; chunked prefill cuts it into pieces of
-   what the budget leaves after the decode rows.
+   what the budget leaves after the decode rows. Measured twice with the defaults: as the
+   gaps between two streamed tokens (what a client sees: with async scheduling the host
+   plans a step while the device runs the one before), then with each step timed alone,
+   the device drained before and after it (its host and device work added up).
 2. Time to first token of one prompt alone (1k, 4k, 32k tokens): generate(max_tokens=1),
    median of 5.
 3. Sweep of max_prefill_tokens_while_decoding (the prompt tokens a step may add beside decode
@@ -63,11 +66,33 @@ def sync() -> None:
 
 
 def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_len: int,
-                  vocab: int) -> dict[str, float]:
-    """Step times while num_decoding sequences decode, then while a long prompt joins."""
+                  vocab: int, synced: bool = True, salt: int = 0) -> dict[str, float]:
+    """Step times while num_decoding sequences decode, then while a long prompt joins.
+
+    synced: each step is timed alone, with the device drained before and after it: its host
+    work (planning, launching) and its device work one after the other. Otherwise the time
+    between two calls' returns is timed with nothing drained, i.e. the gap between two
+    tokens of every decoding stream, as a client sees it: with async scheduling the host
+    plans and launches a step while the device still runs the one before.
+    salt changes every prompt, so that a second call on one engine hits no cached prefix.
+    """
     from myvllm import SamplingParams
 
-    rng_prompt = [[(7 * i + j) % vocab for j in range(decode_prompt_len)]
+    last_return = [time.perf_counter()]
+
+    def timed_step() -> tuple[float, list]:
+        if synced:
+            sync()
+            start = time.perf_counter()
+            outputs, _ = llm.step_outputs()
+            sync()
+            return time.perf_counter() - start, outputs
+        outputs, _ = llm.step_outputs()
+        now = time.perf_counter()
+        gap, last_return[0] = now - last_return[0], now
+        return gap, outputs
+
+    rng_prompt = [[(7 * i + j + salt) % vocab for j in range(decode_prompt_len)]
                   for i in range(num_decoding)]
     decode = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     ids = [llm.add_request(p, decode) for p in rng_prompt]
@@ -77,24 +102,16 @@ def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_le
         started.update(out.request_id for out in outputs)
     for _ in range(5):  # steady state: every sequence decodes
         llm.step()
-    before = []
-    for _ in range(30):
-        sync()
-        start = time.perf_counter()
-        llm.step()
-        sync()
-        before.append(time.perf_counter() - start)
-    long_id = llm.add_request([(3 * j + 1) % vocab for j in range(long_prompt_len)],
+    timed_step()  # (unsynced: the first return to time from)
+    before = [timed_step()[0] for _ in range(30)]
+    long_id = llm.add_request([(3 * j + 1 + salt) % vocab for j in range(long_prompt_len)],
                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     after = []
     first_token_s = None
     joined = time.perf_counter()
     while first_token_s is None:
-        sync()
-        start = time.perf_counter()
-        outputs, _ = llm.step_outputs()
-        sync()
-        after.append(time.perf_counter() - start)
+        step_s, outputs = timed_step()
+        after.append(step_s)
         if any(out.request_id == long_id for out in outputs):
             first_token_s = time.perf_counter() - joined
     for request_id in ids:
@@ -214,15 +231,19 @@ def defaults(path: Path, quick: bool, shapes: dict, stall_kw: dict, vocab: int,
           f"max_num_batched_tokens={config.max_num_batched_tokens}, "
           f"max_prefill_tokens_while_decoding={config.max_prefill_tokens_while_decoding}, "
           f"max_model_length={config.max_model_length}")
-    stall = measure_stall(llm, **stall_kw, vocab=vocab)
-    print(f"stall (defaults): median decode step {stall['median_step_ms']:.2f} ms, longest "
-          f"step after a {shapes['long_prompt_len']}-token prompt joins "
-          f"{stall['longest_step_after_join_ms']:.2f} ms = {stall['stall_x']:.1f}x "
-          f"({stall['steps_until_first_token']} steps to its first token)", flush=True)
+    # The gaps first, on the fresh engine: a cost paid once per engine lands in them.
+    gaps = measure_stall(llm, **stall_kw, vocab=vocab, synced=False)
+    stall = measure_stall(llm, **stall_kw, vocab=vocab, salt=1)
+    for name, row, what in (("gaps", gaps, "gap between two streamed tokens"),
+                            ("stall", stall, "step, drained before and after")):
+        print(f"{name} (defaults): median {what} {row['median_step_ms']:.2f} ms, longest "
+              f"after a {shapes['long_prompt_len']}-token prompt joins "
+              f"{row['longest_step_after_join_ms']:.2f} ms = {row['stall_x']:.1f}x "
+              f"({row['steps_until_first_token']} steps to its first token)", flush=True)
     ttft = measure_ttft(llm, shapes["ttft"], vocab)
     for n, ms in ttft.items():
         print(f"time to first token, {n} tokens alone (defaults): {ms:.1f} ms")
-    results["defaults"] = {"stall": stall, "ttft_ms": ttft,
+    results["defaults"] = {"stall": stall, "stream_gaps": gaps, "ttft_ms": ttft,
                            "max_num_batched_tokens": config.max_num_batched_tokens,
                            "max_prefill_tokens_while_decoding":
                                config.max_prefill_tokens_while_decoding}

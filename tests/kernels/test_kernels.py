@@ -660,12 +660,17 @@ def test_skinny_gemm_prologues_dispatch_to_triton_when_forced(device, monkeypatc
 
 def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) -> None:
     """layers.linear routes CUDA matmuls to skinny_gemm exactly where prefers_skinny_gemm
-    says so (1 row, not the LM head; 2-4 rows with outputs <= inputs), never on a CPU."""
+    says so (1 row, not the LM head; 2-4 rows for small matrices with outputs <= inputs),
+    never on a CPU."""
     import myvllm.layers.linear as linear_mod
 
     assert kernels.prefers_skinny_gemm(1, 4096, 1024)  # qkv_proj at batch 1
+    assert kernels.prefers_skinny_gemm(1, 24576, 4096)  # 8B's gate_up_proj at batch 1
     assert not kernels.prefers_skinny_gemm(1, 151936, 1024)  # the LM head
-    assert kernels.prefers_skinny_gemm(4, 1024, 3072)  # down_proj at batch 4
+    assert kernels.prefers_skinny_gemm(2, 1024, 3072)  # 0.6B's down_proj at batch 2
+    assert not kernels.prefers_skinny_gemm(2, 4096, 12288)  # 8B's down_proj at batch 2
+    assert kernels.prefers_skinny_gemm(4, 1024, 2048)  # 0.6B's o_proj at batch 4
+    assert not kernels.prefers_skinny_gemm(4, 1024, 3072)  # 0.6B's down_proj at batch 4
     assert not kernels.prefers_skinny_gemm(2, 6144, 1024)  # gate_up_proj at batch 2
     assert not kernels.prefers_skinny_gemm(8, 1024, 2048)
     calls = []

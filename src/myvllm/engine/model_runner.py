@@ -162,6 +162,8 @@ class ModelRunner:
                     logger.info(f"captured {len(self.chunk_graphs.graphs)} chunked-prefill "
                                 f"CUDA graphs (up to {buffers.max_tokens} tokens) in "
                                 f"{time.perf_counter() - start:.1f} s")
+        if self.device.type == "cuda":
+            self.warmup_sampler()  # its memory now stays reserved (see there)
         return num_blocks
 
     @torch.inference_mode()
@@ -189,7 +191,24 @@ class ModelRunner:
         # H200 machine. A small one-sequence prefill meets specialisations the large one
         # does not (on the H200 it compiled one more variant): better here than mid-request.
         self.forward_prefill([Sequence([0] * 17, config.block_size)])
-        rows = config.max_num_sequences
+        self.warmup_sampler()
+        torch.cuda.synchronize()
+        # Give the freed activations back, or they would count twice when the KV cache is
+        # sized: once as memory in use, once as the peak to leave room for.
+        torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def warmup_sampler(self) -> None:
+        """The sampler on max_num_sequences rows of logits, with top-p (its sort makes several
+        vocabulary-sized copies) and without, then on 3 rows: Triton compiles the sampling
+        kernels' variants for row counts divisible by 16 and not.
+
+        warmup_model runs it so that its peak counts when the KV cache is sized. It runs
+        again once the cache and graphs exist, and that memory stays with PyTorch's caching
+        allocator: the first step that samples outside a graph (a chunked step with decode
+        rows) would otherwise wait for cudaMalloc calls, in the middle of serving.
+        """
+        rows = self.config.max_num_sequences
         # In the model's dtype, as the LM head returns them (the sampler's float() copy of
         # bf16 logits is part of the peak).
         logits = torch.zeros(rows, self.hf_config.vocab_size, device=self.device,
@@ -197,11 +216,7 @@ class ModelRunner:
         ones = torch.ones(rows, device=self.device)
         self.sampler(logits, ones, top_ps=ones * 0.9, all_greedy=False)
         self.sampler(logits, ones, all_greedy=False)  # the sampling kernels, compiled now
-        del logits, ones
-        torch.cuda.synchronize()
-        # Give the freed activations back, or they would count twice when the KV cache is
-        # sized: once as memory in use, once as the peak to leave room for.
-        torch.cuda.empty_cache()
+        self.sampler(logits[:3], ones[:3], all_greedy=False)
 
     @torch.inference_mode()
     def warmup_cached_prefix_prefill(self) -> None:

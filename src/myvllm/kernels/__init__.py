@@ -248,13 +248,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def prefers_skinny_gemm(num_rows: int, out_features: int, in_features: int) -> bool:
     """Whether skinny_gemm beats cuBLAS for x [num_rows, in] @ W[out, in]^T on a GPU.
 
-    Measured on the H200 (bf16, inside CUDA graphs; docs/benchmarks.md): at 1 row it wins on
-    every layer of Qwen3-0.6B (1.0-4.7x), not on the LM head (151,936 outputs); at 2-4 rows
-    only where outputs <= inputs (o_proj 2.4-2.6x, down_proj up to 1.5x); at 8 rows never.
+    Measured on the H200 (bf16, inside CUDA graphs, weights read from memory, not L2;
+    docs/benchmarks.md). At 1 row: every layer of Qwen3-0.6B (1.0-4.9x), and from even to
+    1.3x on Qwen3-8B's and Qwen3-30B-A3B's (where qkv_proj and gate_up_proj are a few
+    percent behind cuBLAS alone but take the RMSNorm kernel's launch with them); never the
+    LM head (151,936 outputs). At 2 rows only small matrices with outputs <= inputs
+    (0.6B's o_proj 3.9x, down_proj 1.3x; at 8B's 4,096 outputs cuBLAS is ahead); at 3-4 rows
+    only 0.6B's o_proj (1.9x); at 8 rows never.
     """
     if num_rows == 1:
         return out_features <= 8 * in_features
-    return num_rows <= 4 and out_features <= in_features
+    if num_rows == 2:
+        return out_features <= min(in_features, 2048)
+    return num_rows <= 4 and out_features <= 1024 and in_features <= 2048
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -135,14 +135,21 @@ def _skinny_gemm_kernel(
 
 
 def skinny_gemm_config(num_rows: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on the H200 at Qwen3-0.6B's shapes
-    (docs/benchmarks.md). Few output features (o_proj, down_proj: N = 1024) -> 4 per
-    program, so that 256 programs share the reading; long rows -> long K tiles. The
-    [rows, BLOCK_N, BLOCK_K] float32 accumulator must fit in registers. The sweep ran
-    without a prologue; the fused ones use the same tiles until one is measured."""
-    block_n = 4 if n <= 2048 else 8
-    block_k = 1024 if k >= 2048 and num_rows <= 2 else 512 if num_rows <= 4 else 256
-    num_warps = 2 if n > 2048 and num_rows <= 2 else 4
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on the H200 over the layers of
+    Qwen3-0.6B, Qwen3-8B (one rank and two) and Qwen3-30B-A3B, each with its prologue
+    (docs/diagnostics/skinny_gemm_sweep.py; docs/benchmarks.md). Few output features
+    (N <= 2048) -> 4 per program and long K tiles, so that enough programs share the
+    reading; many -> 8 per program, 2 warps. The [rows, BLOCK_N, BLOCK_K] float32
+    accumulator is spread over the warps' threads and must stay in registers: at 128 or
+    more values a thread (8 x 1024 on 2 warps) it spilled and ran 3x slower at one row and
+    30x at two, on 8B's 4,096-wide rows."""
+    if num_rows == 1:
+        block_n, block_k, num_warps = (4, 1024, 4) if n <= 2048 else (
+            (4, 512, 4) if n <= 4096 else (8, 512, 2))
+    elif num_rows == 2 and n <= 1024:
+        block_n, block_k, num_warps = 4, 1024, 4
+    else:
+        block_n, block_k, num_warps = 4, 512 if num_rows <= 4 else 256, 4
     return block_n, min(block_k, triton.next_power_of_2(k)), num_warps
 
 
