@@ -8,7 +8,9 @@ once per engine shows apart from one paid at every admission. Each step's host p
 timed with a device sync after each (schedule; the runner's run() until it returns, i.e.
 host work and launches; the wait for the device; reading back and postprocessing), for the
 last decode step before the join and the first four after it. The second admission step is
-then run again under cProfile (the host's Python functions by their own time).
+then run again under cProfile (the host's Python functions by their own time). The first
+admission on the engine also runs under torch.profiler: its CUDA API calls and operators by
+their own host time, where a kernel loaded on its first launch shows as a long launch call.
 """
 import cProfile
 import pstats
@@ -46,19 +48,30 @@ def timed(name: str, fn, split_device_wait: bool = False):
     return wrapper
 
 
-def one_step(llm: LLM, label: str, profiler: cProfile.Profile | None = None) -> list:
+def one_step(llm: LLM, label: str, profiler: cProfile.Profile | None = None,
+             torch_profile: bool = False) -> list:
     PHASES.clear()
     torch.cuda.synchronize()
     start = time.perf_counter()
     if profiler:
         profiler.enable()
-    outputs, _ = llm.step_outputs()
+    if torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            outputs, _ = llm.step_outputs()
+            torch.cuda.synchronize()
+    else:
+        outputs, _ = llm.step_outputs()
     if profiler:
         profiler.disable()
     torch.cuda.synchronize()
     total = (time.perf_counter() - start) * 1e3
     phases = ", ".join(f"{k} {v:.2f}" for k, v in PHASES.items())
     print(f"  {label:28s} {total:6.2f} ms: {phases}", flush=True)
+    if torch_profile:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
+              flush=True)
     return outputs
 
 
@@ -77,7 +90,7 @@ def scenario(llm: LLM, trial: int, profile: bool) -> None:
     long_id = llm.add_request([(3 * j + 1 + 101 * trial) % VOCAB for j in range(16_000)],
                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     for i in range(4):
-        one_step(llm, f"step {i} after the join")
+        one_step(llm, f"step {i} after the join", torch_profile=trial == 0 and i == 0)
     if profile:  # the admission again, under cProfile: abort it and add another prompt
         llm.abort(long_id)
         for _ in range(3):

@@ -162,8 +162,6 @@ class ModelRunner:
                     logger.info(f"captured {len(self.chunk_graphs.graphs)} chunked-prefill "
                                 f"CUDA graphs (up to {buffers.max_tokens} tokens) in "
                                 f"{time.perf_counter() - start:.1f} s")
-        if self.device.type == "cuda":
-            self.warmup_sampler()  # its memory now stays reserved (see there)
         return num_blocks
 
     @torch.inference_mode()
@@ -201,13 +199,8 @@ class ModelRunner:
     def warmup_sampler(self) -> None:
         """The sampler on max_num_sequences rows of logits, with top-p (its sort makes several
         vocabulary-sized copies) and without, then on 3 rows: Triton compiles the sampling
-        kernels' variants for row counts divisible by 16 and not.
-
-        warmup_model runs it so that its peak counts when the KV cache is sized. It runs
-        again once the cache and graphs exist, and that memory stays with PyTorch's caching
-        allocator: the first step that samples outside a graph (a chunked step with decode
-        rows) would otherwise wait for cudaMalloc calls, in the middle of serving.
-        """
+        kernels' variants for row counts divisible by 16 and not. Part of warmup_model, so
+        that its peak counts when the KV cache is sized."""
         rows = self.config.max_num_sequences
         # In the model's dtype, as the LM head returns them (the sampler's float() copy of
         # bf16 logits is part of the peak).

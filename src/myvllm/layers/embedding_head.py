@@ -82,11 +82,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     # logits (the sampler runs there), so the narrower return type cannot hold.
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         context = get_context()
+        num_rows = x.size(0)
         if context.is_prefill and context.cu_seqlens_q is not None:
-            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+            rows = last_token_rows(context.cu_seqlens_q, pad=x.is_cuda)
+            num_rows = context.cu_seqlens_q.numel() - 1
+            x = x[rows].contiguous()
         logits = linear(x, self.weight)
         if self.tp_size == 1:
-            return logits
+            return logits[:num_rows]
         gathered = (
             [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         )
@@ -94,4 +97,23 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_rank != 0:
             return None
         assert gathered is not None
-        return torch.cat(gathered, dim=-1)[:, : self.num_embeddings]
+        return torch.cat(gathered, dim=-1)[:num_rows, : self.num_embeddings]
+
+
+def last_token_rows(cu_seqlens_q: torch.Tensor, pad: bool) -> torch.Tensor:
+    """The row of each sequence's last new token; with pad, followed by copies of row 0 up to
+    a power of two.
+
+    Why pad on a GPU: cuBLAS picks (and loads, on first use) a kernel per matrix shape. A
+    chunked step has any number of sequences, and a row count the process has not met yet
+    cost 3.5 ms of host time in the LM head's matmul on the H200 (the first time a prompt
+    joined 64 decoding sequences). Powers of two up to 256 are among the decode graphs'
+    batch sizes, whose LM head ran when they were captured. The extra rows' logits are cut
+    off by the caller.
+    """
+    rows = cu_seqlens_q[1:] - 1
+    num_rows = rows.numel()
+    if not pad or num_rows == 0:
+        return rows
+    padded = 1 << (num_rows - 1).bit_length()
+    return torch.cat([rows, rows.new_zeros(padded - num_rows)])
