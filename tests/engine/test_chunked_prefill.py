@@ -221,3 +221,38 @@ def test_a_failed_step_leaves_no_unwritten_block_findable() -> None:
         outputs.update({out["seq_id"]: out["token_ids"] for out in finished})
     assert [outputs[i] for i in ids] == [cold[0]["token_ids"], cold_other[0]["token_ids"]]
     assert llm.scheduler.block_manager.used_block_ids == set()
+
+
+@pytest.mark.parametrize("failing_call", [1, 3])
+def test_a_failed_step_leaves_no_unwritten_block_findable_prefill_first(
+        failing_call: int) -> None:
+    """The same without chunked prefill. A prefill registers all its prompt's full blocks when
+    it is admitted (call 1); a decode step registers the block its token completes (call 3
+    writes position 31, the last of block 7 with blocks of 4). After either fails, a prompt
+    that extends the generated text hits only what was written: blocks 0-6 (28 tokens) or,
+    after a failed prefill, nothing."""
+    path = str(tiny_checkpoint("qwen3"))
+    kw: dict = dict(block_size=4, max_model_length=96, enable_chunked_prefill=False)
+    prompt = random_prompts([30], seed=8)[0]
+    first = LLM(path, enable_prefix_caching=False, **kw).generate(
+        [prompt], GREEDY, use_tqdm=False)[0]["token_ids"]
+    longer = prompt + first[:3]  # 33 tokens: block 7 is tokens 28-31
+    cold = LLM(path, enable_prefix_caching=False, **kw).generate(
+        [longer], GREEDY, use_tqdm=False)[0]["token_ids"]
+    llm = LLM(path, **kw)
+    run, calls = llm.model_runner.run, []
+
+    def failing_run(seqs, is_prefill):  # noqa: ANN001, ANN202
+        calls.append(len(calls))
+        if len(calls) == failing_call:
+            raise KeyboardInterrupt
+        return run(seqs, is_prefill)
+
+    llm.model_runner.run = failing_run  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    llm.model_runner.run = run  # type: ignore[method-assign]
+    assert llm.scheduler.block_manager.used_block_ids == set()
+    again = llm.generate([longer], GREEDY, use_tqdm=False)[0]
+    assert again["num_cached_tokens"] == (0 if failing_call == 1 else 28)
+    assert again["token_ids"] == cold

@@ -375,8 +375,7 @@ class LLMEngine:
             try:
                 sampled = self._call("run", seqs, is_prefill)
             except BaseException:
-                if self.config.enable_chunked_prefill:
-                    self._undo_step(seqs)
+                self._undo_step(seqs, is_prefill)
                 raise
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
@@ -388,15 +387,24 @@ class LLMEngine:
             return [], 0
         return self._read_back(queued)
 
-    def _undo_step(self, seqs: list[Sequence]) -> None:
-        """A chunked step failed before it ran (Ctrl-C, out of memory): none of its K/V was
-        written. Its blocks were registered for prefix hits when it was scheduled, so they are
-        unregistered, and its sequences go back to waiting to be recomputed (one admitted in
-        this step may hold a hit on a block that another row of this step was to write)."""
+    def _undo_step(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """A step failed before it ran (Ctrl-C, out of memory): none of its K/V was written.
+        The blocks it was to fill were registered for prefix hits when it was scheduled, so
+        they are unregistered, and its sequences go back to waiting to be recomputed (one
+        admitted in this step may hold a hit on a block that another row of this step was to
+        write).
+
+        What was written before the step: with chunked prefill, every position below the
+        step's chunk; without, a prefill's cached prefix, or all but a decode row's last
+        token."""
         block_manager = self.scheduler.block_manager
         for seq in seqs:
-            seq.num_computed_tokens -= seq.num_new_tokens
-            block_manager.unregister_after(seq, seq.num_computed_tokens)
+            if self.config.enable_chunked_prefill:
+                seq.num_computed_tokens -= seq.num_new_tokens
+                written = seq.num_computed_tokens
+            else:
+                written = seq.num_cached_tokens if is_prefill else len(seq) - 1
+            block_manager.unregister_after(seq, written)
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.preempt(seq)
