@@ -228,6 +228,20 @@ def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt):].tolist()
 
 
+def record_preemptions(llm: Any) -> list[int]:
+    """The seq_id of every sequence the engine's scheduler preempts from now on, in order
+    (the scheduler still preempts them)."""
+    preempted: list[int] = []
+    preempt = llm.scheduler.preempt
+
+    def counting_preempt(seq: Any) -> None:
+        preempted.append(seq.seq_id)
+        preempt(seq)
+
+    llm.scheduler.preempt = counting_preempt
+    return preempted
+
+
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Prompts of these lengths, token ids 1..255 (inside every tiny vocabulary)."""
     rng = random.Random(seed)

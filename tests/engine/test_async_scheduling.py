@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from helpers_models import tiny_checkpoint
+from helpers_models import record_preemptions, tiny_checkpoint
 from test_engine import random_prompts
 
 from myvllm import LLM, Config, SamplingParams
@@ -65,14 +65,7 @@ def test_async_gives_the_sync_tokens_with_preemption_and_eos() -> None:
     for mode in (False, True):
         # ~30 blocks would be needed at the peak; 14 force preemptions.
         llm = engine(mode, num_kvcache_blocks=14, eos=eos)
-        preempted: list[int] = []
-        preempt = llm.scheduler.preempt
-
-        def counting_preempt(seq: Any) -> None:
-            preempted.append(seq.seq_id)
-            preempt(seq)
-
-        llm.scheduler.preempt = counting_preempt  # type: ignore[method-assign]
+        preempted = record_preemptions(llm)
         calls = record_overlap(llm)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert preempted, "the small KV pool was meant to force a preemption"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_models import tiny_checkpoint
+from helpers_models import record_preemptions, tiny_checkpoint
 from safetensors.torch import load_file, save_file
 from test_engine import GREEDY, random_prompts
 
@@ -83,14 +83,7 @@ def test_tp2_async_gives_the_tokens_of_tp1_sync(chunked: bool) -> None:
     llm = LLM(path, eos=eos, tensor_parallel_size=2, async_scheduling=True, **kwargs)
     assert llm.async_scheduling and llm.model_runner.broadcast_sampled
     steps = record_pending_rows(llm)
-    preempted: list[int] = []
-    preempt = llm.scheduler.preempt
-
-    def counting_preempt(seq: Any) -> None:
-        preempted.append(seq.seq_id)
-        preempt(seq)
-
-    llm.scheduler.preempt = counting_preempt  # type: ignore[method-assign]
+    preempted = record_preemptions(llm)
     sharded = llm.generate(prompts, params, use_tqdm=False)
     llm.exit()
     assert preempted, "the small KV pool was meant to force a preemption"
