@@ -447,12 +447,38 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
     forward pass and the sampler), wait (SampledTokens.token_ids: the host idles until the
     device is done), postprocess. With async scheduling the wait is for the step queued by
     the call before.
+
+    Beside each step's time, its roofline (benchmarks/roofline.py): the bytes it must read
+    and write and the FLOPs it must do, and the least time they take at this machine's
+    measured copy bandwidth and matmul throughput. With async scheduling a call's time is
+    mostly the wait for the step queued by the call before, while its ideal is that of the
+    step it plans: by kind of step the two are one step apart; over the run they add up.
     """
     import myvllm.engine.model_runner as runner_module
+    from benchmarks.roofline import ModelShape, measure_ceilings, step_work, summarize
     from myvllm.engine.model_runner import SampledTokens
+    from myvllm.engine.sampling import samples_this_step
 
     runner, scheduler = llm.model_runner, llm.scheduler
     spent: dict[str, float] = {}
+    shape = ModelShape.from_engine(llm)
+    copy_gb_s, matmul_tflop_s = measure_ceilings(device)
+    chunked = llm.config.enable_chunked_prefill
+    scheduled: list[tuple[list[tuple[int, int]], int]] = []  # (rows, sampled rows) per step
+
+    def recording_schedule(schedule):
+        def wrapper():
+            seqs, is_prefill = schedule()
+            if chunked:
+                rows = [(seq.num_new_tokens, seq.num_computed_tokens) for seq in seqs]
+                sampled = sum(samples_this_step(seq) for seq in seqs)
+            else:
+                rows = [((len(seq) - seq.num_cached_tokens) if is_prefill else 1, len(seq))
+                        for seq in seqs]
+                sampled = len(seqs)
+            scheduled.append((rows, sampled))
+            return seqs, is_prefill
+        return wrapper
 
     def timed(name: str, fn):
         def wrapper(*args, **kwargs):
@@ -463,11 +489,12 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
         return wrapper
 
-    originals = {}
+    originals = {(scheduler, "schedule"): scheduler.schedule}
+    scheduler.schedule = recording_schedule(scheduler.schedule)
     for owner, name in ((scheduler, "schedule"), (scheduler, "postprocess"), (runner, "run"),
                         (runner.inputs, "prepare_prefill"), (runner.inputs, "prepare_decode"),
                         (runner_module, "prepare_sample"), (SampledTokens, "token_ids")):
-        originals[(owner, name)] = getattr(owner, name)
+        originals.setdefault((owner, name), getattr(owner, name))
         setattr(owner, name, timed(name, getattr(owner, name)))
     steps = []
     try:
@@ -476,12 +503,18 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
         run_start = time.perf_counter()
+        output_tokens = 0
         while not llm.is_finished():
             spent.clear()
+            scheduled.clear()
             running = list(scheduler.running)
             start = time.perf_counter()
-            _, num_tokens = llm.step()
+            finished, num_tokens = llm.step()
             total = time.perf_counter() - start
+            output_tokens += sum(len(out["token_ids"]) for out in finished)
+            # The step this call planned (with async scheduling, the one it queued; its
+            # tokens come back in the next call).
+            work = [step_work(shape, rows, sampled) for rows, sampled in scheduled]
             prepare = sum(spent.get(k, 0.0) for k in
                           ("prepare_prefill", "prepare_decode", "prepare_sample"))
             steps.append(dict(
@@ -490,7 +523,9 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
                 total_ms=total * 1e3, schedule_ms=spent.get("schedule", 0.0) * 1e3,
                 prepare_ms=prepare * 1e3, launch_ms=(spent.get("run", 0.0) - prepare) * 1e3,
                 wait_ms=spent.get("token_ids", 0.0) * 1e3,
-                postprocess_ms=spent.get("postprocess", 0.0) * 1e3))
+                postprocess_ms=spent.get("postprocess", 0.0) * 1e3,
+                ideal_ms=sum(w.ideal_ms(copy_gb_s, matmul_tflop_s) for w in work),
+                bytes_read=sum(w.bytes_read for w in work), flops=sum(w.flops for w in work)))
         run_s = time.perf_counter() - run_start
     finally:
         for (owner, name), fn in originals.items():
@@ -511,6 +546,7 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
         means = [sum(s[k] for s in chosen) / len(chosen) for k in keys]
         print(f"{name:>22} {len(chosen):>6} {sum(s['total_ms'] for s in chosen) / 1e3:>8.2f} "
               + " ".join(f"{m:>11.3f}" for m in means))
+    print(summarize(steps, buckets, output_tokens, copy_gb_s, matmul_tflop_s))
 
 
 def profile_decode(llm, prompts, params, steps: int, device: str) -> None:

@@ -55,6 +55,8 @@ def test_benchmark_tps_quick_mode(tmp_path: Path) -> None:
     steps = json.loads(timeline.read_text())
     assert any(s["prefill"] for s in steps) and any(not s["prefill"] for s in steps)
     assert all(s["total_ms"] > 0 for s in steps)
+    assert "roofline:" in result.stdout and "whole run:" in result.stdout, output[-4000:]
+    assert all(s["ideal_ms"] > 0 and s["bytes_read"] > 0 for s in steps)
     numbers = json.loads(results.read_text())
     assert numbers["correct"] is True and numbers["myvllm_tok_s"] > 0 and numbers["hf_tok_s"] > 0
 
