@@ -249,10 +249,11 @@ def prefers_skinny_gemm(num_rows: int, out_features: int, in_features: int) -> b
     """Whether skinny_gemm beats cuBLAS for x [num_rows, in] @ W[out, in]^T on a GPU.
 
     Measured on the H200 (bf16, inside CUDA graphs, weights read from memory, not L2;
-    docs/benchmarks.md). At 1 row: every layer of Qwen3-0.6B (1.0-4.9x), and from even to
-    1.3x on Qwen3-8B's and Qwen3-30B-A3B's (where qkv_proj and gate_up_proj are a few
-    percent behind cuBLAS alone but take the RMSNorm kernel's launch with them); never the
-    LM head (151,936 outputs). At 2 rows only small matrices with outputs <= inputs
+    docs/benchmarks.md). At 1 row: every layer of Qwen3-0.6B (1.0-4.9x); on Qwen3-8B's and
+    Qwen3-30B-A3B's o_proj and down_proj up to 1.4x, while their qkv_proj and gate_up_proj
+    are up to 16% behind cuBLAS alone (kept: they take the RMSNorm kernel, its launch and its
+    round trip through memory with them; not measured against that pair); never the LM head
+    (151,936 outputs). At 2 rows only small matrices with outputs <= inputs
     (0.6B's o_proj 3.9x, down_proj 1.3x; at 8B's 4,096 outputs cuBLAS is ahead); at 3-4 rows
     only 0.6B's o_proj (1.9x); at 8 rows never.
     """
