@@ -25,9 +25,9 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
 from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
+from mixed_step_profile import VOCAB, start_decoders, stop  # noqa: E402  (same folder)
 from myvllm import LLM, SamplingParams  # noqa: E402
 
-VOCAB = 10_000
 PHASES: dict[str, float] = {}
 
 
@@ -76,14 +76,8 @@ def one_step(llm: LLM, label: str, profiler: cProfile.Profile | None = None,
 
 
 def scenario(llm: LLM, trial: int, profile: bool) -> None:
-    decode = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
-    ids = [llm.add_request([(7 * i + j + trial) % VOCAB for j in range(128)], decode)
-           for i in range(64)]
-    started: set[int] = set()
-    while len(started) < len(ids):
-        outputs, _ = llm.step_outputs()
-        started.update(out.request_id for out in outputs)
-    for _ in range(10):
+    ids = start_decoders(llm, salt=trial)  # 64 sequences decoding
+    for _ in range(5):
         llm.step()
     print(f"trial {trial}:", flush=True)
     one_step(llm, "decode step before the join")
@@ -100,10 +94,7 @@ def scenario(llm: LLM, trial: int, profile: bool) -> None:
         profiler = cProfile.Profile()
         one_step(llm, "admission under cProfile", profiler)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    for request_id in ids + [long_id]:
-        llm.abort(request_id)
-    while not llm.is_finished():
-        llm.step()
+    stop(llm, ids + [long_id])
 
 
 def main() -> None:

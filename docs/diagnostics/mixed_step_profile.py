@@ -30,10 +30,9 @@ from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
 from myvllm import LLM, SamplingParams  # noqa: E402
 from myvllm.kernels.prefill_attention import (  # noqa: E402
     PrefillConfig,
-    TileMap,
-    build_tile_map,
     flash_attention_varlen_triton,
 )
+from myvllm.kernels.tile_map import TileMap, build_tile_map  # noqa: E402
 
 VOCAB = 10_000
 H, KVH, D, PAGE = 16, 8, 128, 16  # Qwen3-0.6B's attention, blocks of 16 tokens

@@ -8,6 +8,8 @@ working across chunk boundaries.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_checkpoint
@@ -179,6 +181,25 @@ def test_max_model_length_defaults_to_the_checkpoint_capped_by_the_cache(
     assert len(out["token_ids"]) == 10  # stopped at max_model_length = 160
 
 
+@contextlib.contextmanager
+def run_fails_at_call(llm: LLM, n: int) -> Iterator[None]:
+    """Inside the block, the runner's n-th run() call (from 1) raises KeyboardInterrupt
+    before it computes anything: a step that fails before any of its K/V is written."""
+    run, calls = llm.model_runner.run, [0]
+
+    def failing_run(seqs, is_prefill):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return run(seqs, is_prefill)
+
+    llm.model_runner.run = failing_run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        llm.model_runner.run = run  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failed_step_leaves_no_unwritten_block_findable(async_scheduling: bool) -> None:
     """A step that raises before it runs (Ctrl-C, out of memory) had registered the blocks
@@ -191,18 +212,9 @@ def test_a_failed_step_leaves_no_unwritten_block_findable(async_scheduling: bool
                enable_chunked_prefill=False).generate([prompt], GREEDY, use_tqdm=False)
     llm = LLM(path, block_size=4, max_model_length=96, max_num_batched_tokens=10,
               async_scheduling=async_scheduling)
-    run, calls = llm.model_runner.run, []
-
-    def failing_run(seqs, is_prefill):  # noqa: ANN001, ANN202
-        calls.append(len(calls))
-        if len(calls) == 2:  # the second chunk (tokens 10..19) never runs
-            raise KeyboardInterrupt
-        return run(seqs, is_prefill)
-
-    llm.model_runner.run = failing_run  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
+    # The second chunk (tokens 10..19) never runs.
+    with run_fails_at_call(llm, 2), pytest.raises(KeyboardInterrupt):
         llm.generate([prompt], GREEDY, use_tqdm=False)
-    llm.model_runner.run = run  # type: ignore[method-assign]
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert again["num_cached_tokens"] == 8  # the first chunk's two full blocks, no more
     assert again["token_ids"] == cold[0]["token_ids"]
@@ -211,16 +223,15 @@ def test_a_failed_step_leaves_no_unwritten_block_findable(async_scheduling: bool
     other = random_prompts([22], seed=9)[0]
     cold_other = LLM(path, block_size=4, max_model_length=96, enable_prefix_caching=False,
                      enable_chunked_prefill=False).generate([other], GREEDY, use_tqdm=False)
-    calls.clear()
-    llm.model_runner.run = failing_run  # type: ignore[method-assign]
     ids = [llm.add_request(p, GREEDY) for p in (prompt, other)]
     outputs = {}
-    while not llm.is_finished():
-        try:
-            finished, _ = llm.step()
-        except KeyboardInterrupt:
-            continue
-        outputs.update({out["seq_id"]: out["token_ids"] for out in finished})
+    with run_fails_at_call(llm, 2):
+        while not llm.is_finished():
+            try:
+                finished, _ = llm.step()
+            except KeyboardInterrupt:
+                continue
+            outputs.update({out["seq_id"]: out["token_ids"] for out in finished})
     assert [outputs[i] for i in ids] == [cold[0]["token_ids"], cold_other[0]["token_ids"]]
     assert llm.scheduler.block_manager.used_block_ids == set()
 
@@ -245,18 +256,8 @@ def test_a_failed_step_leaves_no_unwritten_block_findable_prefill_first(
     cold = LLM(path, enable_prefix_caching=False, **kw).generate(
         [longer], GREEDY, use_tqdm=False)[0]["token_ids"]
     llm = LLM(path, **kw)
-    run, calls = llm.model_runner.run, []
-
-    def failing_run(seqs, is_prefill):  # noqa: ANN001, ANN202
-        calls.append(len(calls))
-        if len(calls) == failing_call:
-            raise KeyboardInterrupt
-        return run(seqs, is_prefill)
-
-    llm.model_runner.run = failing_run  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
+    with run_fails_at_call(llm, failing_call), pytest.raises(KeyboardInterrupt):
         llm.generate([prompt], GREEDY, use_tqdm=False)
-    llm.model_runner.run = run  # type: ignore[method-assign]
     assert llm.scheduler.block_manager.used_block_ids == set()
     again = llm.generate([longer], GREEDY, use_tqdm=False)[0]
     assert again["num_cached_tokens"] == (0 if failing_call == 1 else 28)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import myvllm.kernels as kernels
+import myvllm.kernels.tile_map as tile_map
 from myvllm.kernels import (
     flash_attention_varlen_ref,
     paged_attention_decode_ref,
@@ -263,18 +264,19 @@ def test_flash_attention_varlen_triton_tile_map(device, dtype, split_key_tiles) 
     k_cache, v_cache, tables = make_paged(k, v, lengths_k, block_size)
     cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
     num_parts = 8
-    slots = mod.tile_map_slots(padded, max_num_seqs=8, block_m=cfg.block_m, num_parts=num_parts)
+    slots = tile_map.tile_map_slots(padded, max_num_seqs=8, block_m=cfg.block_m,
+                                    num_parts=num_parts)
     tiled_q = [0 if n == 1 else n for n in lengths_q]  # the decode row gets no tile
-    rows, combine = mod.build_tile_map(tiled_q, lengths_k, cfg.block_m, cfg.block_n, slots,
-                                       num_parts, split_key_tiles)
+    rows, combine = tile_map.build_tile_map(tiled_q, lengths_k, cfg.block_m, cfg.block_n,
+                                            slots, num_parts, split_key_tiles)
     assert rows[-5:] == [-1, 0, 0, 1, -1]  # more rows than programs: the rest run nothing
     assert (combine[0] != -1) == (split_key_tiles == 1)  # some tiles split, or none
-    tile_map = mod.TileMap(torch.tensor(rows, dtype=torch.int32, device=device).view(-1, 5),
-                           torch.tensor(combine, dtype=torch.int32, device=device).view(-1, 4),
-                           num_parts)
+    the_map = tile_map.TileMap(
+        torch.tensor(rows, dtype=torch.int32, device=device).view(-1, 5),
+        torch.tensor(combine, dtype=torch.int32, device=device).view(-1, 4), num_parts)
     args = (q, k, v, cu_q, cu_k, 0, 0, 0.25, tables, k_cache, v_cache)
     out = torch.full_like(q, 7.0)
-    mod.flash_attention_varlen_triton(*args, tile_map, out)
+    mod.flash_attention_varlen_triton(*args, the_map, out)
     ref = flash_attention_varlen_ref(*args)
     tiled = torch.ones(padded, dtype=torch.bool)
     tiled[sum(lengths_q):] = False
@@ -284,20 +286,18 @@ def test_flash_attention_varlen_triton_tile_map(device, dtype, split_key_tiles) 
 
 
 def test_build_tile_map_lists_the_heaviest_tiles_first_and_splits_them() -> None:
-    pytest.importorskip("triton")
-    mod = triton_mod("prefill_attention")
-    rows, combine = mod.build_tile_map([300, 1], [1324, 7], 128, 128, 5, 2)
+    rows, combine = tile_map.build_tile_map([300, 1], [1324, 7], 128, 128, 5, 2)
     assert rows == [0, 2, 0, 1, -1, 0, 1, 0, 1, -1, 0, 0, 0, 1, -1, 1, 0, 0, 1, -1,
                     -1, 0, 0, 1, -1]
     assert combine == [-1, 0, 0, 0]
     # A 100-token chunk after 1000 cached tokens (7 unmasked key tiles of 128), cut into
     # splits of at least 2 key tiles: 3 splits, as many parts, one combine row.
-    rows, combine = mod.build_tile_map([100], [1100], 128, 128, 6, 4, split_key_tiles=2)
+    rows, combine = tile_map.build_tile_map([100], [1100], 128, 128, 6, 4, split_key_tiles=2)
     assert rows[:15] == [0, 0, 0, 3, 0, 0, 0, 1, 3, 1, 0, 0, 2, 3, 2]
     assert combine == [0, 0, 3, 0, -1, 0, 0, 0]
-    assert mod.tile_map_slots(300, max_num_seqs=2, block_m=128, num_parts=4) == 9
+    assert tile_map.tile_map_slots(300, max_num_seqs=2, block_m=128, num_parts=4) == 9
     with pytest.raises(ValueError, match="3 query tiles, only 2 slots"):
-        mod.build_tile_map([300], [300], 128, 128, 2, 0)
+        tile_map.build_tile_map([300], [300], 128, 128, 2, 0)
 
 
 # --------------------------------------------------------------------------- decode

@@ -198,9 +198,10 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup_sampler(self) -> None:
         """The sampler on max_num_sequences rows of logits, with top-p (its sort makes several
-        vocabulary-sized copies) and without, then on 3 rows: Triton compiles the sampling
-        kernels' variants for row counts divisible by 16 and not. Part of warmup_model, so
-        that its peak counts when the KV cache is sized."""
+        vocabulary-sized copies) and without, then on 3 rows: up to 8 rows the sampling
+        kernels launch with programmatic dependent launch (kernels/pdl.py), a variant of
+        their own that Triton compiles now. Part of warmup_model, so that its peak counts
+        when the KV cache is sized."""
         rows = self.config.max_num_sequences
         # In the model's dtype, as the LM head returns them (the sampler's float() copy of
         # bf16 logits is part of the peak).

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-# The map of a fixed-grid launch, built on the host (kept apart: no Triton needed there).
-from .tile_map import SPLIT_KEY_TILES, TileMap, build_tile_map, tile_map_slots  # noqa: F401
+# The map of a fixed-grid launch is built on the host, in tile_map.py (no Triton needed there).
+from .tile_map import TileMap
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor

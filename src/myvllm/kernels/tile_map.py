@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class TileMap:
     """What each program of a fixed-grid launch computes (see build_tile_map)."""
