@@ -14,8 +14,10 @@ token, and the token budget's trade-off between the two and throughput.
 2. Time to first token of one prompt alone (1k, 4k, 32k tokens): generate(max_tokens=1),
    median of 5.
 3. Sweep of max_prefill_tokens_while_decoding (the prompt tokens a step may add beside decode
-   rows) and of max_num_batched_tokens: the stall and the offline throughput of
-   benchmark_tps.py's workload at each setting (and prefill-first for reference); a plot.
+   rows) and of max_num_batched_tokens: the stall, the offline throughput of
+   benchmark_tps.py's workload (through generate(), whose own sequences stream to nobody:
+   the cap does not apply to them) and the longest prompt's time to first token at each
+   setting (and prefill-first for reference); a plot.
 
 Random weights of the Qwen3-0.6B architecture (configs/Qwen3-0.6B/config.json).
 """
@@ -37,7 +39,7 @@ REPO = Path(__file__).resolve().parent
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
-    parser.add_argument("--budgets", default="16384",
+    parser.add_argument("--budgets", default="8192,16384,32768",
                         help="comma-separated max_num_batched_tokens values for the sweep")
     parser.add_argument("--caps", default="256,512,1024,2048,0",
                         help="comma-separated max_prefill_tokens_while_decoding values for the "
@@ -131,10 +133,12 @@ def measure_ttft(llm, lengths: list[int], vocab: int) -> dict[int, float]:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     result = {}
     for n in lengths:
-        prompts = [[(11 * r + 5 * j + 1) % vocab for j in range(n)] for r in range(6)]
+        # Every prompt new, also across lengths (its first token depends on n): a prefix-cache
+        # hit would make the time to first token that of the uncached part only.
+        prompts = [[(11 * r + 5 * j + 7 * n + 1) % vocab for j in range(n)] for r in range(6)]
         llm.generate([prompts[0]], one, use_tqdm=False)  # warm (and compile)
         times = []
-        for prompt in prompts[1:]:  # a new prompt each time: no prefix-cache hit
+        for prompt in prompts[1:]:
             sync()
             start = time.perf_counter()
             llm.generate([prompt], one, use_tqdm=False)
@@ -206,11 +210,14 @@ def main() -> None:
                             enable_chunked_prefill=chunked, **extra)
                 row = measure_stall(llm, **{**stall_kw, "long_prompt_len": min(
                     shapes["long_prompt_len"], llm.config.max_model_length - 1)}, vocab=vocab)
+                longest = min(shapes["ttft"][-1], llm.config.max_model_length)
                 row.update(budget=budget, cap=cap, chunked=chunked,
-                           tok_s=throughput(llm, quick, vocab))
+                           tok_s=throughput(llm, quick, vocab),
+                           ttft_longest_ms=measure_ttft(llm, [longest], vocab)[longest])
                 print(f"{'chunked' if chunked else 'prefill-first':>13} budget {budget:>6} "
                       f"cap {cap:>5}: stall {row['stall_x']:5.1f}x, "
-                      f"{row['tok_s']:,.0f} output tok/s", flush=True)
+                      f"{row['tok_s']:,.0f} output tok/s, time to first token of "
+                      f"{longest} tokens alone {row['ttft_longest_ms']:.1f} ms", flush=True)
                 sweep.append(row)
                 llm.exit()
                 del llm
@@ -265,6 +272,7 @@ def plot(sweep: list[dict], path: Path) -> None:
                    color="tab:blue" if row["chunked"] else "tab:red")
         label = (f"cap {row['cap'] or 'none'}, budget {row['budget']}" if row["chunked"]
                  else f"prefill-first, budget {row['budget']}")
+        label += f"; long TTFT {row['ttft_longest_ms']:.0f} ms"
         ax.annotate(label, (row["stall_x"], row["tok_s"]), textcoords="offset points",
                     xytext=(5, 4), fontsize=8)
     ax.set_xscale("log")

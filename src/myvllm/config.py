@@ -49,7 +49,7 @@ class Config:
     """Most sequences alive (running) at once. Bounds every batch, and is the largest batch size
     a decode CUDA graph is captured for. One name, read by the scheduler and the runner alike."""
 
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int = 32768
     """Most tokens one step computes: with chunked prefill, decode rows and prompt chunks
     together (a longer prompt runs over several steps); prefill-first, the prompt tokens of
     one prefill step. Bounds a step's activation memory, so the runner's warm-up uses the same
@@ -109,10 +109,12 @@ class Config:
     max_model_length runs. False = prefill-first: a step is either whole prompts or decodes."""
 
     max_prefill_tokens_while_decoding: int = 512
-    """With chunked prefill, the most prompt tokens one step computes while other sequences
-    decode in it. That step's time is the gap between two tokens of every decoding stream, so
-    a prompt that arrives while others stream goes in small chunks; a prompt with no decode
-    beside it takes all of max_num_batched_tokens. 0 = no limit of its own."""
+    """With chunked prefill, the most prompt tokens one step computes while streamed sequences
+    (add_request, the server) decode in it. That step's time is the gap between two tokens of
+    every decoding stream, so a prompt that arrives while others stream goes in small chunks;
+    a prompt with no stream decoding beside it takes all of max_num_batched_tokens. The
+    sequences of LLM.generate() are no streams: it returns all outputs at the end, where only
+    the total time counts. 0 = no limit of its own."""
 
     async_scheduling: bool | None = None
     """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where

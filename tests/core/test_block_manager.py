@@ -1,8 +1,12 @@
 """BlockManager: ref counts, the can_append off-by-one, and prefix caching across requests."""
 
-import pytest
+from collections import deque
 
-from myvllm.engine.block_manager import Block, BlockManager
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from myvllm.engine.block_manager import Block, BlockManager, FreeBlockQueue
 from myvllm.engine.sequence import Sequence
 
 PREFIX = [10, 20, 30, 40, 50, 60, 70, 80]  # two full blocks of 4
@@ -318,3 +322,28 @@ def test_a_prompt_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     bm.allocate(seq)
     assert len(calls) == 3 and seq.num_cached_tokens == 12
     check_consistent(bm, seq)
+
+
+# ---------------------------------------------------------------- the free list
+@given(st.lists(st.tuples(st.sampled_from(["popleft", "append", "appendleft", "remove"]),
+                          st.integers(0, 7)), max_size=60))
+def test_free_block_queue_behaves_as_a_deque(ops: list[tuple[str, int]]) -> None:
+    """The free list has a deque's operations and order, remove() in O(1): each run of random
+    operations leaves it equal to a deque given the same (ids kept unique, as block ids are)."""
+    queue, reference = FreeBlockQueue(range(4)), deque(range(4))
+    for op, block_id in ops:
+        if op == "popleft":
+            if reference:
+                assert queue.popleft() == reference.popleft()
+        elif op == "remove":
+            if block_id in reference:
+                queue.remove(block_id)
+                reference.remove(block_id)
+        elif block_id not in reference:  # append / appendleft of an id not in the list
+            getattr(queue, op)(block_id)
+            getattr(reference, op)(block_id)
+        assert list(queue) == list(reference) and len(queue) == len(reference)
+        assert bool(queue) == bool(reference)
+        if reference:
+            assert (queue[0], queue[-1]) == (reference[0], reference[-1])
+            assert all(b in queue for b in reference) and 99 not in queue

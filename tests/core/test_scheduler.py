@@ -392,10 +392,41 @@ def test_chunks_far_into_a_long_prompt_shrink_beside_decode_rows() -> None:
     chunk = Scheduler._chunk_size
     assert chunk(0, 10_000, 16384, 512, capped=True) == (512, 512)
     assert chunk(long - 512, 10_000, 16384, 512, capped=True) == (512, 512)
-    assert chunk(3 * long, 10_000, 16384, 512, capped=True) == (163, 496)  # ~3x the context
+    # ~3x the context: 163 tokens fit the cap, cut to one whole tile of the prefill kernel
+    # (a second tile of 35 rows would cost the attention of a full one)
+    assert chunk(3 * long, 10_000, 16384, 512, capped=True) == (128, 388)
+    assert chunk(long, 10_000, 16384, 512, capped=True) == (384, 420)  # 3 tiles, not 455
+    assert chunk(long, 400, 16384, 512, capped=True) == (400, 440)  # the last chunk: all of it
     assert chunk(4 * long - 512, 10_000, 16384, 512, capped=True) == (128, 500)  # ~4x
     assert chunk(3 * long, 10_000, 16384, 512, capped=False) == (512, 512)
     assert chunk(3 * long, 100, 16384, 512, capped=True) == (100, 303)  # its last 100 tokens
     for start in range(0, 40_000, 997):  # never over the budget
         n, cost = chunk(start, 10_000, 16384, 300, capped=True)
         assert 1 <= n <= 300 and n <= cost <= 300
+
+
+def test_decode_rows_that_nobody_streams_do_not_cap_prompt_chunks() -> None:
+    """LLM.generate() hands its outputs back together at the end (Sequence.streamed False):
+    beside its decoding sequences a prompt takes the whole budget; one streamed decode row
+    is enough for the cap to hold again."""
+    sch = make(num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=40,
+               max_prefill_tokens_while_decoding=8, max_model_length=128)
+    batch_job = seq([1, 2, 3])
+    batch_job.streamed = False
+    sch.add_sequence(batch_job)
+    batch, _ = sch.schedule()
+    sch.postprocess(batch, [7])  # it decodes from now on
+    newcomer = seq(list(range(100, 160)))
+    newcomer.streamed = False
+    sch.add_sequence(newcomer)
+    batch, _ = sch.schedule()
+    assert [s.num_new_tokens for s in batch] == [1, 39]  # no stream beside it: no cap
+    sch.postprocess(batch[:1], [7])
+    streamed = seq([4, 5, 6])
+    sch.add_sequence(streamed)
+    batch, _ = sch.schedule()
+    assert [s.num_new_tokens for s in batch] == [1, 21, 3]  # nobody streams yet
+    sch.postprocess(batch, [7, 8, 9])  # each sampled: all three decode now
+    sch.add_sequence(seq(list(range(200, 240))))
+    batch, _ = sch.schedule()
+    assert [s.num_new_tokens for s in batch] == [1, 1, 1, 8]  # a stream decodes: capped

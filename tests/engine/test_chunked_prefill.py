@@ -262,3 +262,39 @@ def test_a_failed_step_leaves_no_unwritten_block_findable_prefill_first(
     again = llm.generate([longer], GREEDY, use_tqdm=False)[0]
     assert again["num_cached_tokens"] == (0 if failing_call == 1 else 28)
     assert again["token_ids"] == cold
+
+
+def test_generate_steps_are_not_capped_for_streams_but_step_driven_ones_are() -> None:
+    """generate() returns its outputs together at the end: its prompts may take the whole
+    budget beside its decoding sequences. Requests added one by one (add_request, the
+    server) stream: beside their decode rows prompt chunks keep to
+    max_prefill_tokens_while_decoding. Greedy tokens are the same either way."""
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = random_prompts([5, 40, 40], seed=8)
+    kw = dict(block_size=4, max_model_length=96, max_num_batched_tokens=32,
+              max_prefill_tokens_while_decoding=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def recording(llm: LLM) -> list[tuple[int, int]]:
+        """(decode rows, prompt tokens) of every step the scheduler plans."""
+        steps: list[tuple[int, int]] = []
+        schedule = llm.scheduler.schedule
+
+        def spy():  # noqa: ANN202
+            batch, is_prefill = schedule()
+            rows = [s for s in batch if s.num_new_tokens == 1 and s.num_computed_tokens == len(s)]
+            steps.append((len(rows), sum(s.num_new_tokens for s in batch) - len(rows)))
+            return batch, is_prefill
+
+        llm.scheduler.schedule = spy  # type: ignore[method-assign]
+        return steps
+
+    llm = LLM(path, **kw)
+    batch_steps = recording(llm)
+    batch_tokens = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert max(tokens for rows, tokens in batch_steps if rows) > 4  # beside decode rows
+    llm = LLM(path, **kw)
+    streamed_steps = recording(llm)
+    streamed, _ = budget_steps(llm, prompts, params)
+    assert list(streamed.values()) == batch_tokens
+    assert max(tokens for rows, tokens in streamed_steps if rows) <= 4

@@ -80,9 +80,12 @@ class InputBuilder:
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Block tables padded with -1 to a rectangle (the kernels never read past the context).
 
-        For a prefill with a cached prefix; decode steps fill theirs in DecodeBuffers.
+        For a prefill with a cached prefix; decode steps fill theirs in DecodeBuffers. The
+        width is a multiple of 16: Triton compiles a kernel variant per "divisible by 16 or
+        not" of each int argument, the rows' stride among them, and a variant met first in
+        the middle of a run took ~2 s there (warmup_cached_prefix_prefill compiles this one).
         """
-        width = max(len(seq.block_table) for seq in seqs)
+        width = -(-max(len(seq.block_table) for seq in seqs) // 16) * 16
         tables = np.full((len(seqs), width), -1, dtype=np.int32)
         for row, seq in enumerate(seqs):
             tables[row, : len(seq.block_table)] = seq.block_table

@@ -464,6 +464,9 @@ class LLMEngine:
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
         for seq in seqs:
             self.scheduler.check_sequence(seq)
+            # Its outputs come back together at the end: no step's length is seen on its own,
+            # only the total, so prompts need not wait beside its decoding sequences.
+            seq.streamed = False
         for seq in seqs:
             self.scheduler.add_sequence(seq)
             self._requests[seq.seq_id] = seq

@@ -39,6 +39,10 @@ from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 # 2 * parameters per token, ~3,800 tokens for Qwen3-0.6B (more for larger models). Beside
 # decode rows, a chunk this far into its prompt is charged in proportion (see _chunk_size).
 ATTENTION_BOUND_CONTEXT = 4096
+# The prefill kernel's query tile on GPUs (prefill_config: 128 rows, 64 for fp32 or wide
+# heads). Its attention costs a whole tile per started tile: a chunk of 131 tokens at 16k
+# costs two, nearly twice one of 128. Beside decode rows, chunks come in whole tiles.
+CHUNK_TILE = 128
 
 
 class Scheduler:
@@ -190,9 +194,9 @@ class Scheduler:
         2. Waiting sequences, in order, while budget, sequence slots and blocks last: each is
            admitted with a first chunk (after its cached prefix) and the whole block table.
 
-        While any running sequence decodes, prompt chunks together get at most
-        max_prefill_tokens_while_decoding tokens, a token past ATTENTION_BOUND_CONTEXT
-        counting for more: the decode rows' wait stays short.
+        While any running sequence whose tokens stream (Sequence.streamed) decodes, prompt
+        chunks together get at most max_prefill_tokens_while_decoding tokens, a token past
+        ATTENTION_BOUND_CONTEXT counting for more: the decode rows' wait stays short.
 
         Each scheduled sequence gets num_new_tokens (its chunk) and its num_computed_tokens
         is advanced past it; it samples a token only when the chunk reaches its last token.
@@ -200,7 +204,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prompt_budget = budget
         cap = self.max_prefill_tokens_while_decoding
-        capped = bool(cap) and any(seq.num_tokens - seq.num_computed_tokens <= 1
+        capped = bool(cap) and any(seq.streamed and seq.num_tokens - seq.num_computed_tokens <= 1
                                    for seq in self.running)
         if capped:
             prompt_budget = min(budget, cap)
@@ -281,18 +285,29 @@ class Scheduler:
 
         Capped (decode rows beside it), a chunk of n tokens ending past
         ATTENTION_BOUND_CONTEXT costs n * (start + n) / ATTENTION_BOUND_CONTEXT of
-        prompt_budget, since its attention grows with its position: a 16k-token prompt goes
-        in chunks of 512 tokens at first and of 128 near its end, each step about as long.
+        prompt_budget, since its attention grows with its position, and a chunk that is not
+        the prompt's last is cut to whole CHUNK_TILEs where it holds more than one: a
+        16k-token prompt goes in chunks of 512 tokens at first and of 128 near its end, each
+        step about as long.
         """
         if not capped:
             n = min(remaining, budget, prompt_budget)
             return n, n
         long = ATTENTION_BOUND_CONTEXT
+
+        def cost(n: int) -> int:
+            return -(-n * max(long, start + n) // long)
+
         # The largest n with n * max(long, start + n) / long <= prompt_budget, nearly.
         n = min(remaining, budget,
                 max(1, prompt_budget * long // max(long, start + prompt_budget)))
-        cost = -(-n * max(long, start + n) // long)
-        return n, min(cost, prompt_budget)
+        if CHUNK_TILE < n < remaining:
+            tiles = n // CHUNK_TILE + 1  # the formula above can be one tile short
+            while tiles > 1 and (tiles * CHUNK_TILE > min(budget, remaining)
+                                 or cost(tiles * CHUNK_TILE) > prompt_budget):
+                tiles -= 1
+            n = tiles * CHUNK_TILE
+        return n, min(cost(n), prompt_budget)
 
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
         """seq computes its next num_tokens tokens in this step. The blocks those fill are

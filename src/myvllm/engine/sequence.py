@@ -91,8 +91,12 @@ class Sequence:
         # the row of this sequence's token in the last step's sampled-token pool, where a
         # decode step reads a token that is still pending (engine/decode_buffers.py);
         self.sampled_row: int | None = None
-        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort".
+        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
         self.finish_reason: FinishReason | None = None
+        # whether someone reads its tokens as they come (add_request, the server), so that
+        # the steps it decodes in should stay short (Config.max_prefill_tokens_while_decoding).
+        # LLM.generate() hands all its outputs back together at the end: its sequences are not.
+        self.streamed: bool = True
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
