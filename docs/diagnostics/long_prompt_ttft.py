@@ -37,7 +37,10 @@ ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries"
 
 
 def prompt(n: int, salt: int) -> list[int]:
-    return [(7919 * salt + 31 * j + 1) % VOCAB for j in range(n)]
+    """A prompt that shares no prefix with another (n, salt). (The first version of this
+    script left n out: each length's prompts began with those of the length before, and the
+    prefix hits were what showed the free list's cost, docs/benchmarks.md.)"""
+    return [(7919 * salt + 31 * j + 13 * n + 1) % VOCAB for j in range(n)]
 
 
 def ttft(llm: LLM, n: int) -> None:

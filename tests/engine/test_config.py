@@ -10,7 +10,7 @@ from myvllm.config import Config, ConfigError
 def test_defaults_match_the_contract() -> None:
     c = Config()
     assert (c.model, c.max_num_sequences, c.max_num_batched_tokens, c.max_model_length) == (
-        None, 256, 16384, None)
+        None, 256, 32768, None)
     assert (c.block_size, c.num_kvcache_blocks, c.gpu_memory_utilization) == (16, -1, 0.9)
     assert (c.tensor_parallel_size, c.enforce_eager) == (1, False)
     assert (c.dtype, c.device) == ("auto", "auto")
