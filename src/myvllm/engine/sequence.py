@@ -47,9 +47,12 @@ class Sequence:
         if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         # A copy: the caller may reuse or mutate its list; our tokens must not change under us.
-        # operator.index accepts ints and numpy integers but rejects floats and strings.
-        tokens = [operator.index(t) for t in token_ids]
-        if any(t < 0 for t in tokens):
+        # operator.index accepts ints and numpy integers but rejects floats and strings (plain
+        # ints skip the per-token call: a prompt can be 40k tokens long).
+        tokens = list(token_ids)
+        if set(map(type, tokens)) - {int}:
+            tokens = [operator.index(t) for t in tokens]
+        if tokens and min(tokens) < 0:
             raise ValueError(f"token ids must be >= 0, got {min(tokens)}")
         self.seq_id: int = next(Sequence._ids)
         self.status: SequenceStatus = SequenceStatus.WAITING
