@@ -500,10 +500,8 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
     try:
         # Key 2: the second throughput run used key 1; its blocks are still cached.
         for prompt, param in zip(fresh_copy(prompts, key=2), params):
-            llm.add_request(prompt, param)
-            # As generate() does: nobody reads these tokens as they come, so prompts need not
-            # keep to the cap beside their decode rows (Sequence.streamed).
-            scheduler.waiting[-1].streamed = False
+            # Not streamed, as in generate(): nobody reads these tokens as they come.
+            llm.add_request(prompt, param, streamed=False)
         if device == "cuda":
             torch.cuda.synchronize()
         run_start = time.perf_counter()

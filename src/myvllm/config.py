@@ -110,11 +110,12 @@ class Config:
 
     max_prefill_tokens_while_decoding: int = 512
     """With chunked prefill, the most prompt tokens one step computes while streamed sequences
-    (add_request, the server) decode in it. That step's time is the gap between two tokens of
-    every decoding stream, so a prompt that arrives while others stream goes in small chunks;
-    a prompt with no stream decoding beside it takes all of max_num_batched_tokens. The
-    sequences of LLM.generate() are no streams: it returns all outputs at the end, where only
-    the total time counts. 0 = no limit of its own."""
+    (add_request, the server's streaming requests) decode in it. That step's time is the gap
+    between two tokens of every decoding stream, so a prompt that arrives while others stream
+    goes in small chunks; a prompt with no stream decoding beside it takes all of
+    max_num_batched_tokens. The sequences of LLM.generate() and the server's requests with
+    stream false are no streams: their outputs come at the end, where only the total time
+    counts. 0 = no limit of its own."""
 
     async_scheduling: bool | None = None
     """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where

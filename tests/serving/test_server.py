@@ -56,12 +56,16 @@ def tiny_chat_checkpoint(path: Path, **overrides: Any) -> Path:
     return path
 
 
+SERVED: dict[str, Any] = {}  # the engine behind base_url, for tests that look inside
+
+
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
     # A small KV cache: 16 concurrent requests fit, and a leaked block shows in the usage.
     engine = LLMEngine(Config(model=str(path), num_kvcache_blocks=128,
                               max_model_length=MAX_MODEL_LENGTH, max_num_sequences=32))
+    SERVED["engine"] = engine
     llm = AsyncLLM(engine)
     sock = free_socket()
     server = make_server(llm, MODEL, "127.0.0.1", sock.getsockname()[1], log_level="warning")
@@ -189,6 +193,28 @@ def test_16_concurrent_streams_match_their_greedy_answers(base_url: str, client:
     texts, wholes = asyncio.run(run_all())
     assert texts == wholes
     assert len(set(texts)) > 1  # different prompts, different answers: no mix-up
+
+
+def test_only_streamed_requests_are_streams_to_the_engine(client: Any) -> None:
+    """A request with stream false gets one body at the end: the engine need not keep the
+    steps it decodes in short (Sequence.streamed False). A streamed one is a stream."""
+    engine = SERVED["engine"]
+    add_request = engine.add_request
+    seen: list[bool] = []
+
+    def spy(*args: Any, **kwargs: Any) -> int:
+        seen.append(kwargs.get("streamed", True))
+        return add_request(*args, **kwargs)
+
+    engine.add_request = spy
+    try:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+        list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, stream=True))
+        client.chat.completions.create(model=MODEL, max_tokens=2,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        del engine.add_request  # the class's method again
+    assert seen == [False, True, False]
 
 
 def test_aborted_stream_frees_its_blocks(base_url: str) -> None:

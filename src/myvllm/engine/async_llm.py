@@ -108,6 +108,7 @@ class _Add:
     token_ids: list[int]
     params: SamplingParams
     stream: _Stream
+    streamed: bool  # someone reads the tokens as they come (Sequence.streamed)
 
 
 # While idle, the engine thread wakes this often to see whether the engine died meanwhile
@@ -180,9 +181,12 @@ class AsyncLLM:
         return list(prompt)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None,
-                       stop: Iterable[str] = ()) -> AsyncIterator[StreamOutput]:
+                       request_id: str | None = None, stop: Iterable[str] = (),
+                       streamed: bool = True) -> AsyncIterator[StreamOutput]:
         """Queue one request and yield its outputs as the engine produces them.
+
+        streamed=False: the caller only wants the whole answer (a non-streaming HTTP request),
+        so the engine need not keep the steps this request decodes in short.
 
         Bad input (the engine's ValueError / TypeError) raises before the first output.
         Leaving the loop early (a client that went away, a cancelled task) aborts the request.
@@ -211,7 +215,7 @@ class AsyncLLM:
         self._by_request_id[request_id] = stream
         engine_finished = False
         try:
-            self._commands.put(_Add(token_ids, sampling_params, stream))
+            self._commands.put(_Add(token_ids, sampling_params, stream, streamed))
             await added  # the engine's validation error, if any, is raised here
             last_time = None
             num_tokens = 0
@@ -364,7 +368,8 @@ class AsyncLLM:
     def _apply(self, command: Any) -> None:
         if isinstance(command, _Add):
             try:
-                engine_id = self.engine.add_request(command.token_ids, command.params)
+                engine_id = self.engine.add_request(command.token_ids, command.params,
+                                                    streamed=command.streamed)
             except (ValueError, TypeError) as e:  # bad input: that request's error only
                 self._post(self._resolve_add, command, None, e)
             else:

@@ -318,11 +318,15 @@ class LLMEngine:
         # An empty prompt is refused by Scheduler.check_sequence, before anything is queued.
         return Sequence(token_ids, self.config.block_size, sampling_params)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *,
+                    streamed: bool = True) -> int:
         """Queue one prompt; returns its request id. Bad input raises here, before anything
-        is queued."""
+        is queued. streamed=False: nobody reads its tokens before it finishes (a server's
+        non-streaming request), so the steps it decodes in need not stay short (see
+        Config.max_prefill_tokens_while_decoding)."""
         self.check_alive()
         seq = self._make_sequence(prompt, sampling_params)
+        seq.streamed = streamed
         self.scheduler.add_sequence(seq)
         self._requests[seq.seq_id] = seq
         return seq.seq_id

@@ -96,9 +96,10 @@ class Sequence:
         self.sampled_row: int | None = None
         # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
         self.finish_reason: FinishReason | None = None
-        # whether someone reads its tokens as they come (add_request, the server), so that
-        # the steps it decodes in should stay short (Config.max_prefill_tokens_while_decoding).
-        # LLM.generate() hands all its outputs back together at the end: its sequences are not.
+        # whether someone reads its tokens as they come (add_request, the server's streaming
+        # requests), so that the steps it decodes in should stay short
+        # (Config.max_prefill_tokens_while_decoding). LLM.generate() and non-streaming server
+        # requests hand their outputs back at the end: theirs are not.
         self.streamed: bool = True
 
     # ------------------------------------------------------------------ token access

@@ -151,11 +151,11 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
             raise RequestError(f"The model `{name}` does not exist; this server serves "
                                f"`{model_name}`.", 404, "model")
 
-    async def start(prompt_ids: list[int], params: Any, stop: list[str],
-                    request_id: str) -> tuple[StreamOutput, AsyncIterator[StreamOutput]]:
+    async def start(prompt_ids: list[int], params: Any, stop: list[str], request_id: str,
+                    streamed: bool) -> tuple[StreamOutput, AsyncIterator[StreamOutput]]:
         """Queue the request and wait for its first output, so that the engine's refusal
         (ValueError / TypeError) is still a 400 and not an error inside a 200 stream."""
-        outputs = llm.generate(prompt_ids, params, request_id, stop)
+        outputs = llm.generate(prompt_ids, params, request_id, stop, streamed=streamed)
         try:
             first = await anext(outputs)
         except (ValueError, TypeError) as e:
@@ -171,7 +171,8 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
             raise RequestError(str(e)) from e
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            first, outputs = await start(prompt_ids, params, body.stop_strings, request_id)
+            first, outputs = await start(prompt_ids, params, body.stop_strings, request_id,
+                                         streamed=True)
             events = (stream_chat if chat else stream_completion)(
                 request_id, first, outputs, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -193,7 +194,8 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
 
     async def collect_text(prompt_ids: list[int], params: Any, stop: list[str],
                            request_id: str) -> tuple[str, str | None, dict[str, int]]:
-        first, outputs = await start(prompt_ids, params, stop, request_id)
+        # One body at the end: nobody reads the tokens as they come.
+        first, outputs = await start(prompt_ids, params, stop, request_id, streamed=False)
         parts, last = [first.text or ""], first
         async for out in outputs:
             parts.append(out.text or "")
