@@ -235,6 +235,7 @@ class Request:
     arrival: int
     prompt: list[int]
     params: SamplingParams
+    streamed: bool = True  # False: its tokens come back at the end (as in generate())
 
 
 @st.composite
@@ -262,7 +263,7 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
                 prompt = [draw(tokens)]
         params = SamplingParams(temperature=0.0, max_tokens=draw(st.integers(1, 20)),
                                 ignore_eos=draw(st.booleans()))
-        requests.append(Request(draw(st.integers(0, 12)), prompt, params))
+        requests.append(Request(draw(st.integers(0, 12)), prompt, params, draw(st.booleans())))
     requests.sort(key=lambda r: r.arrival)
     longest_prompt = max(len(r.prompt) for r in requests)
     max_model_length = longest_prompt + draw(st.integers(0, 20))
@@ -311,6 +312,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
         while pending and pending[0].arrival <= step:
             r = pending.pop(0)
             seq = Sequence(r.prompt, bs, r.params)
+            seq.streamed = r.streamed
             longest = min(len(r.prompt) + r.params.max_tokens, config.max_model_length)
             fp = max(len(r.prompt), longest - 1)
             fits = (math.ceil(fp / bs) <= config.num_kvcache_blocks
@@ -335,7 +337,9 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
                         and len(head) <= sch.max_num_batched_tokens
                         and sch.block_manager.can_allocate(head))
         num_running_before = len(sch.running)
-        decoding_before = any(s.num_tokens - s.num_computed_tokens <= 1 for s in sch.running)
+        # the cap protects streams: sequences whose tokens someone reads as they come
+        streams_decoding = any(s.streamed and s.num_tokens - s.num_computed_tokens <= 1
+                               for s in sch.running)
 
         batch, is_prefill = sch.schedule()
         if not batch:
@@ -349,13 +353,16 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
             continue
         if chunked:
             assert sum(s.num_new_tokens for s in batch) <= sch.max_num_batched_tokens
-            # While a running sequence decodes, prompt chunks (rows that compute more than
-            # their sequence's last token) share at most the cap.
+            # While a streamed running sequence decodes, prompt chunks (rows that compute more
+            # than their sequence's last token) share at most the cap.
             cap = config.max_prefill_tokens_while_decoding
-            if decoding_before and cap:
-                chunks = sum(s.num_new_tokens for s in batch
-                             if s.num_new_tokens > 1 or s.num_computed_tokens != len(s))
+            chunks = sum(s.num_new_tokens for s in batch
+                         if s.num_new_tokens > 1 or s.num_computed_tokens != len(s))
+            if streams_decoding and cap:
                 assert chunks <= cap, "prompt chunks beside decode rows over the cap"
+            elif cap and chunks > cap and any(s.num_new_tokens == 1 and s.num_computed_tokens
+                                              == len(s) for s in batch):
+                event("chunked: over the cap beside decode rows that nobody streams")
             assert len(batch) <= sch.max_num_sequences == config.max_num_sequences
             # a pure decode step computes exactly each sequence's last token
             assert is_prefill == any(s.num_new_tokens > 1 or s.num_computed_tokens != len(s)
