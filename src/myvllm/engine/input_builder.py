@@ -24,6 +24,8 @@ from myvllm.engine.sequence import Sequence
 from myvllm.utils.context import Context
 from myvllm.utils.device import resolve_device
 
+NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+
 
 def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:
     """The decode batch sizes that get a CUDA graph: [1, 2, 4, 8] + range(16, max+1, 16),
@@ -73,8 +75,12 @@ class InputBuilder:
         return self.chunk_buffers
 
     def to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
-        """Host list -> (pinned) CPU tensor -> device, without making the host wait."""
-        tensor = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
+        """Host list -> (pinned) CPU tensor -> device, without making the host wait. Through
+        numpy: torch.tensor() of a long Python list is ~3x slower (a 32k-token chunk's ids,
+        positions and slots took ~7 ms on the development machine)."""
+        tensor = torch.from_numpy(np.array(values, dtype=NUMPY_DTYPES[dtype]))
+        if self.pin_memory:
+            tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
