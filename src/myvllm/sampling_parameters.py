@@ -14,6 +14,9 @@ logger = logging.getLogger("myvllm")
 # float32 to inf, and the softmax of inf - inf is NaN, which samples token 0 whatever the
 # logits say. At 0.01 sampling is as good as greedy already.
 MIN_TEMPERATURE = 1e-2
+# Above this (float32's largest number) a temperature would be inf in the device's float32
+# tensors, so it is lowered to it; sampling is uniform long before.
+MAX_TEMPERATURE = 3.4028234663852886e38
 MAX_INT64 = 2**63 - 1  # top_k is an int64 tensor on the device
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
@@ -23,7 +26,7 @@ class SamplingParams:
     temperature: float = 1.0
     """Divides the logits before softmax. 0 means greedy (argmax), the deterministic mode every
     correctness test uses; larger values flatten the distribution. A positive value below
-    0.01 is raised to 0.01."""
+    0.01 is raised to 0.01, one above float32's largest number (3.4e38) lowered to it."""
 
     top_k: int = -1
     """Sample only among the k most likely tokens; -1 = no limit."""
@@ -51,6 +54,10 @@ class SamplingParams:
             logger.warning(f"temperature {t} is raised to {MIN_TEMPERATURE}: smaller ones "
                            "overflow the logits (use 0 for greedy)")
             self.temperature = MIN_TEMPERATURE
+        if t > MAX_TEMPERATURE:
+            logger.warning(f"temperature {t} is lowered to {MAX_TEMPERATURE:.7g}, the largest "
+                           "float32 (sampling is uniform at either)")
+            self.temperature = MAX_TEMPERATURE
         k = self.top_k
         if not (is_int(k) and (k == -1 or 1 <= k <= MAX_INT64)):
             raise ValueError(f"SamplingParams.top_k must be -1 (no limit) or an int in "

@@ -1,8 +1,9 @@
 """SamplingParams validation: every bad value names its field and what is allowed."""
 
+import numpy as np
 import pytest
 
-from myvllm.sampling_parameters import SamplingParams
+from myvllm.sampling_parameters import MAX_TEMPERATURE, SamplingParams
 
 
 def test_defaults() -> None:
@@ -54,3 +55,11 @@ def test_tiny_temperature_is_raised_to_the_minimum(temperature: float) -> None:
     assert SamplingParams(temperature=temperature).temperature == 0.01
     assert SamplingParams(temperature=0.0).temperature == 0.0
     assert SamplingParams(temperature=0.01).temperature == 0.01
+
+
+@pytest.mark.parametrize("temperature", [1e39, 1e308])
+def test_huge_temperature_is_lowered_to_the_largest_float32(temperature: float) -> None:
+    # As float32 on the device it would be inf; the largest float32 samples as uniformly.
+    p = SamplingParams(temperature=temperature)
+    assert p.temperature == MAX_TEMPERATURE and np.isfinite(np.float32(p.temperature))
+    assert SamplingParams(temperature=1e38).temperature == 1e38
