@@ -331,6 +331,7 @@ def test_free_block_queue_behaves_as_a_deque(ops: list[tuple[str, int]]) -> None
     """The free list has a deque's operations and order, remove() in O(1): each run of random
     operations leaves it equal to a deque given the same (ids kept unique, as block ids are)."""
     queue, reference = FreeBlockQueue(range(4)), deque(range(4))
+    assert queue != list(reference) and queue != deque([9])  # as a deque compares
     for op, block_id in ops:
         if op == "popleft":
             if reference:
@@ -342,6 +343,7 @@ def test_free_block_queue_behaves_as_a_deque(ops: list[tuple[str, int]]) -> None
         elif block_id not in reference:  # append / appendleft of an id not in the list
             getattr(queue, op)(block_id)
             getattr(reference, op)(block_id)
+        assert queue == reference and list(reversed(queue)) == list(reversed(reference))
         assert list(queue) == list(reference) and len(queue) == len(reference)
         assert bool(queue) == bool(reference)
         if reference:

@@ -31,7 +31,7 @@ for the same reason).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 
@@ -69,6 +69,18 @@ class FreeBlockQueue:
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids)
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(self._ids)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a deque (or another queue) of the same ids in the same order, as a deque
+        is; a list is not a deque, and not equal either."""
+        if isinstance(other, (FreeBlockQueue, deque)):
+            return list(self._ids) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a deque
 
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._ids
