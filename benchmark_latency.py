@@ -80,9 +80,10 @@ def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_le
     """
     from myvllm import SamplingParams
 
-    last_return = [time.perf_counter()]
+    last_return = time.perf_counter()
 
     def timed_step() -> tuple[float, list]:
+        nonlocal last_return
         if synced:
             sync()
             start = time.perf_counter()
@@ -91,7 +92,7 @@ def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_le
             return time.perf_counter() - start, outputs
         outputs, _ = llm.step_outputs()
         now = time.perf_counter()
-        gap, last_return[0] = now - last_return[0], now
+        gap, last_return = now - last_return, now
         return gap, outputs
 
     rng_prompt = [[(7 * i + j + salt) % vocab for j in range(decode_prompt_len)]

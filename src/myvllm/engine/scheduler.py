@@ -41,7 +41,8 @@ from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 ATTENTION_BOUND_CONTEXT = 4096
 # The prefill kernel's query tile on GPUs (prefill_config: 128 rows, 64 for fp32 or wide
 # heads). Its attention costs a whole tile per started tile: a chunk of 131 tokens at 16k
-# costs two, nearly twice one of 128. Beside decode rows, chunks come in whole tiles.
+# costs two, nearly twice one of 128. Beside decode rows, a chunk of more than one tile that
+# is not its prompt's last is cut to whole tiles (_chunk_size).
 CHUNK_TILE = 128
 
 
