@@ -47,6 +47,7 @@ import torch
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.utils.gc_freeze import frozen_heap
 
 if TYPE_CHECKING:
     from myvllm.engine.batch import RequestOutput
@@ -336,29 +337,31 @@ class AsyncLLM:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # CUDA's current device is per host thread
         try:
-            while True:
-                # Block for a command only when there is nothing to step.
-                commands = []
-                if not engine.has_unfinished_requests():
-                    try:
-                        commands.append(self._commands.get(timeout=IDLE_CHECK_S))
-                    except queue.Empty:
-                        engine.check_alive()  # raises once the engine died while idle
-                        continue
+            # The engine lives as long as this loop: no full garbage collection walks it.
+            with frozen_heap():
                 while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
+                    # Block for a command only when there is nothing to step.
+                    commands = []
+                    if not engine.has_unfinished_requests():
+                        try:
+                            commands.append(self._commands.get(timeout=IDLE_CHECK_S))
+                        except queue.Empty:
+                            engine.check_alive()  # raises once the engine died while idle
+                            continue
+                    while True:
+                        try:
+                            commands.append(self._commands.get_nowait())
+                        except queue.Empty:
+                            break
+                    if any(c is _STOP for c in commands):
                         break
-                if any(c is _STOP for c in commands):
-                    break
-                for command in commands:
-                    self._apply(command)
-                if engine.has_unfinished_requests():
-                    outputs, _ = engine.step_outputs()
-                    if outputs:
-                        self._post(self._deliver, outputs)
-                self._record_scheduler()
+                    for command in commands:
+                        self._apply(command)
+                    if engine.has_unfinished_requests():
+                        outputs, _ = engine.step_outputs()
+                        if outputs:
+                            self._post(self._deliver, outputs)
+                    self._record_scheduler()
         except BaseException as e:  # reported to every waiting request, then logged
             logger.exception("the engine loop failed")
             self._post(self._fail, e)

@@ -46,6 +46,7 @@ from myvllm.layers.linear import check_tp_divides_heads
 from myvllm.models import get_model_class
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
+from myvllm.utils.gc_freeze import frozen_heap
 from myvllm.utils.hf_config import (eos_token_ids, gguf_parsed_once, load_hf_config,
                                     load_tokenizer)
 from myvllm.utils.model_path import resolve_model_path
@@ -485,19 +486,20 @@ class LLMEngine:
                         disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
-            while not self.is_finished():
-                start = time.perf_counter()
-                finished, num_tokens = self.step()
-                elapsed = time.perf_counter() - start
-                if num_tokens > 0:
-                    prefill_tps = num_tokens / elapsed
-                else:
-                    decode_tps = -num_tokens / elapsed
-                progress.set_postfix(prefill=f"{prefill_tps:.0f}tok/s",
-                                     decode=f"{decode_tps:.0f}tok/s")
-                for out in finished:
-                    outputs[out["seq_id"]] = out
-                    progress.update(1)
+            with frozen_heap():  # no full garbage collection walks the engine mid-run
+                while not self.is_finished():
+                    start = time.perf_counter()
+                    finished, num_tokens = self.step()
+                    elapsed = time.perf_counter() - start
+                    if num_tokens > 0:
+                        prefill_tps = num_tokens / elapsed
+                    else:
+                        decode_tps = -num_tokens / elapsed
+                    progress.set_postfix(prefill=f"{prefill_tps:.0f}tok/s",
+                                         decode=f"{decode_tps:.0f}tok/s")
+                    for out in finished:
+                        outputs[out["seq_id"]] = out
+                        progress.update(1)
         except BaseException:
             self._abort(seqs)
             raise
