@@ -472,9 +472,10 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
 
     Beside each step's time, its roofline (benchmarks/roofline.py): the bytes it must read
     and write and the FLOPs it must do, and the least time they take at this machine's
-    measured copy bandwidth and matmul throughput. With async scheduling a call's time is
-    mostly the wait for the step queued by the call before, while its ideal is that of the
-    step it plans: by kind of step the two are one step apart; over the run they add up.
+    measured copy bandwidth and matmul throughput. With async scheduling a call plans and
+    queues one step and returns the tokens of the step queued by the call before, and its
+    time is mostly the wait for that earlier step: so each record carries the roofline of the
+    step whose tokens it returns, the one its prefill flag and token count describe too.
     """
     import myvllm.engine.model_runner as runner_module
     from benchmarks.roofline import ModelShape, measure_ceilings, step_work, summarize
@@ -519,6 +520,10 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
         originals.setdefault((owner, name), getattr(owner, name))
         setattr(owner, name, timed(name, getattr(owner, name)))
     steps = []
+    # With async scheduling: the roofline and context of the step the last call queued, which
+    # the next call waits for and reports.
+    queued_work: list = []
+    queued_context: int | None = None
     try:
         # Key 2: the second throughput run used key 1; its blocks are still cached.
         for prompt, param in zip(fresh_copy(prompts, key=2), params):
@@ -536,14 +541,18 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
             finished, num_tokens = llm.step()
             total = time.perf_counter() - start
             output_tokens += sum(len(out["token_ids"]) for out in finished)
-            # The step this call planned (with async scheduling, the one it queued; its
-            # tokens come back in the next call).
+            # The step this call planned; with async scheduling it was queued, and its tokens
+            # (and this roofline) belong to the next call's record.
             work = [step_work(shape, rows, sampled) for rows, sampled in scheduled]
+            context = sum(len(s) for s in running)
+            if llm.async_scheduling:
+                work, queued_work = queued_work, work
+                context, queued_context = queued_context, context
             prepare = sum(spent.get(k, 0.0) for k in
                           ("prepare_prefill", "prepare_decode", "prepare_sample"))
             steps.append(dict(
                 prefill=num_tokens > 0, tokens=abs(num_tokens),
-                context=sum(len(s) for s in running) if num_tokens < 0 else None,
+                context=context if num_tokens < 0 else None,
                 total_ms=total * 1e3, schedule_ms=spent.get("schedule", 0.0) * 1e3,
                 prepare_ms=prepare * 1e3, launch_ms=(spent.get("run", 0.0) - prepare) * 1e3,
                 wait_ms=spent.get("token_ids", 0.0) * 1e3,
