@@ -9,6 +9,7 @@ server with itself (streamed against not streamed, concurrent against alone).
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import socket
@@ -215,6 +216,25 @@ def test_only_streamed_requests_are_streams_to_the_engine(client: Any) -> None:
     finally:
         del engine.add_request  # the class's method again
     assert seen == [False, True, False]
+
+
+def test_engine_loop_steps_with_the_heap_frozen(client: Any) -> None:
+    """The engine thread runs its steps inside frozen_heap: no full garbage collection walks
+    the engine's objects between two tokens of a stream (see utils/gc_freeze.py)."""
+    engine = SERVED["engine"]
+    step_outputs = engine.step_outputs
+    frozen: list[int] = []
+
+    def spy() -> Any:
+        frozen.append(gc.get_freeze_count())
+        return step_outputs()
+
+    engine.step_outputs = spy
+    try:
+        list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True))
+    finally:
+        del engine.step_outputs  # the class's method again
+    assert frozen and all(count > 0 for count in frozen)
 
 
 def test_aborted_stream_frees_its_blocks(base_url: str) -> None:
