@@ -9,8 +9,8 @@ while the engine runs, so walking them finds nothing.
 
 gc.freeze() moves every object that exists at that moment out of the collector's reach;
 objects created later (requests, sequences, outputs) are collected as usual, and
-gc.unfreeze() puts the frozen ones back afterwards. vLLM and SGLang freeze the heap after
-start-up for the same reason.
+gc.unfreeze() puts the frozen ones back afterwards. vLLM freezes its heap once start-up
+is done (freeze_gc_heap in vllm/utils/gc_utils.py) for the same reason.
 """
 
 from __future__ import annotations
