@@ -15,8 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-cache = Path(tempfile.mkdtemp(prefix="triton-cache-"))
-os.environ["TRITON_CACHE_DIR"] = str(cache)
+# Set before torch and Triton are imported. Spawned tensor-parallel workers import this file
+# too and inherit the variable: they must write into the same folder, not a new one.
+if not os.environ.get("LATE_COMPILES"):
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
+    os.environ["LATE_COMPILES"] = "1"
+cache = Path(os.environ["TRITON_CACHE_DIR"])
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO))
@@ -34,18 +38,23 @@ def generate(self, prompts, *a, **k):
     return out
 
 
-llm_engine.LLMEngine.generate = generate
-sys.argv = ["benchmark_tps.py"] + sys.argv[1:]
-benchmark_tps.main()
-biggest = max(c[0] for c in starts)
-timed = next(i for i, c in enumerate(starts) if c[0] == biggest)  # the first workload run
-warm_end = starts[timed - 1][2]
-for n, t0, t1 in starts[timed:timed + 3]:
-    print(f"(a generate of {n} prompts ran from +{t0 - warm_end:.2f} to +{t1 - warm_end:.2f} s "
-          "after the warm-up generate)")
-late = sorted((p.stat().st_mtime - warm_end, p.name, p.parent.name[:12])
-              for p in cache.rglob("*") if p.is_file() and p.stat().st_mtime > warm_end)
-for dt, name, key in late:
-    print(f"   +{dt:.2f} s after the warm-up generate: {key} {name}")
-if not late:
-    print("(no cache entry written after the warm-up generate)")
+def main() -> None:
+    llm_engine.LLMEngine.generate = generate
+    sys.argv = ["benchmark_tps.py"] + sys.argv[1:]
+    benchmark_tps.main()
+    biggest = max(c[0] for c in starts)
+    timed = next(i for i, c in enumerate(starts) if c[0] == biggest)  # the first workload run
+    warm_end = starts[timed - 1][2]
+    for n, t0, t1 in starts[timed:timed + 3]:
+        print(f"(a generate of {n} prompts ran from +{t0 - warm_end:.2f} to +{t1 - warm_end:.2f} s "
+              "after the warm-up generate)")
+    late = sorted((p.stat().st_mtime - warm_end, p.name, p.parent.name[:12])
+                  for p in cache.rglob("*") if p.is_file() and p.stat().st_mtime > warm_end)
+    for dt, name, key in late:
+        print(f"   +{dt:.2f} s after the warm-up generate: {key} {name}")
+    if not late:
+        print("(no cache entry written after the warm-up generate)")
+
+
+if __name__ == "__main__":  # tensor-parallel workers are spawned: they import this file
+    main()
