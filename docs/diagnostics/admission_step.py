@@ -104,7 +104,7 @@ def main() -> None:
         sched, runner = llm.scheduler, llm.model_runner
         sched.schedule = timed("schedule", sched.schedule)
         runner.run = timed("run (host)", runner.run, split_device_wait=True)
-        llm._read_back = timed("read back", llm._read_back)
+        llm.engine_core._read_back = timed("read back", llm.engine_core._read_back)
         for trial in range(3):
             scenario(llm, trial, profile=trial == 2)
         llm.exit()

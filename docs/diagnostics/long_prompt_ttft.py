@@ -97,7 +97,7 @@ def main() -> None:
             sched, runner = llm.scheduler, llm.model_runner
             sched.schedule = timed("schedule", sched.schedule)
             runner.run = timed("run (host)", runner.run, split_device_wait=True)
-            llm._read_back = timed("read back", llm._read_back)
+            llm.engine_core._read_back = timed("read back", llm.engine_core._read_back)
             print("4096 tokens, step by step (each phase drained):", flush=True)
             phases(llm, 4096)
             if budget == budgets[0]:

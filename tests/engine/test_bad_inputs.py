@@ -28,7 +28,7 @@ import torch
 from helpers_models import tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-import myvllm.engine.llm_engine as llm_engine
+import myvllm.engine.executor as executor
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.model_runner import ModelRunner
@@ -113,7 +113,7 @@ def runner_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             counts["kv_caches"] += 1
             return super().initialize_cache()
 
-    monkeypatch.setattr(llm_engine, "ModelRunner", SpyRunner)
+    monkeypatch.setattr(executor, "ModelRunner", SpyRunner)
     return counts
 
 
@@ -257,7 +257,7 @@ def assert_untouched(llm: LLM) -> None:
     assert not scheduler.waiting and not scheduler.running
     assert not bm.used_block_ids and len(bm.free_block_ids) == len(bm.blocks)
     assert all(block.ref_count == 0 for block in bm.blocks)
-    assert not llm._requests  # no per-request state left behind
+    assert not llm.engine_core._requests  # no per-request state left behind
 
 
 # ENGINE_KW: 16 blocks of 4 = 64 tokens of KV, max_model_length 32, vocab 256.

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 def workers_alive(llm: LLM) -> list[bool]:
-    assert llm._pool is not None
-    return [p.is_alive() for p in llm._pool.processes]
+    assert llm.engine_core.executor._pool is not None
+    return [p.is_alive() for p in llm.engine_core.executor._pool.processes]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])

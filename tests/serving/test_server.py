@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official `openai` client over real HTTP.
 
-One server for the module: a tiny random Qwen3 with the byte-level test tokenizer (token i =
+One server for the module, with its engine core in a child process as under `myvllm serve`
+(AsyncLLM, the multiprocess client): a tiny random Qwen3 with the byte-level test tokenizer (token i =
 byte i, so multi-byte characters always span tokens) and a chat template, uvicorn in a thread
 on a free port. Its answers are random bytes, which is all these tests need: they compare the
 server with itself (streamed against not streamed, concurrent against alone).
@@ -9,9 +10,9 @@ server with itself (streamed against not streamed, concurrent against alone).
 from __future__ import annotations
 
 import asyncio
-import gc
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -28,7 +29,7 @@ openai = pytest.importorskip("openai")
 from helpers_models import build_tiny_checkpoint  # noqa: E402
 from myvllm import Config  # noqa: E402
 from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
-from myvllm.engine.llm_engine import LLMEngine  # noqa: E402
+from myvllm.engine.core_messages import AddRequest  # noqa: E402
 from myvllm.entrypoints.openai_server import make_server  # noqa: E402
 
 MODEL = "tiny"
@@ -57,17 +58,16 @@ def tiny_chat_checkpoint(path: Path, **overrides: Any) -> Path:
     return path
 
 
-SERVED: dict[str, Any] = {}  # the engine behind base_url, for tests that look inside
+SERVED: dict[str, Any] = {}  # the AsyncLLM behind base_url, for tests that look inside
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
     # A small KV cache: 16 concurrent requests fit, and a leaked block shows in the usage.
-    engine = LLMEngine(Config(model=str(path), num_kvcache_blocks=128,
-                              max_model_length=MAX_MODEL_LENGTH, max_num_sequences=32))
-    SERVED["engine"] = engine
-    llm = AsyncLLM(engine)
+    llm = AsyncLLM(Config(model=str(path), num_kvcache_blocks=128,
+                          max_model_length=MAX_MODEL_LENGTH, max_num_sequences=32))
+    SERVED["llm"] = llm
     sock = free_socket()
     server = make_server(llm, MODEL, "127.0.0.1", sock.getsockname()[1], log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -198,47 +198,33 @@ def test_16_concurrent_streams_match_their_greedy_answers(base_url: str, client:
 
 def test_only_streamed_requests_are_streams_to_the_engine(client: Any) -> None:
     """A request with stream false gets one body at the end: the engine need not keep the
-    steps it decodes in short (Sequence.streamed False). A streamed one is a stream."""
-    engine = SERVED["engine"]
-    add_request = engine.add_request
+    steps it decodes in short (Sequence.streamed False). A streamed one is a stream. What
+    the front end sends the core says which (the core passes it to add_request:
+    test_engine_core_process.py)."""
+    llm = SERVED["llm"]
+    send = llm._send
     seen: list[bool] = []
 
-    def spy(*args: Any, **kwargs: Any) -> int:
-        seen.append(kwargs.get("streamed", True))
-        return add_request(*args, **kwargs)
+    def spy(message: Any) -> None:
+        if isinstance(message, AddRequest):
+            seen.append(message.streamed)
+        send(message)
 
-    engine.add_request = spy
+    llm._send = spy
     try:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
         list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, stream=True))
         client.chat.completions.create(model=MODEL, max_tokens=2,
                                        messages=[{"role": "user", "content": "Hi"}])
     finally:
-        del engine.add_request  # the class's method again
+        del llm._send  # the class's method again
     assert seen == [False, True, False]
 
 
-def test_engine_loop_steps_with_the_heap_frozen(client: Any) -> None:
-    """The engine thread runs its steps inside frozen_heap: no full garbage collection walks
-    the engine's objects between two tokens of a stream (see utils/gc_freeze.py)."""
-    engine = SERVED["engine"]
-    step_outputs = engine.step_outputs
-    frozen: list[bool] = []
-
-    def spy() -> Any:
-        # The engine existed before the loop started, so the loop's freeze took it out of the
-        # collector's lists. (A freeze count above 0 alone would also be true after a
-        # library's own early freeze, with the engine still walked.)
-        if not frozen:
-            frozen.append(all(o is not engine for o in gc.get_objects()))
-        return step_outputs()
-
-    engine.step_outputs = spy
-    try:
-        list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True))
-    finally:
-        del engine.step_outputs  # the class's method again
-    assert frozen == [True]
+def test_the_engine_core_runs_in_a_process_of_its_own(base_url: str) -> None:
+    llm = SERVED["llm"]
+    assert llm.core_pid is not None and llm.core_pid != os.getpid()
+    assert Path(f"/proc/{llm.core_pid}").is_dir() or not Path("/proc").is_dir()
 
 
 def test_aborted_stream_frees_its_blocks(base_url: str) -> None:

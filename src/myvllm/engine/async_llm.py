@@ -1,66 +1,76 @@
 """AsyncLLM: the engine as a stream of tokens, for callers living in an asyncio event loop.
 
-    llm = AsyncLLM(LLMEngine(config))
+    llm = AsyncLLM(Config(model=...))            starts the engine core process, waits for it
     async for out in llm.generate(prompt, SamplingParams(max_tokens=64), "req-1"):
-        print(out.text, end="")                 # the new text of this step
-    llm.abort("req-1")                          # from anywhere in the loop: frees its blocks
-    llm.shutdown()
+        print(out.text, end="")                  the new text since the last output
+    llm.abort("req-1")                           from anywhere in the loop: frees its blocks
+    llm.shutdown()                               the core process and its workers end
 
-Where the engine loop runs. LLMEngine.step() blocks for a whole forward pass, so it cannot run
-on the event loop: the HTTP server would stop answering for the length of every step. The loop
-runs in ONE background thread of the same process, beside the asyncio event loop:
+This is the front end: tokenizing, incremental detokenizing, stop strings and per-request
+streams live here; the EngineCore (scheduler, model runner, workers) runs in a child process
+(core_process.py). They talk over two ZeroMQ sockets, in MessagePack (core_messages.py):
 
-    event loop thread (HTTP, tokenizing,         engine thread (owns the LLMEngine)
-    detokenizing, one coroutine per request)
-      generate(): encode, queue "add" ------------> add_request()            commands
-                                                    step_outputs()  <- one forward pass
-      _deliver(): token ids to each request <------ call_soon_threadsafe(outputs of the step)
-      detokenize, stop strings, yield text
-      client gone / stop string: queue "abort" ---> abort(): blocks freed at once
+    event loop (this process)                       core process
+      generate(): encode, AddRequest  ------------>  add_request()
+                                                     step(), step(), ...
+      _read_outputs(): one CoreOutputs per step <--  the new token ids of every request
+        each request's new ids appended to its
+        stream, and its coroutine woken
+      generate(): detokenize, stop strings, yield
+      client gone / stop string: AbortRequests --->  abort(): blocks freed at once
 
-Only the engine thread touches the engine (scheduler, block manager, model runner), so the
-engine needs no locks; only the event loop thread touches the tokenizer and the per-request
-state. They talk through a command queue one way and call_soon_threadsafe the other way.
+A request whose coroutine is slower than the engine (a busy HTTP process) finds the tokens of
+several steps waiting when it wakes, and handles them as one output: the front end falls
+behind by steps, never by messages, and the engine never waits for it.
 
-Why a thread and not a process: one process is the simplest design to read and debug, and it
-costs little here because the forward pass runs in torch and Triton, which release the GIL
-while the GPU (or the CPU kernels) work. Tokenizing, detokenizing and the HTTP code still share
-the GIL with the engine's Python code (scheduling, input building), which caps throughput at
-high request rates. vLLM therefore runs its engine loop in a separate process (EngineCore) and
-ships token ids over ZeroMQ, so the API server's Python never delays a step.
+If the core process dies, every request in flight ends with EngineDeadError, is_running turns
+False, and the callbacks given to on_core_death run (the server exits, so that whoever
+supervises it starts a new one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
-import queue
-import threading
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from multiprocessing.connection import wait
+from typing import Any
 
-import torch
+import msgspec
+import zmq
+import zmq.asyncio
 
+from myvllm.config import Config
+from myvllm.engine.core import check_token_ids
+from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreMessage,
+                                         CoreOutput, CoreOutputs, Shutdown)
+from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
+from myvllm.engine.startup import resolve_engine
 from myvllm.sampling_parameters import SamplingParams
-from myvllm.utils.gc_freeze import frozen_heap
-
-if TYPE_CHECKING:
-    from myvllm.engine.batch import RequestOutput
-    from myvllm.engine.llm_engine import LLMEngine
+from myvllm.utils.hf_config import gguf_parsed_once
 
 logger = logging.getLogger("myvllm")
 
 __all__ = ["AsyncLLM", "EngineDeadError", "StatLogger", "StreamOutput"]
 
+START_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs takes minutes
+SHUTDOWN_WAIT_S = 5.0  # for the core to finish its step and exit, before SIGTERM, then SIGKILL
+
 
 @dataclasses.dataclass
 class StreamOutput:
-    """What generate() yields: one request's news from one engine step."""
+    """What generate() yields: one request's news since its last output."""
 
     request_id: str
     text: str | None  # new text (None for a model without a tokenizer)
@@ -73,11 +83,9 @@ class StreamOutput:
 
 
 class StatLogger:
-    """Hooks the engine loop and the request streams call; the default records nothing.
-
-    record_scheduler runs on the engine thread after every step; the others run on the
-    event loop thread. Times are time.monotonic() seconds.
-    """
+    """Hooks the front end calls; the default records nothing. record_scheduler runs when a
+    message of the core reports its queues; the others as requests stream. Times are
+    time.monotonic() seconds."""
 
     def record_scheduler(self, num_running: int, num_waiting: int,
                          kv_cache_usage: float) -> None:
@@ -96,60 +104,143 @@ class StatLogger:
 
 @dataclasses.dataclass
 class _Stream:
-    """Per-request state on the event loop side."""
+    """One request on the front end's side: what the core sent that generate() has not
+    taken yet (several steps' tokens when generate() is slow), and an event to wake it."""
 
     request_id: str
-    queue: asyncio.Queue[Any]  # RequestOutput items, _ABORTED, or an exception
-    added: asyncio.Future[int]  # the engine's request id, or the engine's refusal
-    engine_id: int = -1
+    core_id: int
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # set when the core says the request finished
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    started: bool = False  # the core has sent an output for it
+    aborted: bool = False  # abort() or shutdown on our side
+    error: BaseException | None = None  # the core's refusal, or the engine's death
+
+    def push(self, out: CoreOutput) -> None:
+        self.new_token_ids += out.new_token_ids
+        self.finish_reason = out.finish_reason
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        self.started = True
+        self.wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.wake.set()
 
 
-@dataclasses.dataclass
-class _Add:
-    token_ids: list[int]
-    params: SamplingParams
-    stream: _Stream
-    streamed: bool  # someone reads the tokens as they come (Sequence.streamed)
-
-
-# While idle, the engine thread wakes this often to see whether the engine died meanwhile
-# (a tensor-parallel worker killed between requests), so it stops and frees it at once.
-IDLE_CHECK_S = 1.0
-
-_ABORTED = object()  # put in a stream's queue: the request was aborted on our side
-_STOP = object()  # put in the command queue: the engine thread aborts everything and ends
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, stat_logger: StatLogger | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+    def __init__(self, config: Config, stat_logger: StatLogger | None = None) -> None:
+        """Resolve the model here, start the core process, and return once it is ready
+        (bad settings, a missing checkpoint or a failed start raise from here)."""
+        with gguf_parsed_once():
+            resolved = resolve_engine(config)
+        self.tokenizer = resolved.tokenizer
+        self.model_path = resolved.model_path
         self.stat_logger = stat_logger or StatLogger()
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ipc_dir = tempfile.mkdtemp(prefix="myvllm-core-")
+        input_address = f"ipc://{self._ipc_dir}/input"
+        output_address = f"ipc://{self._ipc_dir}/output"
+        self._sync_context: zmq.Context[Any] = zmq.Context()
+        self._input = self._sync_context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the event loop
+        self._input.bind(input_address)
+        self._context = zmq.asyncio.Context()
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+        ctx = mp.get_context("spawn")
+        ready_receiver, ready_sender = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(
+            target=run_engine_core, name="myvllm-engine-core",
+            args=(resolved.config, resolved.model_path, resolved.fit_length_to_cache,
+                  input_address, output_address, ready_sender, os.getpid()))
+        self._process.start()
+        ready_sender.close()
+        self._shutdown_requested = False
+        try:
+            settings = self._wait_until_ready(ready_receiver)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config: Config = settings["config"]
+        self.max_model_length: int = settings["max_model_length"]
+        self.vocab_size: int = settings["vocab_size"]
+        logger.info(f"engine core ready in process {self._process.pid}")
+
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        # Event loop thread only:
-        self._streams: dict[int, _Stream] = {}  # by engine request id
+        self._reader: asyncio.Task[None] | None = None
+        self._next_id = itertools.count()
+        self._streams: dict[int, _Stream] = {}  # by core id
         self._by_request_id: dict[str, _Stream] = {}
         self._closing = False
-        self.dead_error: BaseException | None = None  # why the engine loop stopped, if it did
+        self.dead_error: BaseException | None = None  # why the core stopped, if it did
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+
+    def _wait_until_ready(self, ready: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.poll(0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S} s")
+            wait([ready, self._process.sentinel], timeout=1.0)
+            if not self._process.is_alive() and not ready.poll(0):
+                raise RuntimeError("the engine core process ended during start-up "
+                                   f"({_describe_exit(self._process.exitcode)})")
+        try:
+            kind, detail = ready.recv()
+        except EOFError:
+            self._process.join(5)
+            raise RuntimeError("the engine core process ended during start-up "
+                               f"({_describe_exit(self._process.exitcode)})") from None
+        ready.close()
+        if kind == "error":
+            raise RuntimeError(f"the engine core failed to start:\n{detail}")
+        settings: dict[str, Any] = detail
+        return settings
 
     # ------------------------------------------------------------------ lifecycle
-    def _start(self) -> None:
+    @property
+    def core_pid(self) -> int | None:
+        return self._process.pid
+
+    def start(self) -> None:
+        """Bind to the running event loop: read the core's outputs and watch its process
+        (done by the first generate() too; a server calls it at start-up, so that a core
+        that dies before any request is noticed)."""
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-            self._thread = threading.Thread(target=self._run, name="myvllm-engine", daemon=True)
-            self._thread.start()
-        elif self._loop is not loop:
-            raise RuntimeError("AsyncLLM is bound to the event loop it first ran in")
+        if self._loop is not None:
+            if self._loop is not loop:
+                raise RuntimeError("AsyncLLM is bound to the event loop it first ran in")
+            return
+        self._loop = loop
+        self._reader = loop.create_task(self._read_outputs(), name="myvllm-core-outputs")
+        loop.add_reader(self._process.sentinel, self._on_core_exit)
+
+    def on_core_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Call callback(error) on the event loop if the core process dies unasked."""
+        self._death_callbacks.append(callback)
 
     @property
     def is_running(self) -> bool:
-        """True while requests are accepted: not shut down, engine loop alive, and the engine
-        itself able to run (a dead tensor-parallel worker stops it even while idle)."""
+        """True while requests are accepted: not shut down and the core process alive."""
         return (not self._closing and self.dead_error is None
-                and self.engine.dead_reason is None)
+                and self._process.is_alive())
 
     def abort_all(self) -> None:
         """Stop accepting requests and abort every request in flight (safe from a signal
@@ -157,20 +248,43 @@ class AsyncLLM:
         self._closing = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._abort_streams)
-        self._commands.put(_STOP)
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort everything, end the engine thread, stop tensor-parallel workers; idempotent.
-        Call it from outside the engine thread, after the event loop stopped serving."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Abort everything and end the core process (and with it any tensor-parallel
+        workers); idempotent. Call it after the event loop stopped serving."""
         self._closing = True
+        if self._shutdown_requested:
+            return
+        self._shutdown_requested = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._abort_streams)
-        self._commands.put(_STOP)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                logger.warning(f"the engine thread did not stop within {timeout_s} s")
-        self.engine.exit()
+            if self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._loop.remove_reader,
+                                                self._process.sentinel)
+            else:
+                self._loop.remove_reader(self._process.sentinel)
+        if self._process.is_alive():
+            self._send(Shutdown())
+            self._process.join(timeout_s)
+        if self._process.is_alive():
+            logger.warning(f"the engine core did not stop within {timeout_s} s: SIGTERM")
+            self._process.terminate()
+            self._process.join(timeout_s)
+        if self._process.is_alive():
+            logger.warning("the engine core ignored SIGTERM: SIGKILL")
+            self._process.kill()
+            self._process.join()
+        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._reader.cancel)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        self._sync_context.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)  # sockets only; gone is fine
+
+    @property
+    def core_exit_code(self) -> int | None:
+        return self._process.exitcode
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -181,6 +295,17 @@ class AsyncLLM:
             return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
+    def _check_running(self) -> None:
+        if self.is_running:
+            return
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine cannot take requests: {self.dead_error}"
+                                  ) from self.dead_error
+        if not self._closing:
+            raise EngineDeadError("the engine cannot take requests: the engine core process "
+                                  f"ended ({_describe_exit(self._process.exitcode)})")
+        raise EngineDeadError("the engine cannot take requests: it is shutting down")
+
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
                        request_id: str | None = None, stop: Iterable[str] = (),
                        streamed: bool = True) -> AsyncIterator[StreamOutput]:
@@ -189,81 +314,80 @@ class AsyncLLM:
         streamed=False: the caller only wants the whole answer (a non-streaming HTTP request),
         so the engine need not keep the steps this request decodes in short.
 
-        Bad input (the engine's ValueError / TypeError) raises before the first output.
+        Bad input (the core's ValueError / TypeError) raises before the first output.
         Leaving the loop early (a client that went away, a cancelled task) aborts the request.
         """
-        self._start()
-        if not self.is_running:
-            why = self.engine.dead_reason or (f"its loop failed: {self.dead_error!r}"
-                                              if self.dead_error else "it is shutting down")
-            raise EngineDeadError(f"the engine cannot take requests: {why}"
-                                  ) from self.dead_error
+        self.start()
+        self._check_running()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._by_request_id:
             raise ValueError(f"request id {request_id!r} is already running")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got "
+                            f"{type(sampling_params).__name__}")
         arrival = time.monotonic()
-        token_ids = self.encode(prompt)
+        # Checked here too (the core checks again), so that nothing malformed is ever sent.
+        token_ids = check_token_ids(self.encode(prompt), self.vocab_size)
         stop = list(stop)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, stop)
         elif stop:
             raise ValueError("stop strings need a tokenizer; this model has none")
-
-        assert self._loop is not None
-        added: asyncio.Future[int] = self._loop.create_future()
-        stream = _Stream(request_id, asyncio.Queue(), added)
+        stream = _Stream(request_id, next(self._next_id))
+        self._streams[stream.core_id] = stream
         self._by_request_id[request_id] = stream
         engine_finished = False
         try:
-            self._commands.put(_Add(token_ids, sampling_params, stream, streamed))
-            await added  # the engine's validation error, if any, is raised here
+            self._send(AddRequest(stream.core_id, token_ids, sampling_params, streamed))
             last_time = None
             num_tokens = 0
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine loop failed: {item!r}") from item
+                await stream.wake.wait()
+                stream.wake.clear()
+                if stream.error is not None:
+                    engine_finished = True  # refused, or the core is gone: nothing to abort
+                    raise stream.error
                 now = time.monotonic()
-                if item is _ABORTED:  # the engine learns it in `finally`
+                if stream.aborted and stream.finish_reason is None:
                     self.stat_logger.record_finished("abort", now - arrival)
                     yield StreamOutput(request_id, "" if detok else None, [], True, "abort",
                                        len(token_ids), num_tokens, 0)
                     return
-                out: RequestOutput = item
+                new_ids, stream.new_token_ids = stream.new_token_ids, []
+                core_finished = stream.finish_reason is not None
+                if not new_ids and not core_finished:
+                    continue
                 if last_time is None:
-                    self.stat_logger.record_first_token(now - arrival, out.num_prompt_tokens,
-                                                        out.num_cached_tokens)
-                new_ids = out.new_token_ids
+                    self.stat_logger.record_first_token(now - arrival, stream.num_prompt_tokens,
+                                                        stream.num_cached_tokens)
                 text: str | None = None
                 if detok is not None:
                     text = detok.add_tokens(new_ids)
                     new_ids = new_ids[:max(0, detok.num_tokens - num_tokens)]
-                    if out.finished or detok.stopped:
+                    if core_finished or detok.stopped:
                         text += detok.finish()
                 if new_ids:
                     self.stat_logger.record_tokens(
                         len(new_ids), None if last_time is None else now - last_time)
                 num_tokens += len(new_ids)
                 last_time = now
-                engine_finished = out.finished
+                engine_finished = core_finished
                 stopped = detok is not None and detok.stopped
-                finished = out.finished or stopped
-                reason = "stop" if stopped else out.finish_reason
+                finished = core_finished or stopped
+                reason = "stop" if stopped else stream.finish_reason
                 if finished:
                     self.stat_logger.record_finished(reason or "stop", now - arrival)
                 yield StreamOutput(request_id, text, new_ids, finished,
-                                   reason if finished else None, out.num_prompt_tokens,
-                                   num_tokens, out.num_cached_tokens)
+                                   reason if finished else None, stream.num_prompt_tokens,
+                                   num_tokens, stream.num_cached_tokens)
                 if finished:
                     return
         finally:
             del self._by_request_id[request_id]
-            if not engine_finished:
-                if added.done() and not added.cancelled() and added.exception() is None:
-                    self._abort_engine(added.result())
-                else:
-                    added.cancel()  # _resolve_add aborts it if it gets added after all
+            self._streams.pop(stream.core_id, None)
+            if not engine_finished and self.is_running:
+                self._send(AbortRequests([stream.core_id]))
 
     def abort(self, request_id: str) -> None:
         """Abort a request by the id given to generate(): its stream ends with finish_reason
@@ -271,125 +395,70 @@ class AsyncLLM:
         stream = self._by_request_id.get(request_id)
         if stream is None:
             return
-        stream.queue.put_nowait(_ABORTED)
-        if stream.engine_id >= 0:  # else generate() aborts it once the engine has added it
-            self._abort_engine(stream.engine_id)
-
-    def _abort_engine(self, engine_id: int) -> None:
-        self._streams.pop(engine_id, None)
-        self._commands.put(("abort", engine_id))
+        stream.aborted = True
+        stream.wake.set()
+        self._streams.pop(stream.core_id, None)
+        self._send(AbortRequests([stream.core_id]))
 
     def _abort_streams(self) -> None:
-        for stream in list(self._by_request_id.values()):
-            if not stream.added.done():  # its "add" may never be read by the engine thread
-                stream.added.set_exception(EngineDeadError("the engine is shutting down"))
-            stream.queue.put_nowait(_ABORTED)
+        streams = list(self._by_request_id.values())
+        for stream in streams:
+            stream.aborted = True
+            stream.wake.set()
+        self._streams.clear()
+        if streams and self._process.is_alive() and not self._input.closed:
+            self._send(AbortRequests([s.core_id for s in streams]))
 
-    # ------------------------------------------------------------------ engine thread -> loop
-    def _resolve_add(self, command: _Add, engine_id: int | None,
-                     error: BaseException | None) -> None:
-        """On the event loop: the engine thread has added (or refused) a request."""
-        added = command.stream.added
-        if added.done():  # cancelled (nobody listens any more) or failed by a shutdown
-            if engine_id is not None:
-                self._commands.put(("abort", engine_id))
-            return
-        if error is not None:
-            added.set_exception(error)
-            return
-        assert engine_id is not None
-        # Registered here, not after `await added`: the outputs of the next step may be
-        # delivered before the waiting coroutine resumes.
-        command.stream.engine_id = engine_id
-        self._streams[engine_id] = command.stream
-        added.set_result(engine_id)
+    def _send(self, message: Any) -> None:
+        self._input.send(self._encoder.encode(message), copy=False)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """On the event loop: hand one step's outputs to their streams."""
-        for out in outputs:
+    # ------------------------------------------------------------------ core -> streams
+    async def _read_outputs(self) -> None:
+        """On the event loop, for the core's lifetime: route each message to its streams."""
+        while True:
+            frame = await self._output.recv(copy=False)
+            message = self._decoder.decode(frame.buffer)
+            if isinstance(message, CoreDead):
+                self._fail(EngineDeadError(message.message))
+                return
+            self._deliver(message)
+
+    def _deliver(self, message: CoreOutputs) -> None:
+        for refusal in message.refused:
+            stream = self._streams.pop(refusal.request_id, None)
+            if stream is not None:
+                kind = TypeError if refusal.error_type == "TypeError" else ValueError
+                stream.fail(kind(refusal.message))
+        for out in message.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
-            stream.queue.put_nowait(out)
-            if out.finished:
+            stream.push(out)
+            if out.finish_reason is not None:
                 del self._streams[out.request_id]
+        stats = message.stats
+        self.stat_logger.record_scheduler(stats.num_running, stats.num_waiting,
+                                          stats.kv_cache_usage)
+
+    def _on_core_exit(self) -> None:
+        """On the event loop: the core process ended (its sentinel became readable)."""
+        assert self._loop is not None
+        self._loop.remove_reader(self._process.sentinel)
+        if self._shutdown_requested:
+            return
+        self._process.join(1)
+        error = EngineDeadError("the engine core process died "
+                                f"({_describe_exit(self._process.exitcode)})")
+        if self.dead_error is None:
+            self._fail(error)
+        logger.error(f"{self.dead_error}; requests in flight were failed")
+        for callback in self._death_callbacks:
+            callback(self.dead_error or error)
 
     def _fail(self, error: BaseException) -> None:
-        """On the event loop: the engine loop died; every request ends with the error."""
-        self.dead_error = error
+        """The core stopped: every request ends with the error."""
+        if self.dead_error is None:
+            self.dead_error = error
         for stream in self._by_request_id.values():
-            if not stream.added.done():
-                stream.added.set_exception(EngineDeadError(f"the engine loop failed: {error!r}"))
-            stream.queue.put_nowait(error)
+            stream.fail(EngineDeadError(str(error)))
         self._streams.clear()
-
-    def _post(self, callback: Any, *args: Any) -> None:
-        assert self._loop is not None
-        if self._loop.is_closed():
-            logger.debug("event loop closed: engine output dropped")
-            return
-        self._loop.call_soon_threadsafe(callback, *args)
-
-    # ------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        engine = self.engine
-        device = engine.model_runner.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # CUDA's current device is per host thread
-        try:
-            # The engine lives as long as this loop: no full garbage collection walks it.
-            with frozen_heap():
-                while True:
-                    # Block for a command only when there is nothing to step.
-                    commands = []
-                    if not engine.has_unfinished_requests():
-                        try:
-                            commands.append(self._commands.get(timeout=IDLE_CHECK_S))
-                        except queue.Empty:
-                            engine.check_alive()  # raises once the engine died while idle
-                            continue
-                    while True:
-                        try:
-                            commands.append(self._commands.get_nowait())
-                        except queue.Empty:
-                            break
-                    if any(c is _STOP for c in commands):
-                        break
-                    for command in commands:
-                        self._apply(command)
-                    if engine.has_unfinished_requests():
-                        outputs, _ = engine.step_outputs()
-                        if outputs:
-                            self._post(self._deliver, outputs)
-                    self._record_scheduler()
-        except BaseException as e:  # reported to every waiting request, then logged
-            logger.exception("the engine loop failed")
-            self._post(self._fail, e)
-            return
-        self._abort_everything()
-
-    def _apply(self, command: Any) -> None:
-        if isinstance(command, _Add):
-            try:
-                engine_id = self.engine.add_request(command.token_ids, command.params,
-                                                    streamed=command.streamed)
-            except (ValueError, TypeError) as e:  # bad input: that request's error only
-                self._post(self._resolve_add, command, None, e)
-            else:
-                self._post(self._resolve_add, command, engine_id, None)
-        else:
-            _, engine_id = command
-            self.engine.abort(engine_id)
-
-    def _abort_everything(self) -> None:
-        """Shutdown: drop every request the engine still holds, so its blocks are free."""
-        scheduler = self.engine.scheduler
-        for seq in [*scheduler.running, *scheduler.waiting]:
-            self.engine.abort(seq.seq_id)
-        self._record_scheduler()
-
-    def _record_scheduler(self) -> None:
-        scheduler = self.engine.scheduler
-        blocks = scheduler.block_manager
-        usage = 1.0 - len(blocks.free_block_ids) / len(blocks.blocks)
-        self.stat_logger.record_scheduler(len(scheduler.running), len(scheduler.waiting), usage)

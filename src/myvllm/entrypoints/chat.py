@@ -1,10 +1,13 @@
 """`myvllm chat`: a conversation in the terminal, the answer printed as it is generated.
 
-One user, one request at a time, so no server and no engine thread: the loop below calls
-LLMEngine.step_outputs() itself and prints each step's new text (IncrementalDetokenizer makes
-it right across multi-byte characters). The conversation is kept as a list of messages and
-the whole of it goes through the chat template at every turn; the prefix cache finds the
-earlier turns' blocks, so only the new message and the answer are computed.
+The engine core runs in its own process, as under `myvllm serve`: this process is AsyncLLM's
+front end (tokenizer, chat template, detokenizer) and prints each output's new text as it
+arrives. One event loop lives for the whole chat and runs while an answer streams; between
+turns it rests, and the core, with nothing to do, waits for the next request.
+
+The conversation is kept as a list of messages and the whole of it goes through the chat
+template at every turn; the prefix cache finds the earlier turns' blocks, so only the new
+message and the answer are computed.
 
     /reset   start a new conversation        /exit (or Ctrl-D)   quit
     Ctrl-C while the answer streams: stop it (the partial answer stays in the conversation)
@@ -13,41 +16,32 @@ earlier turns' blocks, so only the new message and the answer are computed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from myvllm.config import Config
-from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.sampling_parameters import SamplingParams
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
 
-def stream_reply(engine: Any, prompt_ids: list[int], params: SamplingParams,
-                 interrupted: threading.Event) -> Iterator[str]:
+async def stream_reply(llm: Any, prompt_ids: list[int], params: SamplingParams,
+                       interrupted: threading.Event) -> AsyncIterator[str]:
     """Generate one answer; yield its text as it comes. Stops early when `interrupted` is set
-    (checked between steps, so a step is never cut in half) and then aborts the request."""
-    detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids)
-    request_id = engine.add_request(prompt_ids, params)
-    finished = False
+    (checked at every output) and then aborts the request."""
+    outputs = llm.generate(prompt_ids, params)
     try:
-        while not finished and not interrupted.is_set():
-            outputs, _ = engine.step_outputs()
-            for out in outputs:
-                if out.request_id != request_id:
-                    continue
-                text = detok.add_tokens(out.new_token_ids)
-                if out.finished:
-                    text += detok.finish()
-                    finished = True
-                if text:
-                    yield text
+        async for out in outputs:
+            if out.text:
+                yield out.text
+            if interrupted.is_set():
+                return
     finally:
-        if not finished:
-            engine.abort(request_id)
+        await outputs.aclose()  # leaving early aborts the request in the core
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -59,15 +53,16 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def run_chat(config: Config, args: argparse.Namespace) -> int:
-    from myvllm.engine.llm_engine import LLMEngine
+    from myvllm.engine.async_llm import AsyncLLM
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
-    engine = LLMEngine(config)
+    llm = AsyncLLM(config)
+    loop = asyncio.new_event_loop()
     try:
-        tokenizer = engine.tokenizer
+        tokenizer = llm.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            print(f"myvllm chat: {engine.model_path} has no chat template", file=sys.stderr)
+            print(f"myvllm chat: {llm.model_path} has no chat template", file=sys.stderr)
             return 2
         start = [{"role": "system", "content": args.system}] if args.system else []
         messages = list(start)
@@ -88,24 +83,25 @@ def run_chat(config: Config, args: argparse.Namespace) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             prompt_ids = chat_prompt(tokenizer, messages)
-            if len(prompt_ids) >= engine.max_model_length:
+            if len(prompt_ids) >= llm.max_model_length:
                 messages.pop()
                 print(f"(the conversation would be {len(prompt_ids)} tokens, the model takes "
-                      f"{engine.max_model_length}: /reset to start over)")
+                      f"{llm.max_model_length}: /reset to start over)")
                 continue
-            answer = answer_turn(engine, prompt_ids, params)
+            answer = loop.run_until_complete(answer_turn(llm, prompt_ids, params))
             messages.append({"role": "assistant", "content": answer})
     finally:
-        engine.exit()
+        llm.shutdown()
+        loop.close()
 
 
-def answer_turn(engine: Any, prompt_ids: list[int], params: SamplingParams) -> str:
-    """Print the answer as it streams; Ctrl-C stops it between two steps."""
+async def answer_turn(llm: Any, prompt_ids: list[int], params: SamplingParams) -> str:
+    """Print the answer as it streams; Ctrl-C stops it."""
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     parts = []
     try:
-        for text in stream_reply(engine, prompt_ids, params, interrupted):
+        async for text in stream_reply(llm, prompt_ids, params, interrupted):
             print(text, end="", flush=True)
             parts.append(text)
     finally:

@@ -162,18 +162,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(config: Config, model_name: str, host: str, port: int, log_level: str) -> int:
+    """Run the server until a signal (exit 0) or the engine core's death (exit 1)."""
     from myvllm.engine.async_llm import AsyncLLM
-    from myvllm.engine.llm_engine import LLMEngine
     from myvllm.entrypoints.openai_server import make_server
 
-    engine = LLMEngine(config)
-    llm = AsyncLLM(engine)
+    llm = AsyncLLM(config)  # the engine core process starts here, and is ready on return
     server = make_server(llm, model_name, host, port, log_level)
     try:
         server.run()
     finally:
-        llm.shutdown()  # the engine thread, then tensor-parallel workers
-    return 0 if server.started else 1
+        llm.shutdown()  # the core process, and with it any tensor-parallel workers
+    return 0 if server.started and not server.core_died else 1
 
 
 if __name__ == "__main__":  # tensor-parallel workers are spawned processes

@@ -108,8 +108,13 @@ async def _disconnected(request: Request) -> None:
 
 def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
               max_body_bytes: int | None = None) -> FastAPI:
-    app = FastAPI(title="myvllm", docs_url=None, redoc_url=None)
-    max_model_length = llm.engine.max_model_length
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        llm.start()  # read the core's outputs and watch its process from now on
+        yield
+
+    app = FastAPI(title="myvllm", docs_url=None, redoc_url=None, lifespan=lifespan)
+    max_model_length = llm.max_model_length
     body_limit = (max_body_bytes if max_body_bytes is not None
                   else default_body_limit(max_model_length))
     created = int(time.time())
@@ -301,11 +306,19 @@ def apply_chat_template(llm: AsyncLLM, body: protocol.ChatCompletionRequest) -> 
 class Server(uvicorn.Server):
     """uvicorn, plus: a signal first aborts every request in flight (streams end at once, so
     the graceful shutdown does not wait for them), and the process then exits 0 instead of
-    re-raising the signal."""
+    re-raising the signal. If the engine core process dies, the server stops too
+    (core_died), so that its caller can exit non-zero and a supervisor start a new one."""
 
     def __init__(self, config: uvicorn.Config, llm: AsyncLLM) -> None:
         super().__init__(config)
         self.llm = llm
+        self.core_died = False
+        llm.on_core_death(self._on_core_death)
+
+    def _on_core_death(self, error: BaseException) -> None:
+        logger.error(f"{error}: the server stops (exit code 1)")
+        self.core_died = True
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.llm.abort_all()

@@ -1,0 +1,292 @@
+"""Step 6, the inner loop: the EngineCore turns token ids into token ids, one step at a time.
+
+    core = EngineCore(config, model_path)        resolved settings (eos, max_model_length)
+    request_id = core.add_request(token_ids, SamplingParams(...))
+    while core.has_unfinished_requests():
+        outputs, num_tokens = core.step()        every request that got tokens, and how many
+                                                 tokens the step computed
+    core.shutdown()
+
+It owns the Scheduler and the Executor (the model runner and any tensor-parallel workers) and
+nothing else: no tokenizer, no text, no HTTP. Two clients drive the same core:
+
+    LLMEngine (llm_engine.py)   in this process: LLM.generate(), add_request(), step()
+    AsyncLLM  (async_llm.py)    `myvllm serve` / `myvllm chat`: the core runs in a process of
+                                its own (core_process.py) and the front end ships token ids
+                                to it and back over ZeroMQ
+
+One step:
+
+    seqs, is_prefill = scheduler.schedule()
+    sampled = executor.call("run", seqs, is_prefill)     (and every TP worker)
+    scheduler.postprocess(seqs, sampled.token_ids())
+
+With async_scheduling the last line runs one step later, so the host plans and queues step
+N+1 while the device still computes step N (see step()).
+
+The executor (and with it the ModelRunner) is created before the Scheduler because only the
+runner can tell how many KV-cache blocks fit in memory, and the scheduler's BlockManager is
+built with that count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from myvllm.config import Config
+from myvllm.engine.batch import RequestOutput
+from myvllm.engine.executor import Executor
+from myvllm.engine.model_runner import SampledTokens
+from myvllm.engine.sampling import samples_this_step
+from myvllm.engine.scheduler import Scheduler
+from myvllm.engine.sequence import Sequence
+from myvllm.sampling_parameters import SamplingParams
+from myvllm.utils.device import resolve_device
+from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
+
+logger = logging.getLogger("myvllm")
+
+
+@dataclasses.dataclass
+class _QueuedStep:
+    """A step whose tokens are on their way (the runner returned, nobody waited)."""
+
+    seqs: list[Sequence]
+    num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
+    sampled: SampledTokens  # rank 0's run() result
+    # Which of seqs get their token (chunked prefill: not those whose prompt goes on).
+    samples: list[bool]
+
+
+def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
+    """A prompt of token ids as a list of ints, or a clear error (before anything is queued)."""
+    if not isinstance(prompt, SequenceABC) or isinstance(prompt, (str, bytes, bytearray)):
+        # bytes are a sequence of ints too, but they are text, not token ids.
+        raise TypeError("a prompt must be a str or a list of int token ids, got "
+                        f"{type(prompt).__name__}")
+    token_ids = list(prompt)
+    # Plain ints pass with one C-level check. A Python-level isinstance() per token took
+    # 13-25 ms for a 16k-token prompt on a 2-core machine: host time between two steps,
+    # which every decoding stream waited for.
+    if set(map(type, token_ids)) - {int}:
+        bad_types = [t for t in token_ids
+                     if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad_types:
+            raise TypeError(f"token ids must be ints, got {bad_types[0]!r} "
+                            f"({type(bad_types[0]).__name__}) in a prompt")
+        token_ids = [int(t) for t in token_ids]  # numpy ints are fine, stored as int
+    if token_ids and not (0 <= min(token_ids) and max(token_ids) < vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}).")
+    return token_ids
+
+
+class EngineCore:
+    def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
+                 fit_length_to_cache: bool = False) -> None:
+        """config as the client resolved it (eos and max_model_length known); model_path a
+        local checkpoint. The KV cache is sized here. fit_length_to_cache: max_model_length
+        is the checkpoint's, not the user's, and may be shortened to what the cache holds."""
+        with gguf_parsed_once():  # config and weights share one parse of a GGUF
+            if hf_config is None:
+                hf_config = load_hf_config(model_path)
+            self.vocab_size: int = hf_config.vocab_size
+            use_cuda = resolve_device(config).type == "cuda"
+            self.executor = Executor(config, model_path, hf_config, use_cuda)
+        try:
+            num_blocks = self.executor.call("initialize_cache")
+        except BaseException:
+            self.executor.stop_workers_now()
+            raise
+        assert config.max_model_length is not None, "resolve max_model_length first"
+        max_len = config.max_model_length
+        capacity = num_blocks * config.block_size
+        if fit_length_to_cache and max_len > capacity:
+            # The checkpoint's length, but one sequence could never grow so long here. (A
+            # length the caller chose stays: add_request refuses what can never fit.)
+            logger.info(f"max_model_length {max_len} -> {capacity}: what the KV cache holds "
+                        f"({num_blocks} blocks of {config.block_size} tokens)")
+            max_len = capacity
+        # The engine's settings, resolved: max_model_length and eos from the checkpoint,
+        # num_kvcache_blocks from memory.
+        self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks,
+                                          max_model_length=max_len)
+        self.max_model_length: int = max_len
+        self.scheduler = Scheduler(self.config)
+        self.async_scheduling = bool(config.async_scheduling)
+        self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
+        # The requests added and not yet finished or aborted, by request id (= seq_id).
+        self._requests: dict[int, Sequence] = {}
+
+    @property
+    def model_runner(self) -> Any:
+        return self.executor.model_runner
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet finished or aborted."""
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ requests
+    def make_sequence(self, token_ids: Any, sampling_params: SamplingParams) -> Sequence:
+        """A request checked and made a Sequence, not queued (bad input raises here)."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got "
+                            f"{type(sampling_params).__name__}")
+        seq = Sequence(check_token_ids(token_ids, self.vocab_size), self.config.block_size,
+                       sampling_params)
+        # An empty or too long prompt, one that can never fit the KV cache: refused here.
+        self.scheduler.check_sequence(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> int:
+        """Queue a sequence made by make_sequence; returns its request id."""
+        self.scheduler.add_sequence(seq)
+        self._requests[seq.seq_id] = seq
+        return seq.seq_id
+
+    def add_request(self, token_ids: Any, sampling_params: SamplingParams, *,
+                    streamed: bool = True) -> int:
+        """Queue one prompt of token ids; returns its request id. Bad input raises here,
+        before anything is queued. streamed=False: nobody reads its tokens before it
+        finishes (a server's non-streaming request), so the steps it decodes in need not
+        stay short (see Config.max_prefill_tokens_while_decoding)."""
+        self.executor.check_alive()
+        seq = self.make_sequence(token_ids, sampling_params)
+        seq.streamed = streamed
+        return self.add_sequence(seq)
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request wherever it is and free its blocks now; unknown or finished ids
+        are ignored (a request may finish while its client gives up on it)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+
+    def drop_in_flight(self) -> None:
+        """Forget a step in flight (after an error or Ctrl-C): its sequences forget their
+        pending token and the next step recomputes it (the device runs steps in order, so
+        nothing it still writes can land on a later step's data)."""
+        if self._in_flight is not None:
+            for seq in self._in_flight.seqs:
+                seq.drop_pending_tokens()
+            self._in_flight = None
+
+    def abort_all(self) -> None:
+        """Drop every request and any step in flight (at shutdown, or after an error)."""
+        self.drop_in_flight()
+        for request_id in list(self._requests):
+            self.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished() or self._in_flight is not None
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> tuple[list[RequestOutput], int]:
+        """One scheduler step, reported per request: every request that received tokens or
+        finished in it, and the signed count of tokens computed: positive for a step that
+        computes prompt tokens (with chunked prefill, the decode rows beside them count too)
+        and negative for a pure decode step (one per sequence); its size never exceeds
+        max_num_batched_tokens.
+
+        With async_scheduling, both describe the step queued by the previous call: this call
+        plans and queues the next step first, and only then waits for the previous one's
+        tokens, so the device always has the next step to run while the host works:
+
+            host:    schedule N+1 | queue N+1 | wait N, postprocess N | schedule N+2 | ...
+            device:  ....... step N ........ | ........ step N+1 ......... | ...
+
+        Step N+1 is planned before step N's tokens are known: each sequence counts its token
+        as pending (Sequence.add_pending_token), the runner feeds it from the device, and a
+        sequence that ends on eos has one surplus step computed, whose token is dropped.
+        """
+        self.executor.check_alive()
+        seqs, is_prefill = self.scheduler.schedule()
+        queued = None
+        if seqs:
+            if self.config.enable_chunked_prefill:
+                samples = [samples_this_step(seq) for seq in seqs]
+                num_computed = sum(seq.num_new_tokens for seq in seqs)
+            else:
+                samples = [True] * len(seqs)
+                num_computed = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
+            num_tokens = num_computed if is_prefill else -len(seqs)
+            try:
+                sampled = self.executor.call("run", seqs, is_prefill)
+            except BaseException:
+                self._undo_step(seqs, is_prefill)
+                raise
+            for seq, sample in zip(seqs, samples, strict=True):
+                if sample:
+                    seq.add_pending_token()
+            queued = _QueuedStep(seqs, num_tokens, sampled, samples)
+        if self.async_scheduling:
+            queued, self._in_flight = self._in_flight, queued
+        if queued is None:  # nothing queued (or the first step of a run, still in flight)
+            return [], 0
+        return self._read_back(queued)
+
+    def _undo_step(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """A step failed before it ran (Ctrl-C, out of memory): none of its K/V was written.
+        The blocks it was to fill were registered for prefix hits when it was scheduled, so
+        they are unregistered, and its sequences go back to waiting to be recomputed (one
+        admitted in this step may hold a hit on a block that another row of this step was to
+        write).
+
+        What was written before the step: with chunked prefill, every position below the
+        step's chunk; without, a prefill's cached prefix, or all but a decode row's last
+        token."""
+        block_manager = self.scheduler.block_manager
+        for seq in seqs:
+            if self.config.enable_chunked_prefill:
+                seq.num_computed_tokens -= seq.num_new_tokens
+                written = seq.num_computed_tokens
+            else:
+                written = seq.num_cached_tokens if is_prefill else len(seq) - 1
+            block_manager.unregister_after(seq, written)
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.preempt(seq)
+
+    def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
+        """Wait for a queued step's tokens and hand them to the scheduler."""
+        with self.executor.watching_workers("run"):  # under NCCL, rank 0 waits for its peers
+            token_ids = step.sampled.token_ids()
+        seqs = [seq for seq, sample in zip(step.seqs, step.samples, strict=True) if sample]
+        known = [len(seq.token_ids) for seq in seqs]
+        self.scheduler.postprocess(
+            seqs, [t for t, sample in zip(token_ids, step.samples, strict=True) if sample])
+        outputs = []
+        for seq, num_known in zip(seqs, known, strict=True):
+            new_token_ids = seq.token_ids[num_known:]
+            if not new_token_ids:  # a surplus token of a sequence that had finished
+                continue
+            if seq.is_finished:
+                self._requests.pop(seq.seq_id, None)
+            outputs.append(RequestOutput(
+                request_id=seq.seq_id, new_token_ids=new_token_ids,
+                token_ids=seq.completion_token_ids, finished=seq.is_finished,
+                finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_prompt_tokens or 0))
+        return outputs, step.num_tokens
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV-cache blocks held by requests (cached free blocks are free)."""
+        blocks = self.scheduler.block_manager
+        return 1.0 - len(blocks.free_block_ids) / len(blocks.blocks)
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def dead_reason(self) -> str | None:
+        return self.executor.dead_reason
+
+    def check_alive(self) -> None:
+        self.executor.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes and release the process group (idempotent)."""
+        self.executor.shutdown()

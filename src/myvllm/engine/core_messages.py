@@ -1,0 +1,77 @@
+"""What crosses the socket between the front end (AsyncLLM) and the engine core process.
+
+    front end  --- AddRequest | AbortRequests | Shutdown --->  core process    (input socket)
+    front end  <-- CoreOutputs | CoreDead -------------------  core process    (output socket)
+
+Token ids only: the front end tokenizes, applies the chat template, detokenizes and matches
+stop strings; the core never sees text. One CoreOutputs message per engine step carries the
+new tokens of every request that got some, so the traffic grows with the steps, not with the
+tokens (256 streams decoding: one message of ~3 KB per step, not 256 messages).
+
+Encoding: MessagePack through msgspec. Each message is a typed Struct, encoded as a short
+array (array_like: no field names on the wire) with a tag first that says which kind it is;
+decoding checks every field's type, so a malformed message is an error, never a guess.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from myvllm.sampling_parameters import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: int  # the front end's id for it; every output names it
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    streamed: bool  # someone reads its tokens as they come (Sequence.streamed)
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[int]  # unknown or finished ids are ignored
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Abort everything, stop the workers, exit 0."""
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown
+
+
+class CoreOutput(msgspec.Struct, array_like=True):
+    """What one step did for one request."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finish_reason: str | None  # None while it runs; "stop", "length" or "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
+class Refusal(msgspec.Struct, array_like=True):
+    """A request the core refused before queuing it (bad input: the client's error)."""
+
+    request_id: int
+    error_type: str  # "ValueError" or "TypeError"
+    message: str
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of the blocks held by requests
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[CoreOutput]
+    refused: list[Refusal]
+    stats: SchedulerStats
+
+
+class CoreDead(msgspec.Struct, tag="dead", array_like=True):
+    """The engine loop failed (the core process exits after sending this)."""
+
+    message: str
+
+
+CoreMessage = CoreOutputs | CoreDead

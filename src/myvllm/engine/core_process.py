@@ -1,0 +1,192 @@
+"""The engine core in a process of its own: a busy loop between two ZeroMQ sockets.
+
+    front end process (AsyncLLM)                    core process (this file)
+      spawn ---------------------------------------> run_engine_core(): EngineCore(...)
+      wait for "ready" on a pipe <------------------ ("ready", settings) or ("error", traceback)
+      input socket  -- AddRequest / AbortRequests -> busy loop:
+                                                       take every waiting message
+                                                       step() if there is work
+      output socket <- CoreOutputs, one per step ---   send the step's tokens
+
+Why a process: the front end's Python (HTTP, JSON, tokenizing, detokenizing, server-sent
+events) and the engine loop's Python (scheduling, building inputs) each need the
+interpreter, and in one process they take turns on one GIL: measured on an H200 the server
+then ran the bench workload at 0.57x of generate() (docs/serving.md). Here the engine loop
+has an interpreter to itself and steps as fast as generate() does.
+
+Lifetime: the front end owns this process. It sends Shutdown (or the process gets SIGTERM)
+to stop it; Ctrl-C in a terminal reaches every process of the group, so this one ignores
+SIGINT and lets the front end decide. If the front end dies (kill -9), the parent-watch
+thread sees it within a second and exits, and the tensor-parallel workers, which watch this
+process in turn, follow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from types import FrameType
+from typing import Any
+
+import msgspec
+import zmq
+
+from myvllm.config import Config
+from myvllm.engine.core import EngineCore
+from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreInput,
+                                         CoreOutput, CoreOutputs, Refusal, SchedulerStats,
+                                         Shutdown)
+from myvllm.utils.gc_freeze import frozen_heap
+
+logger = logging.getLogger("myvllm")
+
+# While idle, the loop wakes this often to see whether the engine died meanwhile (a
+# tensor-parallel worker killed between requests), so it stops and says so at once.
+IDLE_POLL_MS = 1000
+PARENT_CHECK_S = 0.5  # how often the core looks whether the front end is still there
+LINGER_MS = 2000  # at exit, how long queued output messages may take to leave
+
+
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            logger.error(f"the front end process {parent_pid} is gone: the engine core exits")
+            os._exit(1)
+        time.sleep(PARENT_CHECK_S)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)  # unwinds the loop, so the workers are stopped on the way out
+
+
+def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
+                    input_address: str, output_address: str, ready: Connection,
+                    parent_pid: int) -> None:
+    """Entry point of the core process (importable: the process is spawned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True,
+                     name="myvllm-parent-watch").start()
+    try:
+        core = EngineCore(config, model_path, fit_length_to_cache=fit_length_to_cache)
+    except BaseException:
+        ready.send(("error", traceback.format_exc()))
+        raise
+    try:
+        ready.send(("ready", {"config": core.config, "vocab_size": core.vocab_size,
+                              "max_model_length": core.max_model_length}))
+        ready.close()
+        EngineCoreProc(core, input_address, output_address).run_busy_loop()
+    finally:
+        core.shutdown()
+
+
+class EngineCoreProc:
+    """The busy loop around one EngineCore and its two sockets."""
+
+    def __init__(self, core: EngineCore, input_address: str, output_address: str,
+                 context: zmq.Context[Any] | None = None) -> None:
+        self.core = core
+        self._context = context or zmq.Context()
+        self.input = self._context.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self._context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow front end
+        self.output.setsockopt(zmq.LINGER, LINGER_MS)
+        self.output.connect(output_address)
+        self._decoder = msgspec.msgpack.Decoder(CoreInput)
+        self._encoder = msgspec.msgpack.Encoder()
+        # The front end names requests by its own ids; the core by sequence ids.
+        self._core_ids: dict[int, int] = {}  # front end id -> core id
+        self._front_ids: dict[int, int] = {}  # core id -> front end id
+        self._refused: list[Refusal] = []
+        self._last_stats: SchedulerStats | None = None
+
+    def run_busy_loop(self) -> None:
+        core = self.core
+        try:
+            # The engine lives as long as this loop: no full garbage collection walks it.
+            with frozen_heap():
+                while True:
+                    # Block for a message only when there is nothing to step.
+                    if not self._take_inputs(block=not core.has_unfinished_requests()):
+                        break
+                    outputs = []
+                    if core.has_unfinished_requests():
+                        outputs, _ = core.step()
+                    self._send([self._to_output(out) for out in outputs])
+        except Exception as e:
+            logger.exception("the engine loop failed")
+            self._send_dead(f"the engine loop failed: {type(e).__name__}: {e}")
+            raise
+        core.abort_all()  # Shutdown: every block back, and the front end hears it
+        self._send([])
+        self.close()
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close()
+
+    def _take_inputs(self, block: bool) -> bool:
+        """Apply every message waiting (waiting up to IDLE_POLL_MS for one when block);
+        False once Shutdown arrived."""
+        if block and not self.input.poll(IDLE_POLL_MS):
+            self.core.check_alive()  # raises once the engine died while idle
+            return True
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            message = self._decoder.decode(frame.buffer)
+            if isinstance(message, Shutdown):
+                return False
+            if isinstance(message, AddRequest):
+                self._add(message)
+            else:
+                self._abort(message)
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            core_id = self.core.add_request(message.prompt_token_ids, message.sampling_params,
+                                            streamed=message.streamed)
+        except (ValueError, TypeError) as e:  # bad input: that request's error only
+            self._refused.append(Refusal(message.request_id, type(e).__name__, str(e)))
+            return
+        self._core_ids[message.request_id] = core_id
+        self._front_ids[core_id] = message.request_id
+
+    def _abort(self, message: AbortRequests) -> None:
+        for front_id in message.request_ids:
+            core_id = self._core_ids.pop(front_id, None)
+            if core_id is not None:
+                del self._front_ids[core_id]
+                self.core.abort(core_id)
+
+    def _to_output(self, out: Any) -> CoreOutput:
+        front_id = self._front_ids[out.request_id]
+        if out.finished:
+            del self._front_ids[out.request_id]
+            del self._core_ids[front_id]
+        return CoreOutput(front_id, out.new_token_ids, out.finish_reason,
+                          out.num_prompt_tokens, out.num_cached_tokens)
+
+    def _send(self, outputs: list[CoreOutput]) -> None:
+        """One message for the step, unless it has nothing new to say."""
+        scheduler = self.core.scheduler
+        stats = SchedulerStats(len(scheduler.running), len(scheduler.waiting),
+                               self.core.kv_cache_usage())
+        if not outputs and not self._refused and stats == self._last_stats:
+            return
+        message = CoreOutputs(outputs, self._refused, stats)
+        self._refused = []
+        self._last_stats = stats
+        self.output.send(self._encoder.encode(message), copy=False)
+
+    def _send_dead(self, message: str) -> None:
+        self.output.send(self._encoder.encode(CoreDead(message)))

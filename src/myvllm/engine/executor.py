@@ -1,0 +1,182 @@
+"""The Executor: rank 0's ModelRunner and, under tensor parallelism, the worker processes.
+
+    Executor(config, model_path, hf_config)
+      tensor_parallel_size 1: a ModelRunner in this process, nothing else
+      N > 1: spawn N-1 workers (tp_workers.py), join the process group as rank 0, build
+             rank 0's ModelRunner, wait until every worker has built its own
+    call("run", seqs, is_prefill)    the same ModelRunner method on every rank
+    dead_reason / check_alive()      a worker died or a step failed: no more steps
+    shutdown()                       workers and process group released; idempotent
+
+The engine core talks to the model only through call(), so it needs to know nothing about
+processes, pipes, NCCL or what happens when a worker dies: all of that lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myvllm.config import Config
+from myvllm.engine.errors import EngineDeadError
+from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.tp_workers import (WorkerPool, init_distributed, nccl_abort,
+                                      pick_init_method, release_process_group)
+
+logger = logging.getLogger("myvllm")
+
+# After rank 0's side of a step failed: how long to wait for a worker's death to explain it
+# (a worker that raised sends its traceback, then exits; a killed one is usually gone already).
+WORKER_EXIT_WAIT_S = 2.0
+
+
+def _shutdown(pool: WorkerPool | None, owns_process_group: bool, torch_threads: int | None,
+              runner: ModelRunner | None = None, graceful: bool = True) -> None:
+    """Release workers and the process group, restore the thread count; safe to call twice
+    (weakref.finalize runs it at most once).
+
+    graceful=False after an error: a worker may be stuck in a collective, so the workers are
+    stopped first and the group is aborted rather than torn down together.
+    """
+    graceful = graceful and (pool is None or pool.all_alive())
+    if pool is not None:
+        if graceful:
+            pool.request_exit()  # the workers destroy their side while we destroy ours
+        else:
+            pool.shutdown(wait_s=0)
+    if owns_process_group and dist.is_initialized():
+        if runner is not None:
+            runner.release_cuda_graphs()  # before the group: see release_cuda_graphs
+        release_process_group(graceful)
+    if pool is not None:
+        pool.shutdown()
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+
+
+class Executor:
+    def __init__(self, config: Config, model_path: str, hf_config: Any, use_cuda: bool) -> None:
+        self._pool: WorkerPool | None = None
+        self._dead_reason: str | None = None  # set when a tensor-parallel step fails
+        owns_group = config.tensor_parallel_size > 1
+        torch_threads = None  # the caller's thread count, restored at shutdown if we change it
+        if owns_group and not use_cuda:
+            # N ranks share this machine's cores: give rank 0 its share, as the workers do,
+            # or OpenMP threads of different ranks stall each other at every barrier.
+            torch_threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        try:
+            if owns_group:
+                init_method = pick_init_method()
+                self._pool = WorkerPool(config, model_path, init_method, use_cuda)
+                self._pool.wait_for("alive")
+                init_distributed(config, 0, init_method, use_cuda)
+                abort = nccl_abort() if use_cuda else None
+                if abort is not None:  # gloo needs none: a dead peer's sockets close
+                    self._pool.watchdog.call_on_death(abort)
+            self.model_runner = ModelRunner(config, 0, model_path, hf_config)
+            if self._pool is not None:
+                self._pool.wait_for("ready")
+        except BaseException:
+            _shutdown(self._pool, owns_group, torch_threads, getattr(self, "model_runner", None),
+                      graceful=False)
+            raise
+        # Runs on shutdown(), on garbage collection, and at interpreter exit, whichever is
+        # first. The runner is passed only with tensor parallelism, where its graphs must go
+        # before the process group; otherwise the finalizer would keep its GPU memory alive.
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, owns_group,
+                                           torch_threads,
+                                           self.model_runner if owns_group else None)
+
+    @property
+    def worker_processes(self) -> list[Any]:
+        """The tensor-parallel worker processes (rank 1 first); empty with one rank."""
+        return [] if self._pool is None else list(self._pool.processes)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run a ModelRunner method on every rank (workers first, they block on NCCL/gloo);
+        returns rank 0's result."""
+        if self._pool is None:
+            return getattr(self.model_runner, method)(*args)
+        self.check_alive()
+        with self.watching_workers(method):
+            self._pool.send(method, *args)
+            return getattr(self.model_runner, method)(*args)
+
+    @contextlib.contextmanager
+    def watching_workers(self, method: str) -> Iterator[None]:
+        """Rank 0's part of a collective step; a worker's death or error is raised from it.
+
+        A dead worker makes rank 0's part fail (gloo: the peer's socket closed) or return
+        early with garbage (NCCL: the watchdog aborted the communicator, tp_watchdog.py).
+        Either way the worker's death, and its traceback if it sent one, is what the caller
+        sees, and the executor stops: the ranks are out of step for good.
+        """
+        pool = self._pool
+        if pool is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as e:
+            death = pool.watchdog.find_failure(wait_s=WORKER_EXIT_WAIT_S)
+            traceback = pool.reported_error()
+            if death is None and traceback is None:
+                raise  # rank 0's own error: the caller still stops the workers
+            raise self._worker_failed(method, death, traceback) from e
+        if pool.failure is not None:  # returned, but after the abort: nothing in it is true
+            raise self._worker_failed(method, pool.failure, pool.reported_error())
+
+    def _worker_failed(self, method: str, death: str | None,
+                       traceback: str | None) -> EngineDeadError:
+        """Stop the workers after one failed in `method`; the error to raise."""
+        message = death or "a tensor-parallel worker failed"
+        self._dead_reason = message
+        self.shutdown()
+        detail = f":\n{traceback}" if traceback else ""
+        return EngineDeadError(f"{message} during {method}(); this engine stopped its "
+                               f"workers and cannot continue (build a new one){detail}")
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why no more steps can run, or None while they can.
+
+        Only under tensor parallelism: a worker died (noticed by the watchdog even while the
+        engine is idle), a step failed, or shutdown() was called. One process has nothing to
+        get out of step, and an executor of size 1 keeps working after an error.
+        """
+        if self._pool is None:
+            return None
+        if self._dead_reason is not None:
+            return self._dead_reason
+        if self._pool.failure is not None:
+            return self._pool.failure
+        if self._pool.closed:
+            return "this engine was shut down (exit() or an earlier failure)"
+        return None
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if no more steps can run (see dead_reason)."""
+        reason = self.dead_reason
+        if reason is None:
+            return
+        self.shutdown()  # a worker that died while the engine was idle: stop the others now
+        raise EngineDeadError(f"This engine cannot run: {reason}. Build a new engine.")
+
+    def stop_workers_now(self) -> None:
+        """After an interrupted step under tensor parallelism: the ranks may have stopped in
+        different places (one inside a collective), so stop the workers without waiting."""
+        if self._pool is not None:
+            self._pool.shutdown(wait_s=0)
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes and release the process group (idempotent)."""
+        self._finalizer()
