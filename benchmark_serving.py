@@ -191,7 +191,9 @@ def print_row(s: dict[str, Any]) -> None:
                     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
                                       ("ITL", "itl_ms")))
     print(f"rate {rate:>6} req/s: {s['completed']} done, {s['failed']} failed, "
-          f"{s['request_throughput']:.2f} req/s, {s['output_tok_s']:.0f} output tok/s | "
+          f"{s['request_throughput']:.2f} req/s, {s['output_tok_s']:.0f} output tok/s"
+          + ("" if math.isnan(s.get("vs_offline", math.nan)) else
+             f" ({s['vs_offline']:.2f}x offline)") + " | "
           f"ms p50/p90/p99: {lat}", flush=True)
 
 
@@ -266,6 +268,40 @@ def stop_server(proc: subprocess.Popen) -> None:
         raise SystemExit(f"the server exited with {code} after SIGTERM")
 
 
+# ---------------------------------------------------------------------------- offline anchor
+def run_offline(model: str, server_args: list[str], prompts: list[list[int]],
+                max_tokens: list[int], temperature: float) -> float:
+    """generate() on the same requests and engine settings as the server gets: output tok/s
+    (one warm-up call first, as the server gets). Runs in a child process (--offline-only),
+    so that its GPU memory is free again before the server starts."""
+    from myvllm import LLM, SamplingParams
+    from myvllm.entrypoints import cli
+
+    config = cli.engine_config(cli.build_parser().parse_args(["serve", model, *server_args]))
+    llm = LLM(config)
+    try:
+        llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.exit()
+    assert [len(o["token_ids"]) for o in outputs] == max_tokens
+    return sum(max_tokens) / elapsed
+
+
+def offline_in_child(argv: list[str]) -> float:
+    """Output tok/s of generate(), measured by this script run with --offline-only."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    done = subprocess.run([sys.executable, __file__, "--offline-only", *argv], env=env,
+                          stdout=subprocess.PIPE, text=True, check=True)
+    line = [x for x in done.stdout.splitlines() if x.startswith("offline output tok/s: ")][-1]
+    return float(line.split(": ")[1])
+
+
 # ---------------------------------------------------------------------------- main
 def parse_rates(text: str) -> list[str]:
     rates = [r.strip() for r in text.split(",") if r.strip()]
@@ -304,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", default=str(REPO / "docs" / "benchmark_serving.png"))
+    p.add_argument("--compare-offline", action="store_true",
+                   help="first time generate() on the same requests and settings (in a child "
+                        "process), and report each rate's output tok/s as a ratio of it")
+    p.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)  # the parent's random checkpoint
     args, server_args = p.parse_known_args(argv)  # the rest goes to `myvllm serve`
 
     if args.quick:
@@ -316,22 +357,33 @@ def main(argv: list[str] | None = None) -> int:
     from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint, make_workload
 
     tmp = tempfile.TemporaryDirectory(prefix="myvllm-serving-bench-")
-    model = args.model
-    vocab = 10000
+    model = args.model or args.model_dir
+    vocab = 10000 if not args.quick else 512  # 512: the tiny model's vocabulary
     if model is None and args.base_url is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
         model = str(build_random_checkpoint(None if args.quick else QWEN3_CONFIG,
                                             Path(tmp.name), device, args.quick))
-        if args.quick:
-            vocab = 512  # the tiny model's vocabulary
     prompts, max_tokens = make_workload(args.num_prompts, args.min_len, args.max_input_len,
                                         args.max_output_len, vocab)
     if args.shared_prefix_len:
         rng = random.Random(args.seed + 1)
         prefix = [rng.randrange(vocab) for _ in range(args.shared_prefix_len)]
         prompts = [prefix + p for p in prompts]
+
+    if args.offline_only:
+        assert model is not None
+        tok_s = run_offline(model, server_args, prompts, max_tokens, args.temperature)
+        print(f"offline output tok/s: {tok_s:.1f}", flush=True)
+        return 0
+    offline = math.nan
+    if args.compare_offline:
+        assert model is not None, "--compare-offline needs the model (not --base-url)"
+        child_argv = [a for a in (argv if argv is not None else sys.argv[1:])
+                      if a != "--compare-offline"]
+        offline = offline_in_child(["--model-dir", model, *child_argv])
+        print(f"offline generate(): {offline:.0f} output tok/s", flush=True)
 
     proc = None
     if args.base_url:
@@ -356,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.seed))
             summary = summarize(results, duration, rate)
             summary["rate_spec"] = spec
+            summary["offline_output_tok_s"] = offline
+            summary["vs_offline"] = summary["output_tok_s"] / offline
             if spec == "inf":
                 peak = summary["request_throughput"]
             summaries.append(summary)

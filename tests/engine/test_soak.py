@@ -39,7 +39,7 @@ import pytest
 from helpers_models import build_tiny_checkpoint
 
 from myvllm import Config
-from myvllm.engine.async_llm import AsyncLLM
+from myvllm.engine.async_llm import AsyncLLM, StatLogger
 from myvllm.engine.llm_engine import LLMEngine
 from myvllm.engine.scheduler import Scheduler
 from myvllm.sampling_parameters import SamplingParams
@@ -440,30 +440,47 @@ class AsyncSoak:
                 task.result()  # a failed check fails the test here
 
 
-async def engine_idle(llm: AsyncLLM) -> None:
-    """Wait until the engine thread has applied every abort (or give up after a minute)."""
-    engine = llm.engine
+class LastStats(StatLogger):
+    """The engine core's last report of its queues and KV cache."""
+
+    def __init__(self) -> None:
+        self.running = self.waiting = -1
+        self.kv_cache_usage = -1.0
+
+    def record_scheduler(self, num_running: int, num_waiting: int,
+                         kv_cache_usage: float) -> None:
+        self.running, self.waiting, self.kv_cache_usage = num_running, num_waiting, kv_cache_usage
+
+
+async def engine_idle(stats: LastStats) -> None:
+    """Wait until the core reports no request and no block held (or give up after a minute)."""
     for _ in range(6000):
-        if not engine.has_unfinished_requests() and llm._commands.empty():
+        if stats.running == 0 and stats.waiting == 0 and stats.kv_cache_usage == 0.0:
             return
         await asyncio.sleep(0.01)
 
 
 def soak_async_llm(path: Path, num_requests: int) -> None:
-    llm = AsyncLLM(soak_engine(path))
+    """The soak through AsyncLLM, the engine core in its own process: the core's reports
+    show every block back, and the front end keeps no stream state."""
+    stats = LastStats()
+    llm = AsyncLLM(Config(model=str(path), num_kvcache_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                          max_model_length=MAX_MODEL_LENGTH,
+                          max_num_sequences=MAX_NUM_SEQUENCES,
+                          max_num_batched_tokens=TOKEN_BUDGET), stat_logger=stats)
     try:
         soak = AsyncSoak(llm, seed=num_requests)
 
         async def main() -> None:
             await soak.run(num_requests)
-            await engine_idle(llm)
+            await engine_idle(stats)
             assert not llm._by_request_id and not llm._streams  # no stream state left
 
         asyncio.run(main())
         tally = soak.tally
         ended = tally.finished + tally.aborted + tally.left + tally.cancelled
         assert ended == num_requests, tally
-        check_blocks_all_free(llm.engine)
+        assert (stats.running, stats.waiting, stats.kv_cache_usage) == (0, 0, 0.0)
         assert llm.is_running
         # The conditions the soak is for did occur.
         assert tally.stopped_by_string > 0 and tally.aborted > 0 and tally.left > 0, tally

@@ -86,6 +86,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's helper process (spawned with the first child; it exits with us)."""
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def engine_children(pid: int) -> list[int]:
+    """The processes pid started for the engine: its engine core, or a core's workers."""
+    return [child for child in children_of(pid) if not is_resource_tracker(child)]
+
+
 def children_of(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -126,8 +139,10 @@ def test_sigterm_aborts_streams_stops_workers_and_exits_0(tiny_path: Path) -> No
                         break
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.2)
-        workers = children_of(proc.pid)
-        assert workers, "tensor_parallel_size 2 should have started a worker process"
+        # The engine core process, and the tensor-parallel worker it started.
+        (core,) = engine_children(proc.pid)
+        workers = [core, *engine_children(core)]
+        assert len(workers) == 2, "tensor_parallel_size 2 should have started a worker"
 
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         body = {"prompt": "stream", "max_tokens": 200, "ignore_eos": True, "stream": True}

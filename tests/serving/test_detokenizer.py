@@ -89,6 +89,10 @@ def test_merged_tokens_keep_their_spaces(sp_tokenizer: Any) -> None:
     assert deltas[:5] == [" world", "", "", "€", "!"]
     full = sp_tokenizer.decode(prompt + completion, skip_special_tokens=True)
     assert full == sp_tokenizer.decode(prompt) + "".join(deltas)
+    # Several steps' tokens at once (a front end that fell behind): one window, same text.
+    for chunks in (2, 3, len(completion)):
+        merged = stream(IncrementalDetokenizer(sp_tokenizer, prompt), completion, chunks)
+        assert "".join(merged) == " world€! world"
 
 
 def test_special_tokens_are_skipped(sp_tokenizer: Any) -> None:

@@ -1,10 +1,13 @@
 """The server over a dead engine: /health 503, new requests 503 with OpenAI's error JSON, and
 requests in flight end with an error instead of hanging.
 
-    quick: one process; the engine's step raises EngineDeadError, as LLMEngine does when a
-           tensor-parallel worker dies mid-step
+The server runs in a thread with exit_on_core_death off, so that the dead state can be looked
+at (`myvllm serve` itself stops and exits 1: test_engine_core_faults.py).
+
+    quick: the engine core process is SIGKILLed in the middle of a stream
     slow:  tensor_parallel_size 2 over gloo; rank 1 is SIGKILLed while a stream is running,
-           then a second server's worker is killed while it is idle (the watchdog alone)
+           then a second server's worker is killed while it is idle (the watchdog alone): the
+           core reports the death and exits
 """
 
 from __future__ import annotations
@@ -25,12 +28,11 @@ import pytest
 pytest.importorskip("openai")  # test_server's module imports it
 
 from helpers_models import tiny_checkpoint  # noqa: E402
+from test_cli import engine_children  # noqa: E402
 from test_server import fetch, free_socket  # noqa: E402
 
 from myvllm import Config  # noqa: E402
 from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
-from myvllm.engine.errors import EngineDeadError  # noqa: E402
-from myvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from myvllm.entrypoints.openai_server import make_server  # noqa: E402
 
 HANG_LIMIT_S = 30.0  # a request still open this long after the death counts as hung
@@ -44,10 +46,11 @@ def checkpoint() -> Path:
 
 
 @contextlib.contextmanager
-def serving(engine: LLMEngine) -> Iterator[tuple[str, AsyncLLM]]:
-    llm = AsyncLLM(engine)
+def serving(config: Config) -> Iterator[tuple[str, AsyncLLM]]:
+    llm = AsyncLLM(config)
     sock = free_socket()
-    server = make_server(llm, "tiny", "127.0.0.1", sock.getsockname()[1], log_level="critical")
+    server = make_server(llm, "tiny", "127.0.0.1", sock.getsockname()[1], log_level="critical",
+                         exit_on_core_death=False)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -103,46 +106,42 @@ def rest_of_stream(response: Any) -> list[dict[str, Any]]:
     raise AssertionError("the stream closed without [DONE]")
 
 
-def test_engine_dying_mid_request(checkpoint: Path) -> None:
-    engine = LLMEngine(Config(model=str(checkpoint), **ENGINE_KW))
-    original = engine.model_runner.run
-    die = threading.Event()
-
-    def run(seqs: Any, is_prefill: bool) -> Any:
-        if die.is_set():
-            raise EngineDeadError("tensor-parallel worker rank 1 died (killed by SIGKILL)")
-        time.sleep(0.01)  # a stream long enough to be caught in flight
-        return original(seqs, is_prefill)
-
-    engine.model_runner.run = run  # type: ignore[method-assign]
-    with serving(engine) as (base_url, llm):
+def test_engine_core_killed_mid_request(checkpoint: Path) -> None:
+    with serving(Config(model=str(checkpoint), **ENGINE_KW)) as (base_url, llm):
         assert fetch("GET", f"{base_url}/health")[0] == 200
         conn, stream = open_stream(base_url, max_tokens=200)
         plain: list[tuple[int, bytes]] = []
         waiting = threading.Thread(target=lambda: plain.append(completion(base_url, False, 200)))
         waiting.start()
-        die.set()
+        time.sleep(0.2)  # queued or decoding
+        assert llm.core_pid is not None
+        os.kill(llm.core_pid, signal.SIGKILL)
         events = rest_of_stream(stream)
         conn.close()
         assert "error" in events[-1], f"the stream ended without the error: {events[-1]}"
-        assert "rank 1 died" in events[-1]["error"]["message"]
+        assert "engine core process died (killed by SIGKILL)" in events[-1]["error"]["message"]
         assert events[-1]["error"]["code"] == 503
         waiting.join(HANG_LIMIT_S)
         assert not waiting.is_alive(), "a request in flight was left hanging"
         assert plain[0][0] == 503, plain
         assert not llm.is_running
-        assert_refused(base_url, "rank 1 died")
+        assert_refused(base_url, "engine core process died")
+
+
+def worker_of(llm: AsyncLLM) -> int:
+    """The pid of the core's tensor-parallel worker (rank 1)."""
+    assert llm.core_pid is not None
+    (worker,) = engine_children(llm.core_pid)
+    return worker
 
 
 @pytest.mark.slow
 def test_tensor_parallel_worker_killed(checkpoint: Path) -> None:
+    config = Config(model=str(checkpoint), tensor_parallel_size=2, **ENGINE_KW)
     # During a stream: the step fails, the stream ends with the error.
-    engine = LLMEngine(Config(model=str(checkpoint), tensor_parallel_size=2, **ENGINE_KW))
-    assert engine._pool is not None
-    worker = engine._pool.processes[0]
-    with serving(engine) as (base_url, _):
+    with serving(config) as (base_url, llm):
         conn, stream = open_stream(base_url, max_tokens=200)
-        os.kill(worker.pid, signal.SIGKILL)
+        os.kill(worker_of(llm), signal.SIGKILL)
         events = rest_of_stream(stream)
         conn.close()
         assert "error" in events[-1], f"the stream ended without the error: {events[-1]}"
@@ -150,12 +149,9 @@ def test_tensor_parallel_worker_killed(checkpoint: Path) -> None:
         assert_refused(base_url, "rank 1 died (killed by SIGKILL")
 
     # While idle: no request needed, the watchdog turns /health to 503.
-    engine = LLMEngine(Config(model=str(checkpoint), tensor_parallel_size=2, **ENGINE_KW))
-    assert engine._pool is not None
-    worker = engine._pool.processes[0]
-    with serving(engine) as (base_url, _):
+    with serving(config) as (base_url, llm):
         assert fetch("GET", f"{base_url}/health")[0] == 200
-        os.kill(worker.pid, signal.SIGKILL)
+        os.kill(worker_of(llm), signal.SIGKILL)
         deadline = time.monotonic() + HANG_LIMIT_S
         while fetch("GET", f"{base_url}/health")[0] != 503:
             assert time.monotonic() < deadline, "/health still 200 after the worker died"

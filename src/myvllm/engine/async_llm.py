@@ -334,6 +334,11 @@ class AsyncLLM:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, stop)
         elif stop:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        if sampling_params.max_tokens > self.max_model_length:
+            # No sequence grows past max_model_length, so this is the same request; and it
+            # keeps the number within what the message encoding takes (64 bits).
+            sampling_params = dataclasses.replace(sampling_params,
+                                                  max_tokens=self.max_model_length)
         stream = _Stream(request_id, next(self._next_id))
         self._streams[stream.core_id] = stream
         self._by_request_id[request_id] = stream

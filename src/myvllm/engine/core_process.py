@@ -37,6 +37,7 @@ import msgspec
 import zmq
 
 from myvllm.config import Config
+from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreInput,
                                          CoreOutput, CoreOutputs, Refusal, SchedulerStats,
@@ -116,7 +117,7 @@ class EngineCoreProc:
                     # Block for a message only when there is nothing to step.
                     if not self._take_inputs(block=not core.has_unfinished_requests()):
                         break
-                    outputs = []
+                    outputs: list[RequestOutput] = []
                     if core.has_unfinished_requests():
                         outputs, _ = core.step()
                     self._send([self._to_output(out) for out in outputs])
@@ -168,7 +169,7 @@ class EngineCoreProc:
                 del self._front_ids[core_id]
                 self.core.abort(core_id)
 
-    def _to_output(self, out: Any) -> CoreOutput:
+    def _to_output(self, out: RequestOutput) -> CoreOutput:
         front_id = self._front_ids[out.request_id]
         if out.finished:
             del self._front_ids[out.request_id]

@@ -86,6 +86,14 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: Iterable[int]) -> str:
         """Consume new completion tokens; return the text that can be shown now."""
+        if not self.stop:
+            # No stop string to find the token it ends at: the tokens of several steps (a
+            # front end that fell behind) are decoded as one window, two decodes in all.
+            before = len(self._tokens)
+            self._tokens.extend(token_ids)
+            self.num_tokens += len(self._tokens) - before
+            self._append_text(self._decode_new(flush=False))
+            return self._take(final=False)
         for token_id in token_ids:
             if self.stopped:
                 break

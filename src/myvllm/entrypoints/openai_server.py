@@ -309,16 +309,19 @@ class Server(uvicorn.Server):
     re-raising the signal. If the engine core process dies, the server stops too
     (core_died), so that its caller can exit non-zero and a supervisor start a new one."""
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM) -> None:
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM,
+                 exit_on_core_death: bool = True) -> None:
         super().__init__(config)
         self.llm = llm
         self.core_died = False
+        self.exit_on_core_death = exit_on_core_death
         llm.on_core_death(self._on_core_death)
 
     def _on_core_death(self, error: BaseException) -> None:
-        logger.error(f"{error}: the server stops (exit code 1)")
         self.core_died = True
-        self.should_exit = True
+        if self.exit_on_core_death:
+            logger.error(f"{error}: the server stops (exit code 1)")
+            self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.llm.abort_all()
@@ -339,12 +342,15 @@ class Server(uvicorn.Server):
 
 
 def make_server(llm: AsyncLLM, model_name: str, host: str, port: int,
-                log_level: str = "info", max_body_bytes: int | None = None) -> Server:
-    """max_body_bytes: the largest request body taken (None: default_body_limit)."""
+                log_level: str = "info", max_body_bytes: int | None = None,
+                exit_on_core_death: bool = True) -> Server:
+    """max_body_bytes: the largest request body taken (None: default_body_limit).
+    exit_on_core_death False: the server keeps answering (503s) after the engine core
+    died, instead of stopping (a server embedded in a process that decides for itself)."""
     stat_logger = PrometheusStatLogger(model_name)
     llm.stat_logger = stat_logger
     app = build_app(llm, model_name, stat_logger, max_body_bytes)
     # timeout_graceful_shutdown: a connection that still hangs after the aborts is cut.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=3, access_log=False)
-    return Server(config, llm)
+    return Server(config, llm, exit_on_core_death)

@@ -1,0 +1,137 @@
+"""`myvllm serve` when one of its processes dies: the engine core (kill -9) or the front end.
+
+    core killed mid-stream   the stream ends with an error event and [DONE], a request
+                             waiting for a whole answer gets a 503, /health answers 503 (or
+                             the port is closed already), and the server exits 1 within 10 s
+                             with a line that says why, for a supervisor to restart it
+    front end killed         the core process (and its tensor-parallel workers) notice and
+                             exit by themselves within 10 s: nothing is left holding the GPU
+
+Each test starts the real command in a subprocess with a tiny random Qwen3.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_cli import alive, engine_children, free_port, tiny_path  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(),
+                                reason="reads the process table from /proc")
+
+EXIT_LIMIT_S = 10.0  # the issue's bound for every "exits by itself"
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for child in engine_children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+def health(port: int) -> int | None:
+    """/health's status, or None when nothing listens any more."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+@pytest.fixture
+def server(tiny_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen[str], int]]:  # noqa: F811
+    port = free_port()
+    extra = getattr(request, "param", [])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", str(tiny_path),
+         "--port", str(port), "--num-kvcache-blocks", "64", "--log-level", "warning", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while health(port) != 200:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def open_stream(port: int) -> http.client.HTTPResponse:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"prompt": "stream", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body),
+                       {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # it streams
+    return response
+
+
+def test_core_killed_mid_stream(server: tuple[subprocess.Popen[str], int]) -> None:
+    proc, port = server
+    (core,) = engine_children(proc.pid)
+    response = open_stream(port)
+    whole: dict[str, object] = {}
+
+    def whole_answer() -> None:  # a non-streamed request in flight when the core dies
+        body = json.dumps({"prompt": "whole", "max_tokens": 200, "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                whole["status"] = r.status
+        except urllib.error.HTTPError as e:
+            whole["status"], whole["body"] = e.code, json.loads(e.read())
+
+    waiting = threading.Thread(target=whole_answer)
+    waiting.start()
+    time.sleep(0.5)  # it is queued or decoding
+    killed_at = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+
+    events = [line.strip() for line in response.read().decode().splitlines() if line]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "engine core process died" in error["message"]
+    waiting.join(30)
+    assert whole["status"] == 503, whole
+    assert health(port) in (503, None)  # unhealthy, or gone already
+
+    output = proc.communicate(timeout=EXIT_LIMIT_S)[0]
+    assert time.monotonic() - killed_at < EXIT_LIMIT_S
+    assert proc.returncode == 1, output[-3000:]
+    assert "engine core process died (killed by SIGKILL)" in output
+
+
+@pytest.mark.parametrize("server", [[], pytest.param(["--tensor-parallel-size", "2"],
+                                                     marks=pytest.mark.slow)],
+                         indirect=True, ids=["tp1", "tp2"])
+def test_front_end_killed(server: tuple[subprocess.Popen[str], int]) -> None:
+    proc, port = server
+    left = descendants(proc.pid)  # the core, and its workers under tensor parallelism
+    assert left
+    open_stream(port)  # the core is busy when its front end goes
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + EXIT_LIMIT_S
+    while any(alive(pid) for pid in left):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in left if alive(p)]}"
+        time.sleep(0.1)
