@@ -157,10 +157,12 @@ class AsyncLLM:
         self._sync_context: zmq.Context[Any] = zmq.Context()
         self._input = self._sync_context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the event loop
+        self._input.setsockopt(zmq.LINGER, 0)  # closing never waits for a core that is gone
         self._input.bind(input_address)
         self._context = zmq.asyncio.Context()
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
@@ -276,10 +278,8 @@ class AsyncLLM:
             self._process.join()
         if self._reader is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._reader.cancel)
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._context.term()
-        self._sync_context.term()
+        self._context.destroy(linger=0)  # closes the output socket, then ends the context
+        self._sync_context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)  # sockets only; gone is fine
 
     @property

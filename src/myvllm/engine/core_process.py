@@ -93,6 +93,7 @@ class EngineCoreProc:
     def __init__(self, core: EngineCore, input_address: str, output_address: str,
                  context: zmq.Context[Any] | None = None) -> None:
         self.core = core
+        self._owns_context = context is None
         self._context = context or zmq.Context()
         self.input = self._context.socket(zmq.PULL)
         self.input.connect(input_address)
@@ -121,17 +122,22 @@ class EngineCoreProc:
                     if core.has_unfinished_requests():
                         outputs, _ = core.step()
                     self._send([self._to_output(out) for out in outputs])
+            core.abort_all()  # Shutdown: every block back, and the front end hears it
+            self._send([])
         except Exception as e:
             logger.exception("the engine loop failed")
             self._send_dead(f"the engine loop failed: {type(e).__name__}: {e}")
             raise
-        core.abort_all()  # Shutdown: every block back, and the front end hears it
-        self._send([])
-        self.close()
+        finally:
+            self.close()
 
     def close(self) -> None:
+        """Close both sockets (what is queued for the front end may take LINGER_MS to
+        leave), and the ZeroMQ context if this object made it; idempotent."""
         self.input.close(linger=0)
         self.output.close()
+        if self._owns_context:
+            self._context.term()
 
     def _take_inputs(self, block: bool) -> bool:
         """Apply every message waiting (waiting up to IDLE_POLL_MS for one when block);

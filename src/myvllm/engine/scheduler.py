@@ -288,8 +288,8 @@ class Scheduler:
         ATTENTION_BOUND_CONTEXT costs n * (start + n) / ATTENTION_BOUND_CONTEXT of
         prompt_budget, since its attention grows with its position, and a chunk that is not
         the prompt's last is cut to whole CHUNK_TILEs where it holds more than one: a
-        16k-token prompt goes in chunks of 512 tokens at first and of 128 near its end, each
-        step about as long.
+        16k-token prompt goes in chunks of 768 tokens at first (the default cap) and of 128
+        near its end, each step about as long.
         """
         if not capped:
             n = min(remaining, budget, prompt_budget)
