@@ -224,3 +224,25 @@ def test_a_failing_step_sends_core_dead_and_ends_the_loop(core: EngineCore, fron
     assert not thread.is_alive()
     assert isinstance(thread.errors[0], RuntimeError)  # type: ignore[attr-defined]
     core.abort_all()
+
+
+def test_a_core_that_fails_to_start_is_a_clear_error(tmp_path: Path) -> None:
+    """The front end checks the settings itself; what only the core finds (here a tensor
+    missing from the checkpoint) comes back from AsyncLLM(...) with the core's own error,
+    and the core process is gone."""
+    import multiprocessing
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from myvllm.engine.async_llm import AsyncLLM
+
+    path = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    tensors = load_file(path / "model.safetensors")
+    tensors.pop("model.layers.1.self_attn.k_proj.weight")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="engine core failed to start") as info:
+        AsyncLLM(Config(model=str(path), num_kvcache_blocks=64))
+    assert "model.layers.1.self_attn.k_proj.weight" in str(info.value)
+    assert [p for p in multiprocessing.active_children() if p.name == "myvllm-engine-core"] == []

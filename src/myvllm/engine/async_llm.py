@@ -167,6 +167,16 @@ class AsyncLLM:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
 
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._next_id = itertools.count()
+        self._streams: dict[int, _Stream] = {}  # by core id
+        self._by_request_id: dict[str, _Stream] = {}
+        self._closing = False
+        self._shutdown_requested = False
+        self.dead_error: BaseException | None = None  # why the core stopped, if it did
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+
         ctx = mp.get_context("spawn")
         ready_receiver, ready_sender = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
@@ -175,7 +185,6 @@ class AsyncLLM:
                   input_address, output_address, ready_sender, os.getpid()))
         self._process.start()
         ready_sender.close()
-        self._shutdown_requested = False
         try:
             settings = self._wait_until_ready(ready_receiver)
         except BaseException:
@@ -185,15 +194,6 @@ class AsyncLLM:
         self.max_model_length: int = settings["max_model_length"]
         self.vocab_size: int = settings["vocab_size"]
         logger.info(f"engine core ready in process {self._process.pid}")
-
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._next_id = itertools.count()
-        self._streams: dict[int, _Stream] = {}  # by core id
-        self._by_request_id: dict[str, _Stream] = {}
-        self._closing = False
-        self.dead_error: BaseException | None = None  # why the core stopped, if it did
-        self._death_callbacks: list[Callable[[BaseException], None]] = []
 
     def _wait_until_ready(self, ready: Any) -> dict[str, Any]:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -415,7 +415,14 @@ class AsyncLLM:
             self._send(AbortRequests([s.core_id for s in streams]))
 
     def _send(self, message: Any) -> None:
-        self._input.send(self._encoder.encode(message), copy=False)
+        """Queue a message for the core without ever blocking: a PUSH socket with no peer
+        (a core still loading, or gone) would block a plain send for good."""
+        try:
+            self._input.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if isinstance(message, AddRequest):
+                raise EngineDeadError("the engine core is not connected") from None
+            logger.debug(f"the engine core is not connected: {type(message).__name__} dropped")
 
     # ------------------------------------------------------------------ core -> streams
     async def _read_outputs(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -76,8 +77,10 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
     try:
         core = EngineCore(config, model_path, fit_length_to_cache=fit_length_to_cache)
     except BaseException:
+        # The front end shows the traceback (AsyncLLM raises with it); printing it here too
+        # would say everything twice.
         ready.send(("error", traceback.format_exc()))
-        raise
+        sys.exit(1)
     try:
         ready.send(("ready", {"config": core.config, "vocab_size": core.vocab_size,
                               "max_model_length": core.max_model_length}))

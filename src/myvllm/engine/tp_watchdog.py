@@ -20,7 +20,7 @@ on the device (seen on two H200s: rank 0 still waiting 90 s after rank 1 was kil
                                                   ends (with garbage)
                                                   either way: the engine reads the recorded
                                                   death and raises it
-                                                  (LLMEngine._watching_workers)
+                                                  (Executor.watching_workers)
 
 The abort does not depend on NCCL noticing anything itself, nor on its timeout.
 """

@@ -166,7 +166,11 @@ def serve(config: Config, model_name: str, host: str, port: int, log_level: str)
     from myvllm.engine.async_llm import AsyncLLM
     from myvllm.entrypoints.openai_server import make_server
 
-    llm = AsyncLLM(config)  # the engine core process starts here, and is ready on return
+    try:
+        llm = AsyncLLM(config)  # the engine core process starts here, and is ready on return
+    except RuntimeError as e:  # the core's own error (its traceback included), not ours
+        print(f"myvllm serve: {e}", file=sys.stderr)
+        return 1
     server = make_server(llm, model_name, host, port, log_level)
     try:
         server.run()
