@@ -65,6 +65,7 @@ logger = logging.getLogger("myvllm")
 __all__ = ["AsyncLLM", "EngineDeadError", "StatLogger", "StreamOutput"]
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs takes minutes
+CONNECT_TIMEOUT_S = 30.0  # from the core's "ready" to its sockets being connected (local ipc)
 SHUTDOWN_WAIT_S = 5.0  # for the core to finish its step and exit, before SIGTERM, then SIGKILL
 
 
@@ -213,6 +214,11 @@ class AsyncLLM:
         ready.close()
         if kind == "error":
             raise RuntimeError(f"the engine core failed to start:\n{detail}")
+        # The core connected its sockets before it said "ready"; ZeroMQ completes the
+        # connection in the background, so wait until the input socket can take a message.
+        if not self._input.poll(CONNECT_TIMEOUT_S * 1000, zmq.POLLOUT):
+            raise RuntimeError("the engine core started but did not connect to its input "
+                               f"socket within {CONNECT_TIMEOUT_S} s")
         settings: dict[str, Any] = detail
         return settings
 

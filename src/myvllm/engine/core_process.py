@@ -82,10 +82,13 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
         ready.send(("error", traceback.format_exc()))
         sys.exit(1)
     try:
+        # Connected before "ready": the front end then waits until its input socket has a
+        # peer, so its first request cannot find the socket unconnected.
+        proc = EngineCoreProc(core, input_address, output_address)
         ready.send(("ready", {"config": core.config, "vocab_size": core.vocab_size,
                               "max_model_length": core.max_model_length}))
         ready.close()
-        EngineCoreProc(core, input_address, output_address).run_busy_loop()
+        proc.run_busy_loop()
     finally:
         core.shutdown()
 
