@@ -253,6 +253,8 @@ def test_schedule_when_idle() -> None:
 @pytest.mark.parametrize("tokens, max_tokens, kw, message", [
     ([], 4, {}, "empty prompt"),
     (list(range(1, 18)), 4, {"max_model_length": 16}, "longer than max_model_length=16"),
+    # A prompt of exactly max_model_length tokens leaves no room for its first token.
+    (list(range(1, 17)), 4, {"max_model_length": 16}, "as long as max_model_length=16"),
     (list(range(1, 9)), 2, {"num_blocks": 2}, r"3 blocks .* whole KV cache has 2 blocks"),
     ([1], 16, {"num_blocks": 2}, r"16 tokens = 4 blocks"),
     ([1, 2, 3], 8, {"max_num_batched_tokens": 8}, "max_num_batched_tokens=8"),

@@ -266,7 +266,7 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
         requests.append(Request(draw(st.integers(0, 12)), prompt, params, draw(st.booleans())))
     requests.sort(key=lambda r: r.arrival)
     longest_prompt = max(len(r.prompt) for r in requests)
-    max_model_length = longest_prompt + draw(st.integers(0, 20))
+    max_model_length = longest_prompt + draw(st.integers(1, 20))  # room for one token
 
     def footprint(r: Request) -> int:  # most tokens it ever needs in the cache
         longest = min(len(r.prompt) + r.params.max_tokens, max_model_length)

@@ -168,3 +168,24 @@ def test_sigterm_aborts_streams_stops_workers_and_exits_0(tiny_path: Path) -> No
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_ctrl_c_while_loading_is_one_line_and_leaves_no_process(
+        tiny_path: Path, command: str, monkeypatch: Any,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the engine core loads: AsyncLLM stops the core it started, and the
+    command says so in one line (no traceback) and exits 130, as a shell expects."""
+    import multiprocessing
+
+    from myvllm.engine.async_llm import AsyncLLM
+
+    def interrupted(self: Any, ready: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncLLM, "_wait_until_ready", interrupted)
+    assert cli.main([command, str(tiny_path), "--num-kvcache-blocks", "64"]) == 130
+    err = capsys.readouterr().err
+    assert f"myvllm {command}: interrupted while starting" in err
+    assert "Traceback" not in err
+    assert [p for p in multiprocessing.active_children() if p.name == "myvllm-engine-core"] == []

@@ -7,7 +7,9 @@
     front end killed         the core process (and its tensor-parallel workers) notice and
                              exit by themselves within 10 s: nothing is left holding the GPU
 
-Each test starts the real command in a subprocess with a tiny random Qwen3.
+Each test starts the real command in a subprocess with a tiny random Qwen3 (tens of seconds
+on a 2-core CPU: they are in the slow set; test_server_dead_engine.py kills the core of a
+server run in a thread in the quick set).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import pytest
 
 from test_cli import alive, engine_children, free_port, tiny_path  # noqa: F401  (a fixture)
 
-pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(),
-                                reason="reads the process table from /proc")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path("/proc").is_dir(),
+                                 reason="reads the process table from /proc")]
 
 EXIT_LIMIT_S = 10.0  # the issue's bound for every "exits by itself"
 
@@ -121,9 +124,8 @@ def test_core_killed_mid_stream(server: tuple[subprocess.Popen[str], int]) -> No
     assert "engine core process died (killed by SIGKILL)" in output
 
 
-@pytest.mark.parametrize("server", [[], pytest.param(["--tensor-parallel-size", "2"],
-                                                     marks=pytest.mark.slow)],
-                         indirect=True, ids=["tp1", "tp2"])
+@pytest.mark.parametrize("server", [["--tensor-parallel-size", "2"]], indirect=True,
+                         ids=["tp2"])
 def test_front_end_killed(server: tuple[subprocess.Popen[str], int]) -> None:
     proc, port = server
     left = descendants(proc.pid)  # the core, and its workers under tensor parallelism

@@ -109,6 +109,16 @@ def metrics(base_url: str) -> dict[str, float]:
     return values
 
 
+def finished_by_reason(base_url: str) -> dict[str, float]:
+    """myvllm:request_success_total by its finished_reason label."""
+    counts = {}
+    for line in fetch("GET", f"{base_url}/metrics")[1].decode().splitlines():
+        if line.startswith("myvllm:request_success_total{"):
+            reason = line.split('finished_reason="')[1].split('"')[0]
+            counts[reason] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def wait_for(condition: Any, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -243,11 +253,15 @@ def test_aborted_stream_frees_its_blocks(base_url: str) -> None:
     now = metrics(base_url)
     assert now["myvllm:num_requests_running"] == 1
     assert now["myvllm:kv_cache_usage_perc"] > 0
+    aborts = finished_by_reason(base_url).get("abort", 0.0)
     connection.close()  # the client goes away in the middle of the stream
     wait_for(lambda: metrics(base_url)["myvllm:num_requests_running"] == 0,
              "the aborted request to leave the running queue")
     wait_for(lambda: metrics(base_url)["myvllm:kv_cache_usage_perc"] == 0.0,
              "the aborted request's blocks to be freed")
+    # A client that went away is an aborted request in /metrics too.
+    wait_for(lambda: finished_by_reason(base_url).get("abort", 0.0) == aborts + 1,
+             "the abort to be counted")
 
 
 BAD_REQUESTS = [
@@ -267,6 +281,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400),  # token id outside the vocabulary
     ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LENGTH + 10)}, 400),  # too long
     ("/v1/completions", {"prompt": "word " * (MAX_MODEL_LENGTH + 10), "stream": True}, 400),
+    # Exactly max_model_length tokens: no room left for the first completion token.
+    ("/v1/completions", {"prompt": [5] * MAX_MODEL_LENGTH}, 400),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404),
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "n": 3}, 400),

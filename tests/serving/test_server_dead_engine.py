@@ -157,3 +157,23 @@ def test_tensor_parallel_worker_killed(checkpoint: Path) -> None:
             assert time.monotonic() < deadline, "/health still 200 after the worker died"
             time.sleep(0.05)
         assert_refused(base_url, "rank 1 died (killed by SIGKILL")
+
+
+def test_a_whole_answer_cut_by_shutdown_is_a_503(checkpoint: Path) -> None:
+    """A request with stream false that the server's shutdown aborts gets a 503, not a 200
+    with part of the text and finish_reason "abort" (which a client that reads only the
+    status would take for a whole answer)."""
+    with serving(Config(model=str(checkpoint), **ENGINE_KW)) as (base_url, llm):
+        answers: list[tuple[int, bytes]] = []
+        waiting = threading.Thread(target=lambda: answers.append(completion(base_url, False,
+                                                                            200)))
+        waiting.start()
+        deadline = time.monotonic() + HANG_LIMIT_S
+        while not llm._by_request_id:  # the request is in the engine
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+        llm.abort_all()  # what a SIGTERM to the server does first
+        waiting.join(HANG_LIMIT_S)
+        status, body = answers[0]
+        assert status == 503, body
+        assert "shut down before the answer was complete" in json.loads(body)["error"]["message"]

@@ -174,6 +174,7 @@ class AsyncLLM:
         self._streams: dict[int, _Stream] = {}  # by core id
         self._by_request_id: dict[str, _Stream] = {}
         self._closing = False
+        self._ready = False  # the core said "ready" and its sockets are connected
         self._shutdown_requested = False
         self.dead_error: BaseException | None = None  # why the core stopped, if it did
         self._death_callbacks: list[Callable[[BaseException], None]] = []
@@ -191,6 +192,7 @@ class AsyncLLM:
         except BaseException:
             self.shutdown()
             raise
+        self._ready = True
         self.config: Config = settings["config"]
         self.max_model_length: int = settings["max_model_length"]
         self.vocab_size: int = settings["vocab_size"]
@@ -271,11 +273,13 @@ class AsyncLLM:
                                                 self._process.sentinel)
             else:
                 self._loop.remove_reader(self._process.sentinel)
-        if self._process.is_alive():
+        if self._process.is_alive() and self._ready:
             self._send(Shutdown())
             self._process.join(timeout_s)
         if self._process.is_alive():
-            logger.warning(f"the engine core did not stop within {timeout_s} s: SIGTERM")
+            if self._ready:
+                logger.warning(f"the engine core did not stop within {timeout_s} s: SIGTERM")
+            # (Still loading: it reads no message yet, and SIGTERM ends it at once.)
             self._process.terminate()
             self._process.join(timeout_s)
         if self._process.is_alive():
@@ -349,6 +353,7 @@ class AsyncLLM:
         self._streams[stream.core_id] = stream
         self._by_request_id[request_id] = stream
         engine_finished = False
+        ended = False  # its end (finished, stopped, aborted) went to the stat logger
         try:
             self._send(AddRequest(stream.core_id, token_ids, sampling_params, streamed))
             last_time = None
@@ -358,10 +363,12 @@ class AsyncLLM:
                 stream.wake.clear()
                 if stream.error is not None:
                     engine_finished = True  # refused, or the core is gone: nothing to abort
+                    ended = True  # never started, or failed: not a finished request
                     raise stream.error
                 now = time.monotonic()
                 if stream.aborted and stream.finish_reason is None:
                     self.stat_logger.record_finished("abort", now - arrival)
+                    ended = True
                     yield StreamOutput(request_id, "" if detok else None, [], True, "abort",
                                        len(token_ids), num_tokens, 0)
                     return
@@ -389,12 +396,15 @@ class AsyncLLM:
                 reason = "stop" if stopped else stream.finish_reason
                 if finished:
                     self.stat_logger.record_finished(reason or "stop", now - arrival)
+                    ended = True
                 yield StreamOutput(request_id, text, new_ids, finished,
                                    reason if finished else None, stream.num_prompt_tokens,
                                    num_tokens, stream.num_cached_tokens)
                 if finished:
                     return
         finally:
+            if not ended:  # left early: the client went away, or its task was cancelled
+                self.stat_logger.record_finished("abort", time.monotonic() - arrival)
             del self._by_request_id[request_id]
             self._streams.pop(stream.core_id, None)
             if not engine_finished and self.is_running:

@@ -92,9 +92,14 @@ class Scheduler:
                              f"{seq.block_size}, the KV cache uses {self.block_size}")
         if seq.num_prompt_tokens == 0:
             raise ValueError("empty prompt: a prompt needs at least one token")
-        if seq.num_prompt_tokens > self.max_model_length:
-            raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is longer than "
-                             f"max_model_length={self.max_model_length}")
+        if seq.num_prompt_tokens >= self.max_model_length:
+            # The prompt and at least one completion token must fit (vLLM's rule): a prompt
+            # of max_model_length tokens would have its first token past the limit.
+            what = ("longer than" if seq.num_prompt_tokens > self.max_model_length
+                    else "as long as")
+            raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is {what} "
+                             f"max_model_length={self.max_model_length}; the prompt and at "
+                             "least one completion token must fit")
         need_tokens = self.max_kv_tokens(seq)
         need_blocks = (need_tokens + self.block_size - 1) // self.block_size
         total_blocks = len(self.block_manager.blocks)

@@ -153,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"myvllm {args.command}: {e}", file=sys.stderr)
         return 2
-    if args.command == "serve":
-        return serve(config, args.served_model_name or name, args.host, args.port,
-                     args.log_level)
-    from myvllm.entrypoints.chat import run_chat
+    try:
+        if args.command == "serve":
+            return serve(config, args.served_model_name or name, args.host, args.port,
+                         args.log_level)
+        from myvllm.entrypoints.chat import run_chat
 
-    return run_chat(config, args)
+        return run_chat(config, args)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (later, each command handles it)
+        print(f"myvllm {args.command}: interrupted while starting", file=sys.stderr)
+        return 130
 
 
 def serve(config: Config, model_name: str, host: str, port: int, log_level: str) -> int:

@@ -191,6 +191,10 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
             return Response(status_code=499)  # nobody reads it
         gone.cancel()
         text, reason, usage = collect.result()
+        if reason == "abort":
+            # Not the client's doing (its leaving cancels the task above): the server is
+            # shutting down. A partial answer with a 200 would pass for a complete one.
+            raise EngineDeadError("the server shut down before the answer was complete")
         if chat:
             return JSONResponse(protocol.chat_response(request_id, model_name, text, reason,
                                                        usage))
