@@ -218,7 +218,7 @@ class AsyncLLM:
             raise RuntimeError(f"the engine core failed to start:\n{detail}")
         # The core connected its sockets before it said "ready"; ZeroMQ completes the
         # connection in the background, so wait until the input socket can take a message.
-        if not self._input.poll(CONNECT_TIMEOUT_S * 1000, zmq.POLLOUT):
+        if not self._input.poll(int(CONNECT_TIMEOUT_S * 1000), zmq.POLLOUT):
             raise RuntimeError("the engine core started but did not connect to its input "
                                f"socket within {CONNECT_TIMEOUT_S} s")
         settings: dict[str, Any] = detail
