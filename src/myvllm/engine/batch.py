@@ -4,7 +4,7 @@
     InputBuilder          -> StepInputs      (token ids, positions, the layers' Context)
     sampling.prepare_sample -> SamplingArgs  (per-row settings as device tensors)
     ModelRunner.run       -> SampledTokens   (engine/decode_buffers.py)
-    LLMEngine.step_outputs -> RequestOutput  (per request: its new tokens, finished or not)
+    EngineCore.step       -> RequestOutput  (per request: its new tokens, finished or not)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class SamplingArgs:
 
 @dataclass
 class RequestOutput:
-    """What one step did for one request (LLMEngine.step_outputs)."""
+    """What one step did for one request (EngineCore.step)."""
 
     request_id: int
     new_token_ids: list[int]  # completion tokens that reached the host in this step

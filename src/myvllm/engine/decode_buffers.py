@@ -169,7 +169,7 @@ class SampledTokens:
 
     ModelRunner.run returns as soon as the step is queued; token_ids() waits for the copy.
     Between the two the host can plan the next step (overlapped scheduling, see
-    LLMEngine.step). The host memory is one of two slots that alternate, so a step's tokens
+    EngineCore.step). The host memory is one of two slots that alternate, so a step's tokens
     must be read before two more steps are run; reading them later raises (the engine reads
     each step right after queuing the next).
     """

@@ -1,6 +1,6 @@
 """Step 4: the ModelRunner runs one step of the model: a batch in, one token per sequence out.
 
-One ModelRunner lives in every tensor-parallel rank. Rank 0 (inside the LLMEngine) also
+One ModelRunner lives in every tensor-parallel rank. Rank 0 (the Executor's, beside the EngineCore) also
 samples; ranks 1..N-1 run in worker processes and only compute their shard of every layer
 (engine/tp_workers.py says how they receive their commands). The runner delegates:
 

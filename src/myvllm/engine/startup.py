@@ -7,8 +7,9 @@ the settings that come from it.
     resolved.model_path      a local folder or .gguf file (downloaded from the hub if need be)
     resolved.tokenizer       or None for a weights-only checkpoint (token-id prompts only)
 
-Both clients call it (LLMEngine for the core in its own process, AsyncLLM before it starts
-the core process), so bad settings fail here, before any weight is read or process started.
+Both clients call it (LLMEngine before it builds the core in the caller's process, AsyncLLM
+before it starts the core process), so bad settings fail here, before any weight is read or
+any process started.
 """
 
 from __future__ import annotations

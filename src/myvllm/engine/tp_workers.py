@@ -1,6 +1,6 @@
 """Tensor-parallel worker processes: ranks 1..N-1 of the ModelRunner.
 
-    LLMEngine (rank 0)                         worker process (rank r)
+    Executor (rank 0)                          worker process (rank r)
     ------------------                         -----------------------
     spawn N-1 workers  ----------------------> import, report "alive" on its pipe
     init_process_group  <=== rendezvous ===>   init_process_group
