@@ -86,6 +86,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def open_stream(port: int) -> http.client.HTTPResponse:
+    """A long streamed completion on 127.0.0.1:port, once its first event has arrived."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"prompt": "stream", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body),
+                       {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # it streams
+    return response
+
+
 def is_resource_tracker(pid: int) -> bool:
     """multiprocessing's helper process (spawned with the first child; it exits with us)."""
     try:
@@ -144,14 +156,7 @@ def test_sigterm_aborts_streams_stops_workers_and_exits_0(tiny_path: Path) -> No
         workers = [core, *engine_children(core)]
         assert len(workers) == 2, "tensor_parallel_size 2 should have started a worker"
 
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        body = {"prompt": "stream", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        connection.request("POST", "/v1/completions", json.dumps(body),
-                           {"content-type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200
-        assert response.readline().startswith(b"data: ")  # it streams
-
+        response = open_stream(port)
         proc.send_signal(signal.SIGTERM)
         events = [line.strip() for line in response.read().decode().splitlines() if line]
         assert events[-1] == "data: [DONE]"

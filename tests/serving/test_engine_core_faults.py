@@ -14,7 +14,6 @@ server run in a thread in the quick set).
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import alive, engine_children, free_port, tiny_path  # noqa: F401  (a fixture)
+from test_cli import alive, engine_children, free_port, open_stream, tiny_path  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc").is_dir(),
@@ -75,17 +74,6 @@ def server(tiny_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[su
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def open_stream(port: int) -> http.client.HTTPResponse:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = {"prompt": "stream", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    connection.request("POST", "/v1/completions", json.dumps(body),
-                       {"content-type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200
-    assert response.readline().startswith(b"data: ")  # it streams
-    return response
 
 
 def test_core_killed_mid_stream(server: tuple[subprocess.Popen[str], int]) -> None:

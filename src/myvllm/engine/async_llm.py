@@ -115,7 +115,6 @@ class _Stream:
     finish_reason: str | None = None  # set when the core says the request finished
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    started: bool = False  # the core has sent an output for it
     aborted: bool = False  # abort() or shutdown on our side
     error: BaseException | None = None  # the core's refusal, or the engine's death
 
@@ -124,7 +123,6 @@ class _Stream:
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
-        self.started = True
         self.wake.set()
 
     def fail(self, error: BaseException) -> None:
@@ -157,7 +155,7 @@ class AsyncLLM:
         output_address = f"ipc://{self._ipc_dir}/output"
         self._sync_context: zmq.Context[Any] = zmq.Context()
         self._input = self._sync_context.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the event loop
+        self._input.setsockopt(zmq.SNDHWM, 0)  # no limit on queued requests (see _send)
         self._input.setsockopt(zmq.LINGER, 0)  # closing never waits for a core that is gone
         self._input.bind(input_address)
         self._context = zmq.asyncio.Context()
@@ -291,10 +289,6 @@ class AsyncLLM:
         self._context.destroy(linger=0)  # closes the output socket, then ends the context
         self._sync_context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)  # sockets only; gone is fine
-
-    @property
-    def core_exit_code(self) -> int | None:
-        return self._process.exitcode
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str | list[int]) -> list[int]:

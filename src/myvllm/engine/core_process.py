@@ -24,11 +24,9 @@ process in turn, follow.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
@@ -43,6 +41,7 @@ from myvllm.engine.core import EngineCore
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreInput,
                                          CoreOutput, CoreOutputs, Refusal, SchedulerStats,
                                          Shutdown)
+from myvllm.engine.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
 
 logger = logging.getLogger("myvllm")
@@ -52,14 +51,6 @@ logger = logging.getLogger("myvllm")
 IDLE_POLL_MS = 1000
 PARENT_CHECK_S = 0.5  # how often the core looks whether the front end is still there
 LINGER_MS = 2000  # at exit, how long queued output messages may take to leave
-
-
-def _exit_when_parent_dies(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            logger.error(f"the front end process {parent_pid} is gone: the engine core exits")
-            os._exit(1)
-        time.sleep(PARENT_CHECK_S)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -72,7 +63,8 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
     """Entry point of the core process (importable: the process is spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True,
+    threading.Thread(target=exit_when_parent_dies,
+                     args=(parent_pid, PARENT_CHECK_S, "the engine core"), daemon=True,
                      name="myvllm-parent-watch").start()
     try:
         core = EngineCore(config, model_path, fit_length_to_cache=fit_length_to_cache)

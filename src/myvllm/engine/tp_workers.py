@@ -88,17 +88,21 @@ def init_distributed(config: Config, rank: int, init_method: str, use_cuda: bool
     )
 
 
-def _exit_when_parent_dies(parent_pid: int) -> None:
+def exit_when_parent_dies(parent_pid: int, check_s: float = 1.0, who: str = "") -> None:
+    """Run in a daemon thread: end this process (exit code 1) once its parent is gone, so a
+    child never outlives whoever started it (a parent that was killed cannot stop it)."""
     while True:
         if os.getppid() != parent_pid:
+            if who:
+                logger.error(f"the parent process {parent_pid} is gone: {who} exits")
             os._exit(1)
-        time.sleep(1.0)
+        time.sleep(check_s)
 
 
 def worker_main(config: Config, rank: int, init_method: str, model_path: str,
                 use_cuda: bool, conn: Connection, parent_pid: int) -> None:
     """Entry point of a worker process (must be importable: processes are spawned)."""
-    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
     if not use_cuda:
         # Two ranks on the same cores: give each its share instead of oversubscribing.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
