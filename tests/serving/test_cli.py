@@ -133,11 +133,14 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
-def test_sigterm_aborts_streams_stops_workers_and_exits_0(tiny_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
+def test_sigterm_aborts_streams_stops_workers_and_exits_0(tiny_path: Path, tp: int) -> None:
+    """SIGTERM mid-stream: the stream ends with "abort" and [DONE], the server exits 0, and
+    its engine core (and, at tensor_parallel_size 2, the core's worker) is gone."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", str(tiny_path),
-         "--port", str(port), "--num-kvcache-blocks", "64", "--tensor-parallel-size", "2",
+         "--port", str(port), "--num-kvcache-blocks", "64", "--tensor-parallel-size", str(tp),
          "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -154,7 +157,7 @@ def test_sigterm_aborts_streams_stops_workers_and_exits_0(tiny_path: Path) -> No
         # The engine core process, and the tensor-parallel worker it started.
         (core,) = engine_children(proc.pid)
         workers = [core, *engine_children(core)]
-        assert len(workers) == 2, "tensor_parallel_size 2 should have started a worker"
+        assert len(workers) == tp, f"tensor_parallel_size {tp}: expected {tp - 1} worker(s)"
 
         response = open_stream(port)
         proc.send_signal(signal.SIGTERM)
