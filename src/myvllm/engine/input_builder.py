@@ -98,59 +98,9 @@ class InputBuilder:
         return torch.from_numpy(tables).to(self.device)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
-        """Flatten the uncached part of every prompt into one batch.
-
-        Two sequences, the first with 4 cached tokens (one block of 4), the second cold:
-
-            seq A: [a0 a1 a2 a3 | a4 a5 a6]   num_cached_tokens = 4
-            seq B: [b0 b1 b2]
-
-            input_ids    = [a4 a5 a6 b0 b1 b2]      only what must be computed
-            positions    = [ 4  5  6  0  1  2]      RoPE starts at num_cached_tokens
-            cu_seqlens_q = [0, 3, 6]                query tokens per sequence
-            cu_seqlens_k = [0, 7, 10]               context tokens per sequence (cached + new)
-            slot_mapping = one slot per entry of input_ids (the cached ones are already there)
-
-        When any cu_seqlens_k entry exceeds its cu_seqlens_q entry, a prefix is cached and
-        the prefill kernel reads K/V through block_tables instead of the fresh tensors.
-        """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        max_seqlen_q = max_seqlen_k = 0
-        slot_mapping: list[int] = []
-        for seq in seqs:
-            num_cached = seq.num_cached_tokens
-            seqlen = len(seq)
-            input_ids.extend(seq.token_ids[num_cached:])
-            positions.extend(range(num_cached, seqlen))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen - num_cached)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen)
-            max_seqlen_q = max(max_seqlen_q, seqlen - num_cached)
-            max_seqlen_k = max(max_seqlen_k, seqlen)
-            if not seq.block_table:  # warm-up: no cache to write to
-                continue
-            for i in range(seq.num_cached_blocks, seq.num_blocks):
-                start = seq.block_table[i] * self.block_size
-                count = self.block_size if i != seq.num_blocks - 1 else seq.last_block_num_tokens
-                slot_mapping.extend(range(start, start + count))
-        prefix_cached = cu_seqlens_k[-1] > cu_seqlens_q[-1]
-        context = Context(
-            is_prefill=True,
-            cu_seqlens_q=self.to_device(cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self.to_device(cu_seqlens_k, torch.int32),
-            # Host ints: the lengths are known here, so no cu_seqlens.cpu() sync is needed.
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            slot_mapping=self.to_device(slot_mapping, torch.int32),
-            block_tables=self.prepare_block_tables(seqs) if prefix_cached else None,
-        )
-        return StepInputs(self.to_device(input_ids, torch.int64),
-                          self.to_device(positions, torch.int64), context)
-
-    def prepare_chunks(self, seqs: list[Sequence]) -> StepInputs:
-        """A step of chunked prefill: each sequence computes its next num_new_tokens tokens,
-        the ones just below num_computed_tokens (the scheduler advanced it past them).
+        """A prefill step: each sequence computes its next num_new_tokens tokens, the ones
+        just below num_computed_tokens (the scheduler advanced it past them). A whole prompt
+        after its cached prefix is one such chunk; with chunked prefill, a part of one.
 
         Prompt chunks and decode rows (chunks of one token) go through the same varlen
         attention, reading everything before the chunk from the paged cache:
@@ -189,6 +139,8 @@ class InputBuilder:
             positions.extend(range(start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+            if not seq.block_table:  # the warm-up's made-up sequences: no cache to write to
+                continue
             # Slots block by block (one range per block, not one Python step per token: a
             # chunk can be 16k tokens long).
             pos = start

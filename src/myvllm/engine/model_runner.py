@@ -183,12 +183,12 @@ class ModelRunner:
         if budget % max_len:
             lengths.append(budget % max_len)
         # No KV cache exists yet: prefill attends over the fresh K/V and writes nothing.
-        self.forward_prefill([Sequence([0] * n, config.block_size) for n in lengths])
+        self.forward_prefill([self.made_up_prompt(n) for n in lengths])
         # Triton compiles one variant of a kernel per "specialisation" of its arguments (an
         # int divisible by 16 or not, equal to 1, ...), ~2 s for the prefill kernel on the
         # H200 machine. A small one-sequence prefill meets specialisations the large one
         # does not (on the H200 it compiled one more variant): better here than mid-request.
-        self.forward_prefill([Sequence([0] * 17, config.block_size)])
+        self.forward_prefill([self.made_up_prompt(17)])
         self.warmup_sampler()
         torch.cuda.synchronize()
         # Give the freed activations back, or they would count twice when the KV cache is
@@ -221,20 +221,27 @@ class ModelRunner:
         no hash points at them, so the BlockManager hands them out as fresh blocks later.
         """
         block_size = self.config.block_size
-        seq = Sequence([0] * (2 * block_size + 1), block_size)
+        seq = self.made_up_prompt(2 * block_size + 1, num_cached=block_size)
         if self.num_kvcache_blocks < seq.num_blocks:
             return  # a cache too small to matter; the first hit compiles it
         seq.block_table = list(range(seq.num_blocks))
-        seq.num_cached_tokens = block_size
         self.forward_prefill([seq])
 
+    def made_up_prompt(self, num_tokens: int, num_cached: int = 0) -> Sequence:
+        """A warm-up prompt of token 0s, scheduled whole after num_cached cached tokens (no
+        block table: nothing is stored unless the caller gives it one)."""
+        seq = Sequence([0] * num_tokens, self.config.block_size)
+        seq.num_cached_tokens = num_cached
+        seq.num_computed_tokens = num_tokens
+        seq.num_new_tokens = num_tokens - num_cached
+        return seq
+
     # ------------------------------------------------------------------ one step
-    def forward_prefill(self, seqs: list[Sequence], chunks: bool = False
-                        ) -> torch.Tensor | None:
-        """The model and LM head over the sequences' uncached tokens (with `chunks`, over each
-        sequence's scheduled chunk) -> logits of each sequence's last token computed (on
+    def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The model and LM head over each sequence's scheduled chunk (num_new_tokens tokens
+        up to num_computed_tokens) -> logits of each sequence's last token computed (on
         rank 0; None on other ranks)."""
-        step = self.inputs.prepare_chunks(seqs) if chunks else self.inputs.prepare_prefill(seqs)
+        step = self.inputs.prepare_prefill(seqs)
         num_tokens = step.input_ids.size(0)  # padded, for a step on the ChunkBuffers
         with forward_context(step.context):
             if step.context.q_tiles is not None and num_tokens in self.chunk_graphs:
@@ -275,14 +282,13 @@ class ModelRunner:
         the stream like any kernel).
         """
         if is_prefill:
-            logits = self.forward_prefill(seqs, chunks=self.config.enable_chunked_prefill)
+            logits = self.forward_prefill(seqs)
         else:
             logits = self.run_decode(seqs)
         num_seqs = len(seqs)
         pool = self.inputs.decode_buffers.sampled
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
-            args = prepare_sample(seqs, self.inputs.to_device, self.device,
-                                  chunked=self.config.enable_chunked_prefill)
+            args = prepare_sample(seqs, self.inputs.to_device, self.device)
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
             pool[:num_seqs].copy_(self.sampler(
                 logits[:num_seqs], args.temperatures, args.top_ks, args.top_ps,

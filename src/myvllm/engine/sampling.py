@@ -24,7 +24,7 @@ def uses_filters_or_seeds(seq: Sequence) -> bool:
 
 
 def samples_this_step(seq: Sequence) -> bool:
-    """Chunked prefill: the step's chunk reaches the sequence's last token."""
+    """The step's chunk reaches the sequence's last token (a decode row always does)."""
     return seq.num_computed_tokens == seq.num_tokens
 
 
@@ -42,19 +42,19 @@ def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None
     return seq.generator
 
 
-def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device,
-                   chunked: bool = False) -> SamplingArgs:
+def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device
+                   ) -> SamplingArgs:
     """Sampling settings as device tensors, plus host-side hints for the fast paths.
 
-    With chunked prefill, a sequence whose chunk stops short of its last token gets a row
-    whose token is dropped; it must not draw from its seeded generator, or its later tokens
-    would depend on how its prompt was cut.
+    A sequence whose chunk stops short of its last token gets a row whose token is dropped;
+    it must not draw from its seeded generator, or its later tokens would depend on how its
+    prompt was cut.
     """
     params = [seq.sampling_params for seq in seqs]
     generators: list[torch.Generator | None] | None = None
     if any(p.seed is not None for p in params):
         generators = [generator_for(seq, device)
-                      if not chunked or samples_this_step(seq) else None for seq in seqs]
+                      if samples_this_step(seq) else None for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
     return SamplingArgs(

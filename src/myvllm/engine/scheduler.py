@@ -18,16 +18,17 @@ Two queues, and four rules:
 4. No progress is an error: if a step schedules nothing and preempts nothing while work
    remains, every later step would do the same, so raise instead of spinning forever.
 
-These rules are Config(enable_chunked_prefill=False). The default replaces rules 1 and 2 by
-a token budget (schedule_chunked): every running sequence's decode token first, then
-chunks of prompts fill what is left of max_num_batched_tokens, so a long prompt neither
-stalls the running sequences for a whole prefill nor has to fit one step. Rules 3 and 4
-stay as they are.
+These rules are Config(enable_chunked_prefill=False), a policy of the one loop below. The
+default replaces rules 1 and 2 by a token budget: every running sequence's decode token
+first, then chunks of prompts fill what is left of max_num_batched_tokens, so a long prompt
+neither stalls the running sequences for a whole prefill nor has to fit one step. Rules 3
+and 4 stay as they are, and both policies share admission, preemption and rule 4's check.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
@@ -44,6 +45,16 @@ ATTENTION_BOUND_CONTEXT = 4096
 # costs two, nearly twice one of 128. Beside decode rows, a chunk of more than one tile that
 # is not its prompt's last is cut to whole tiles (_chunk_size).
 CHUNK_TILE = 128
+
+
+@dataclass
+class _Budget:
+    """What is left of one step's tokens: all of them (decode rows and chunks), the share
+    prompt chunks may take, and whether that share is capped (streams decoding beside)."""
+
+    tokens: int
+    prompt: int
+    capped: bool
 
 
 class Scheduler:
@@ -125,116 +136,82 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the next batch. Never returns an empty batch while work remains.
 
-        With chunked prefill (schedule_chunked) the flag is False only for a pure decode step,
-        where every sequence computes just its last token; True means prompt chunks are in it.
+        One loop for both policies, under a token budget of max_num_batched_tokens:
+
+        1. Prefill first only (enable_chunked_prefill=False): admit waiting prompts whole
+           (rule 2); if any fits, that is the step (a prefill, flag True) and the running
+           sequences wait.
+        2. Running sequences, in order: a decode row costs one token; a prompt part-way
+           through its prefill gets the next chunk, as much as the budget has left. Growing
+           a decode row may preempt the tail of running (rule 3).
+        3. Chunked only: waiting sequences, in order, while budget, sequence slots and
+           blocks last, each admitted with a first chunk after its cached prefix.
+
+        While any running sequence whose tokens stream (Sequence.streamed) decodes, prompt
+        chunks together get at most max_prefill_tokens_while_decoding tokens, a token past
+        ATTENTION_BOUND_CONTEXT counting for more: the decode rows' wait stays short.
+
+        Each scheduled sequence gets num_new_tokens (its chunk; 1 for a decode row) and its
+        num_computed_tokens is advanced past it; it samples a token only when the chunk
+        reaches its last token. The flag is False only for a pure decode step, where every
+        row computes its sequence's last token (the decode kernel, CUDA graphs).
         """
         if self.is_finished():
             return [], False
-        if self.enable_chunked_prefill:
-            return self.schedule_chunked()
-
-        # Rule 1 + 2: prefill first, batched, FIFO.
-        batch: list[Sequence] = []
-        num_batched_tokens = 0
-        while self.waiting and len(self.running) < self.max_num_sequences:
-            seq = self.waiting[0]
-            if (seq.num_pending_tokens  # preempted while its last token was in flight
-                    or num_batched_tokens + len(seq) > self.max_num_batched_tokens
-                    or not self.block_manager.can_allocate(seq)):
-                break  # the head stays at the head of waiting
-            self.waiting.popleft()
-            self.block_manager.allocate(seq)
-            if seq.num_cached_prompt_tokens is None:  # first admission
-                seq.num_cached_prompt_tokens = seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.append(seq)
-            num_batched_tokens += len(seq)
-        if batch:
-            return batch, True
-
-        # Decode: one token for each running sequence, in running order.
-        preempted = False
+        budget = self._step_budget()
         scheduled: list[Sequence] = []
-        waiting_for_last_token: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_sequences:
-            seq = self.running.popleft()
-            if self.reaches_stop_length(seq, seq.num_tokens):
-                # Only with overlapped scheduling: its pending token is its last one.
-                # postprocess finishes it once that token reaches the host.
-                waiting_for_last_token.append(seq)
-                continue
-            while not self.block_manager.can_append(seq):
-                # Rule 3: free blocks by sending the tail of running back to waiting.
-                preempted = True
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)  # nobody left to evict: seq itself waits
-                    break
-            else:
-                self.block_manager.append(seq)
-                scheduled.append(seq)
-        # The scheduled ones go back in front, in their order; any beyond max_num_sequences
-        # (possible only if the limit was lowered) keep their places behind them.
-        self.running.extendleft(reversed(scheduled + waiting_for_last_token))
+        preempted = False
+        if not self.enable_chunked_prefill:
+            self._admit_waiting(budget, scheduled, whole_prompts=True)  # rule 1
+            if scheduled:
+                return scheduled, True
+        if not scheduled:
+            preempted = self._schedule_running(budget, scheduled)
+            if self.enable_chunked_prefill:
+                self._admit_waiting(budget, scheduled, whole_prompts=False)
         if scheduled:
-            return scheduled, False
+            decode_only = all(seq.num_new_tokens == 1 and seq.num_computed_tokens == len(seq)
+                              for seq in scheduled)
+            return scheduled, not decode_only
         if any(seq.num_pending_tokens for seq in (*self.running, *self.waiting)):
             # Overlapped scheduling: nothing can run until the step in flight is read back
             # (it frees blocks, finishes sequences, resolves the tokens a prefill needs).
             return [], False
-
         if not preempted:
             self._raise_no_progress()  # rule 4
         # Everything running was preempted (only one sequence was left and it could not grow).
         # Its blocks are free now, so try again: the next call prefills it or raises above.
         return self.schedule()
 
-    def schedule_chunked(self) -> tuple[list[Sequence], bool]:
-        """One step under a token budget of max_num_batched_tokens.
-
-        1. Running sequences, in order: a decode row costs one token; a prompt part-way
-           through its prefill gets the next chunk, as much as the budget has left. Growing
-           a decode row may preempt the tail of running, as in rule 3.
-        2. Waiting sequences, in order, while budget, sequence slots and blocks last: each is
-           admitted with a first chunk (after its cached prefix) and the whole block table.
-
-        While any running sequence whose tokens stream (Sequence.streamed) decodes, prompt
-        chunks together get at most max_prefill_tokens_while_decoding tokens, a token past
-        ATTENTION_BOUND_CONTEXT counting for more: the decode rows' wait stays short.
-
-        Each scheduled sequence gets num_new_tokens (its chunk) and its num_computed_tokens
-        is advanced past it; it samples a token only when the chunk reaches its last token.
-        """
-        budget = self.max_num_batched_tokens
-        prompt_budget = budget
+    def _step_budget(self) -> _Budget:
+        """This step's token budget, and the share prompt chunks may take of it."""
         cap = self.max_prefill_tokens_while_decoding
-        capped = bool(cap) and any(seq.streamed and seq.num_tokens - seq.num_computed_tokens <= 1
-                                   for seq in self.running)
-        if capped:
-            prompt_budget = min(budget, cap)
+        capped = (self.enable_chunked_prefill and bool(cap)
+                  and any(seq.streamed and seq.num_tokens - seq.num_computed_tokens <= 1
+                          for seq in self.running))
+        tokens = self.max_num_batched_tokens
+        return _Budget(tokens, min(tokens, cap) if capped else tokens, capped)
+
+    def _schedule_running(self, budget: _Budget, scheduled: list[Sequence]) -> bool:
+        """Step 2 of schedule(): the running sequences' decode rows and next chunks, in
+        order; returns whether any was preempted."""
         preempted = False
-        scheduled: list[Sequence] = []
         visited: list[Sequence] = []  # running sequences looked at, in their order
-        while self.running and budget > 0 and len(scheduled) < self.max_num_sequences:
+        while self.running and budget.tokens > 0 and len(scheduled) < self.max_num_sequences:
             seq = self.running.popleft()
             visited.append(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining == 0:
                 continue  # its last chunk ran; its token is still in flight (async)
             if remaining > 1:  # a prompt part-way through its prefill
-                if prompt_budget == 0:
+                if budget.prompt == 0:
                     continue  # its next chunk waits; it keeps its place in running
-                chunk, cost = self._chunk_size(seq.num_computed_tokens, remaining, budget,
-                                               prompt_budget, capped)
-                self._schedule_chunk(seq, chunk)
-                prompt_budget -= cost
+                self._schedule_prompt_chunk(seq, remaining, budget)
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
                 while not self.block_manager.can_append(seq):
-                    preempted = True
+                    preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
                     if victim is seq:
                         visited.remove(seq)
@@ -244,18 +221,30 @@ class Scheduler:
                 else:
                     self.block_manager.append(seq)
                     self._schedule_chunk(seq, 1)
+                    budget.tokens -= 1
                 if seq.status != SequenceStatus.RUNNING:
                     continue
-            budget -= seq.num_new_tokens
             scheduled.append(seq)
+        # The visited ones go back in front, in their order; any beyond max_num_sequences
+        # keep their places behind them.
         self.running.extendleft(reversed(visited))
+        return preempted
 
-        while (self.waiting and min(budget, prompt_budget) > 0
+    def _admit_waiting(self, budget: _Budget, scheduled: list[Sequence],
+                       whole_prompts: bool) -> None:
+        """Admit from the head of waiting while budget, sequence slots and blocks last. FIFO:
+        when the head does not fit, nobody behind it jumps the queue (the head is kept).
+
+        whole_prompts (prefill first): a prompt must fit the budget whole, counted with its
+        cached prefix, as it is when prefilled again after a preemption."""
+        while (self.waiting and min(budget.tokens, budget.prompt) > 0
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
-            if seq.num_pending_tokens or not self.block_manager.can_allocate(seq):
-                break  # the head stays at the head of waiting
+            if (seq.num_pending_tokens  # preempted while its last token was in flight
+                    or (whole_prompts and len(seq) > budget.tokens)
+                    or not self.block_manager.can_allocate(seq)):
+                break
             self.waiting.popleft()
             # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
             self.block_manager.allocate(seq, num_computable=0)
@@ -263,26 +252,20 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens
-            chunk, cost = self._chunk_size(seq.num_cached_tokens,
-                                           seq.num_tokens - seq.num_cached_tokens, budget,
-                                           prompt_budget, capped)
-            self._schedule_chunk(seq, chunk)
+            if whole_prompts:
+                self._schedule_chunk(seq, len(seq) - seq.num_cached_tokens)
+                budget.tokens -= len(seq)
+            else:
+                self._schedule_prompt_chunk(seq, len(seq) - seq.num_cached_tokens, budget)
             self.running.append(seq)
-            budget -= chunk
-            prompt_budget -= cost
             scheduled.append(seq)
 
-        if scheduled:
-            # A pure decode step (the decode kernel, CUDA graphs) only when every row computes
-            # its sequence's last token; a 1-token chunk inside a prompt is no decode row.
-            decode_only = all(seq.num_new_tokens == 1 and seq.num_computed_tokens == len(seq)
-                              for seq in scheduled)
-            return scheduled, not decode_only
-        if any(seq.num_pending_tokens for seq in (*self.running, *self.waiting)):
-            return [], False  # the step in flight must be read back first
-        if not preempted:
-            self._raise_no_progress()
-        return self.schedule()
+    def _schedule_prompt_chunk(self, seq: Sequence, remaining: int, budget: _Budget) -> None:
+        chunk, cost = self._chunk_size(seq.num_computed_tokens, remaining, budget.tokens,
+                                       budget.prompt, budget.capped)
+        self._schedule_chunk(seq, chunk)
+        budget.tokens -= chunk
+        budget.prompt -= cost
 
     @staticmethod
     def _chunk_size(start: int, remaining: int, budget: int, prompt_budget: int,
