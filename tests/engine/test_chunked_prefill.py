@@ -61,22 +61,22 @@ def test_padded_chunked_steps_match_transformers(async_scheduling: bool) -> None
     llm = LLM(str(path), block_size=4, max_model_length=96, max_num_batched_tokens=40,
               max_num_sequences=4, max_prefill_tokens_while_decoding=8,
               async_scheduling=async_scheduling)
-    buffers = llm.model_runner.inputs.pad_chunked_steps(max_tokens=32, block_m=16, block_n=16)
-    assert buffers.sizes == [16, 32]
-    buffers.split_key_tiles = 2  # cut every tile that sees 32 keys or more (split-K)
+    padded = llm.model_runner.inputs.pad_steps(chunk_tiles=(16, 16), max_chunk_tokens=32)
+    assert padded.chunk_sizes == [16, 32]
+    padded.split_key_tiles = 2  # cut every tile that sees 32 keys or more (split-K)
     sizes = []
-    fill = buffers.fill
+    prefill = padded.prefill
     mixed = []  # padded steps with one-token rows (the decode kernel's) beside chunks
     pending_steps = []  # padded steps with tokens still on the device
-    def spy(ids, pending, pool, positions, slots, cu_q, *args):  # noqa: ANN001, ANN202
-        step = fill(ids, pending, pool, positions, slots, cu_q, *args)
+    def spy(ids, pending, positions, slots, cu_q, *args):  # noqa: ANN001, ANN202
+        step = prefill(ids, pending, positions, slots, cu_q, *args)
         if pending:
             pending_steps.append(pending)
         sizes.append((len(positions), step.input_ids.size(0)))
         lengths = [b - a for a, b in zip(cu_q, cu_q[1:])]
         mixed.append(1 in lengths and max(lengths) > 1)
         return step
-    buffers.fill = spy  # type: ignore[method-assign]
+    padded.prefill = spy  # type: ignore[method-assign]
     outputs, counts = budget_steps(llm, prompts, GREEDY)
     # A second call: short steps, one of them with a prefix hit on the first call's blocks.
     later = [random_prompts([9], seed=7)[0], base + [3, 1, 4]]

@@ -118,7 +118,7 @@ def test_cpu_forces_eager_and_says_so() -> None:
                   max_num_batched_tokens=128)
     finally:
         logging.getLogger("myvllm").removeHandler(handler)
-    assert llm.model_runner.enforce_eager and not llm.model_runner.graph_runner.graphs
+    assert llm.model_runner.enforce_eager and not llm.model_runner.graphs.graphs
     assert any("CUDA graphs are off" in r.getMessage() for r in records)
 
 
@@ -137,7 +137,7 @@ def test_decode_padding_to_graph_sizes_changes_no_token() -> None:
     plain = LLM(path, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
     llm = LLM(path, **kwargs)
     inputs = llm.model_runner.inputs
-    inputs.pad_decode = True
+    inputs.pad_steps(chunk_tiles=None)
     shapes: list[tuple[int, ...]] = []
     original = inputs.prepare_decode
 
@@ -183,7 +183,7 @@ def test_prepare_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPa
         for name in ("cpu", "item", "tolist", "numpy", "__bool__", "__int__"):
             patch.setattr(torch.Tensor, name, forbidden)
         inputs.prepare_decode(seqs)
-        prepare_sample(seqs, inputs.to_device, runner.device)
+        prepare_sample(seqs, inputs.fresh.tensor, runner.device)
     for seq in seqs:
         llm.scheduler.abort(seq)
 
@@ -207,7 +207,7 @@ def test_add_request_and_step_give_what_generate_gives() -> None:
 
 
 def test_cuda_graph_batch_sizes_cover_every_batch() -> None:
-    from myvllm.engine.input_builder import cuda_graph_batch_sizes
+    from myvllm.engine.padded_steps import cuda_graph_batch_sizes
 
     assert cuda_graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert cuda_graph_batch_sizes(5) == [1, 2, 4, 5]

@@ -179,16 +179,13 @@ def measured_growth(engine: LLMEngine, run: Any) -> int:
     """Bytes allocated while run() ran and still allocated when it returns (tracemalloc),
     less this file's own allocations (the test's bookkeeping).
 
-    The decode step's views, kept per (batch size, block-table width) up to
-    MAX_CACHED_VIEWS shapes, are dropped first: that cache is bounded by shapes, not by
-    requests (tests/engine/test_decode_buffers.py checks the bound). (torch keeps a few small objects per tensor shape too; those stay
-    in the count, and most shapes have been seen by the end of the warm-up.)
+    (torch keeps a few small objects per tensor shape; those stay in the count, and most
+    shapes have been seen by the end of the warm-up.)
     """
     gc.collect()
     tracemalloc.start()
     try:
         run()
-        engine.model_runner.inputs.decode_buffers._views.clear()
         gc.collect()
         snapshot = tracemalloc.take_snapshot()
     finally:

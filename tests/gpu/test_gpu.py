@@ -144,7 +144,7 @@ def eager_and_graph_engines(qwen3_random_checkpoint: Path):
     eager = LLM(str(qwen3_random_checkpoint), enforce_eager=True, async_scheduling=False,
                 **ENGINE_ARGS)
     graph = LLM(str(qwen3_random_checkpoint), enforce_eager=False, **ENGINE_ARGS)
-    assert sorted(graph.model_runner.graph_runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph.model_runner.graphs.sizes("decode") == [1, 2, 4, 8, 16, 32, 48, 64]
     assert graph.async_scheduling and not eager.async_scheduling
     yield eager, graph
     eager.exit()
@@ -161,15 +161,15 @@ def test_cuda_graph_tokens_equal_eager(eager_and_graph_engines, batch_size: int)
                for _ in range(batch_size)]
     params = SamplingParams(**GREEDY_24)
     replays = []
-    graphs = graph.model_runner.graph_runner
+    graphs = graph.model_runner.graphs
     original = graphs.replay
-    graphs.replay = lambda step: replays.append(step.input_ids.size(0)) or original(step)
+    graphs.replay = lambda key: (key[0] == "decode" and replays.append(key[1])) or original(key)
     try:
         graph_out = graph.generate(prompts, params, use_tqdm=False)
     finally:
         graphs.replay = original  # type: ignore[method-assign]
     # The first decode step has every sequence: it replays the smallest graph that fits.
-    expected = next(bs for bs in sorted(graphs.graphs) if bs >= batch_size)
+    expected = next(bs for bs in graphs.sizes("decode") if bs >= batch_size)
     assert replays and replays[0] == expected, f"replayed {replays[:3]}, expected {expected}"
     eager_out = eager.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in graph_out] == [o["token_ids"] for o in eager_out]
@@ -283,7 +283,7 @@ def test_chunked_prefill_graphs_equal_eager_and_prefill_first(
                    dict(enable_chunked_prefill=False, enforce_eager=True)):
         llm = LLM(str(qwen3_random_checkpoint), **{**ENGINE_ARGS, **kwargs})
         if not outs:
-            assert sorted(llm.model_runner.chunk_graphs.graphs) == [16, 32, 64, 128, 256]
+            assert llm.model_runner.graphs.sizes("prefill") == [16, 32, 64, 128, 256]
         outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.exit()
     assert outs[0] == outs[1], "chunked: CUDA graphs + async differ from eager"

@@ -85,7 +85,7 @@ def test_tp2_async_equals_tp2_sync(checkpoint: Path, prompts: list[list[int]], e
         llm = LLM(str(checkpoint), eos=eos, async_scheduling=async_scheduling,
                   max_num_batched_tokens=budget, **ENGINE_ARGS)
         assert llm.async_scheduling == async_scheduling
-        assert llm.model_runner.graph_runner.graphs, "decode CUDA graphs were not captured"
+        assert llm.model_runner.graphs.sizes("decode"), "decode CUDA graphs were not captured"
         if llm.async_scheduling:
             run = llm.model_runner.run
 

@@ -61,7 +61,7 @@ def test_sigkill_over_nccl_fails_fast_and_a_new_engine_works(checkpoint: Path,
     llm = LLM(str(checkpoint), tensor_parallel_size=2, **ENGINE_ARGS)
     # Decode steps replay CUDA graphs that captured NCCL all-reduces: the abort must also
     # release a rank 0 stuck in one of those.
-    assert llm.model_runner.graph_runner.graphs
+    assert llm.model_runner.graphs.sizes("decode")
     expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
     worker = kill_during_step(llm, step)  # rank 0 waits on the GPU for the stopped worker
     error = returns_within(lambda: llm.generate(prompts, greedy, use_tqdm=False))

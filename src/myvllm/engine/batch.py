@@ -3,7 +3,7 @@
     Scheduler.schedule()  -> list[Sequence]
     InputBuilder          -> StepInputs      (token ids, positions, the layers' Context)
     sampling.prepare_sample -> SamplingArgs  (per-row settings as device tensors)
-    ModelRunner.run       -> SampledTokens   (engine/decode_buffers.py)
+    ModelRunner.run       -> SampledTokens   (engine/token_pool.py)
     EngineCore.step       -> RequestOutput  (per request: its new tokens, finished or not)
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from myvllm.engine.decode_buffers import DecodeViews
 from myvllm.engine.sequence import FinishReason
 from myvllm.utils.context import Context
 
@@ -24,7 +23,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [N] int64, the tokens to compute, flat over the batch
     positions: torch.Tensor  # [N] int64, their positions (RoPE)
     context: Context  # how the flat batch splits into sequences and cache slots
-    decode: DecodeViews | None = None  # a decode step's views of the DecodeBuffers
+    # A decode step's per-row temperatures [N] float32 and where its tokens go (the pool's
+    # first N rows): what a decode step that samples in its own forward (a CUDA graph) needs.
+    temperatures: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
 
 
 @dataclass

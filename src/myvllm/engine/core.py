@@ -208,17 +208,13 @@ class EngineCore:
         seqs, is_prefill = self.scheduler.schedule()
         queued = None
         if seqs:
-            if self.config.enable_chunked_prefill:
-                samples = [samples_this_step(seq) for seq in seqs]
-                num_computed = sum(seq.num_new_tokens for seq in seqs)
-            else:
-                samples = [True] * len(seqs)
-                num_computed = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
+            samples = [samples_this_step(seq) for seq in seqs]
+            num_computed = sum(seq.num_new_tokens for seq in seqs)
             num_tokens = num_computed if is_prefill else -len(seqs)
             try:
                 sampled = self.executor.call("run", seqs, is_prefill)
             except BaseException:
-                self._undo_step(seqs, is_prefill)
+                self._undo_step(seqs)
                 raise
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
@@ -230,24 +226,18 @@ class EngineCore:
             return [], 0
         return self._read_back(queued)
 
-    def _undo_step(self, seqs: list[Sequence], is_prefill: bool) -> None:
+    def _undo_step(self, seqs: list[Sequence]) -> None:
         """A step failed before it ran (Ctrl-C, out of memory): none of its K/V was written.
         The blocks it was to fill were registered for prefix hits when it was scheduled, so
         they are unregistered, and its sequences go back to waiting to be recomputed (one
         admitted in this step may hold a hit on a block that another row of this step was to
         write).
 
-        What was written before the step: with chunked prefill, every position below the
-        step's chunk; without, a prefill's cached prefix, or all but a decode row's last
-        token."""
+        What was written before the step: every position below each sequence's chunk."""
         block_manager = self.scheduler.block_manager
         for seq in seqs:
-            if self.config.enable_chunked_prefill:
-                seq.num_computed_tokens -= seq.num_new_tokens
-                written = seq.num_computed_tokens
-            else:
-                written = seq.num_cached_tokens if is_prefill else len(seq) - 1
-            block_manager.unregister_after(seq, written)
+            seq.num_computed_tokens -= seq.num_new_tokens
+            block_manager.unregister_after(seq, seq.num_computed_tokens)
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.preempt(seq)

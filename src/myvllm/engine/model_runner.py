@@ -4,25 +4,27 @@ One ModelRunner lives in every tensor-parallel rank. Rank 0 (the Executor's, bes
 samples; ranks 1..N-1 run in worker processes and only compute their shard of every layer
 (engine/tp_workers.py says how they receive their commands). The runner delegates:
 
-    engine/input_builder.py   InputBuilder: a batch -> StepInputs (owns the DecodeBuffers)
+    engine/input_builder.py   InputBuilder: a batch -> StepInputs
+    engine/token_pool.py      TokenPool: where sampled tokens land and pending ones are read
     engine/kv_cache.py        how many blocks fit, the cache tensors
-    engine/graph_runner.py    GraphRunner: decode CUDA graphs, captured and replayed
-    engine/chunk_graphs.py    ChunkGraphRunner: graphs of padded chunked-prefill steps
     engine/sampling.py        SamplingParams -> the Sampler's per-row arguments
+    engine/padded_steps.py    GPU: steps padded onto fixed buffers, for CUDA graphs
+    engine/cuda_graphs.py     GPU: GraphCache, the graphs of decode and chunked steps
 
 What happens to one step:
 
     scheduler.schedule() -> (seqs, is_prefill)
     ModelRunner.run(seqs, is_prefill)
-        prefill   InputBuilder.prepare_prefill (whole prompts) or prepare_chunks (chunked
-                  prefill: prompt chunks and decode rows in one varlen batch; on a GPU
-                  padded, and replayed from a graph when it fits one), the model and
-                  the LM head, the Sampler
-        decode    InputBuilder.prepare_decode (into the DecodeBuffers), then decode_forward,
-                  eager or as a graph replay; on one GPU with temperature-only sampling it
-                  includes the LM head and the sampling kernels, else the LM head and the
-                  Sampler run after it
+        prefill   InputBuilder.prepare_prefill (prompt chunks, whole prompts, and the
+                  decode rows beside them in one varlen batch), the model and the LM head,
+                  the Sampler
+        decode    InputBuilder.prepare_decode, then decode_forward; on one GPU with
+                  temperature-only sampling it includes the LM head and the sampling
+                  kernels, else the LM head and the Sampler run after it
     -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
+
+On a GPU both kinds of step are padded onto fixed buffers and replayed from a CUDA graph
+where one fits (the only place graphs appear here: run_graph_or_eager).
 
 With async scheduling the next step is queued before these tokens reach the host, and a
 sequence's pending token is read from the pool on the device. Under tensor parallelism only
@@ -34,20 +36,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
-from myvllm.engine.chunk_graphs import MAX_CHUNK_GRAPH_TOKENS, ChunkGraphRunner
-from myvllm.engine.decode_buffers import SampledTokens
-from myvllm.engine.graph_runner import GraphRunner
+from myvllm.engine.cuda_graphs import GraphCache, GraphKey
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.token_pool import SampledTokens
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
@@ -86,8 +87,7 @@ class ModelRunner:
         # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
         self.inputs = InputBuilder(config, self.device, rank)
-        self.graph_runner = GraphRunner()
-        self.chunk_graphs = ChunkGraphRunner()
+        self.graphs = GraphCache()
         # With one GPU a decode graph runs the whole step: model, LM head and the sampling
         # kernels. With tensor parallelism the LM head gathers the logits to rank 0 over
         # NCCL, and that gather stays outside the graph.
@@ -140,29 +140,32 @@ class ModelRunner:
             gib = num_blocks * self.kv_layout.block_bytes / 2**30
             logger.info(f"KV cache: {num_blocks} blocks of {self.config.block_size} tokens "
                         f"({gib:.2f} GiB per rank), sized in {time.perf_counter() - start:.1f} s")
-        if not self.enforce_eager:
-            start = time.perf_counter()
-            self.graph_runner.capture(self.graph_forward, self.inputs.decode_buffers,
-                                self.inputs.decode_sizes, self.inputs.max_blocks_per_seq)
-            if self.rank == 0:
-                logger.info(f"captured {len(self.graph_runner.graphs)} decode CUDA graphs (batch "
-                            f"sizes {sorted(self.graph_runner.graphs)}) in "
-                            f"{time.perf_counter() - start:.1f} s")
-        if self.device.type == "cuda" and self.config.enable_chunked_prefill:
-            # Padded in eager mode too, so that graphs and eager compute the same.
+        if self.device.type == "cuda":
+            self.pad_and_capture()
+        return num_blocks
+
+    def pad_and_capture(self) -> None:
+        """GPU: pad steps onto fixed buffers from now on, and capture their CUDA graphs
+        (unless enforce_eager: padded in eager mode too, so that both compute the same)."""
+        chunk_tiles = None
+        if self.config.enable_chunked_prefill:
             from myvllm.kernels.prefill_attention import prefill_config  # imports triton
 
             tiles = prefill_config(self.device, self.kv_layout.head_dim, self.dtype)
-            buffers = self.inputs.pad_chunked_steps(MAX_CHUNK_GRAPH_TOKENS, tiles.block_m,
-                                                    tiles.block_n)
-            if not self.enforce_eager:
-                start = time.perf_counter()
-                self.chunk_graphs.capture(self.model, buffers)
-                if self.rank == 0:
-                    logger.info(f"captured {len(self.chunk_graphs.graphs)} chunked-prefill "
-                                f"CUDA graphs (up to {buffers.max_tokens} tokens) in "
-                                f"{time.perf_counter() - start:.1f} s")
-        return num_blocks
+            chunk_tiles = (tiles.block_m, tiles.block_n)
+        padded = self.inputs.pad_steps(chunk_tiles)
+        if self.enforce_eager:
+            return
+        for kind, sizes, inputs, forward in (
+                ("decode", padded.decode_sizes, padded.capture_decode_inputs,
+                 self.graph_forward),
+                ("prefill", padded.chunk_sizes, padded.capture_prefill_inputs,
+                 self.body_forward)):
+            start = time.perf_counter()
+            self.graphs.capture(kind, sizes, inputs, forward)
+            if self.rank == 0 and sizes:
+                logger.info(f"captured {len(sizes)} {kind} CUDA graphs (sizes {sizes}) in "
+                            f"{time.perf_counter() - start:.1f} s")
 
     @torch.inference_mode()
     def warmup_model(self) -> None:
@@ -242,19 +245,29 @@ class ModelRunner:
         up to num_computed_tokens) -> logits of each sequence's last token computed (on
         rank 0; None on other ranks)."""
         step = self.inputs.prepare_prefill(seqs)
-        num_tokens = step.input_ids.size(0)  # padded, for a step on the ChunkBuffers
+        key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
         with forward_context(step.context):
-            if step.context.q_tiles is not None and num_tokens in self.chunk_graphs:
-                hidden = self.chunk_graphs.replay(num_tokens)
-            else:
-                hidden = self.model(step.input_ids, step.positions)
+            hidden = self.run_graph_or_eager(key, step, self.body_forward)
             # The LM head reads the last row of each sequence (context.cu_seqlens_q): padding
             # rows are never read.
             return self.model.compute_logits(hidden)
 
+    def run_graph_or_eager(self, key: GraphKey | None, step: StepInputs,
+                           forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
+        """The seam between the model and CUDA graphs: replay the graph captured for this
+        padded step (staged into the buffers it reads), or run forward(step)."""
+        if key is not None and key in self.graphs:
+            return self.graphs.replay(key)
+        return forward(step)
+
+    def body_forward(self, step: StepInputs) -> torch.Tensor:
+        """The model's body on one step: hidden states of all its rows (what a chunk graph
+        captures)."""
+        return self.model(step.input_ids, step.positions)
+
     def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
                        ) -> torch.Tensor:
-        """One decode step on the DecodeBuffers: what a decode CUDA graph captures.
+        """One decode step: what a decode CUDA graph captures.
 
         Returns the model's hidden states for all (padded) rows. With `sample`, the LM head
         and the sampler (temperature only: on a GPU two Triton kernels; greedy rows take the
@@ -263,10 +276,9 @@ class ModelRunner:
         """
         hidden = self.model(step.input_ids, step.positions)
         if sample:
-            views = step.decode
-            assert views is not None
+            assert step.sampled is not None and step.temperatures is not None
             logits = self.model.compute_logits(hidden)
-            views.sampled.copy_(self.sampler(logits, views.temperatures, all_greedy=all_greedy))
+            step.sampled.copy_(self.sampler(logits, step.temperatures, all_greedy=all_greedy))
         return hidden
 
     def graph_forward(self, step: StepInputs) -> torch.Tensor:
@@ -286,38 +298,34 @@ class ModelRunner:
         else:
             logits = self.run_decode(seqs)
         num_seqs = len(seqs)
-        pool = self.inputs.decode_buffers.sampled
+        pool = self.inputs.pool
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
-            args = prepare_sample(seqs, self.inputs.to_device, self.device)
+            args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device)
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
-            pool[:num_seqs].copy_(self.sampler(
+            pool.tokens[:num_seqs].copy_(self.sampler(
                 logits[:num_seqs], args.temperatures, args.top_ks, args.top_ps,
                 args.generators, all_greedy=args.all_greedy))
         if self.broadcast_sampled:
-            # Collective: every rank's pool now holds this step's tokens, in the rows where
-            # the next step's pending tokens are read (Sequence.sampled_row, shipped with
-            # the sequences). Under NCCL it is queued on the stream after rank 0's sampler
-            # and before the next step's reads; the host does not wait for it.
-            dist.broadcast(pool[:num_seqs], src=0)
+            # Every rank's pool now holds this step's tokens, in the rows where the next
+            # step's pending tokens are read (Sequence.sampled_row, shipped with the
+            # sequences); the host does not wait for it.
+            pool.share(num_seqs)
         if self.rank != 0:
             return None
-        for row, seq in enumerate(seqs):
-            seq.sampled_row = row
-        return self.inputs.decode_buffers.read_back(num_seqs)
+        return pool.read_back(seqs)
 
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """A decode step; returns the logits when the Sampler must still run on them, None
         when the step sampled into the pool itself (one GPU, temperature-only rows)."""
         step = self.inputs.prepare_decode(seqs)
         full_sampler = not self.sample_in_graph or needs_full_sampler(seqs)
+        sample = not full_sampler
+        all_greedy = sample and all(seq.sampling_params.temperature == 0 for seq in seqs)
+        # A graph samples with all_greedy=False (see decode_forward): the same tokens.
+        key = ("decode", step.input_ids.size(0)) if self.inputs.padded is not None else None
         with forward_context(step.context):
-            if self.enforce_eager or step.input_ids.size(0) not in self.graph_runner:
-                sample = not full_sampler
-                all_greedy = sample and all(seq.sampling_params.temperature == 0
-                                            for seq in seqs)
-                hidden = self.decode_forward(step, sample, all_greedy)
-            else:
-                hidden = self.graph_runner.replay(step)
+            hidden = self.run_graph_or_eager(
+                key, step, lambda step: self.decode_forward(step, sample, all_greedy))
             if not full_sampler:
                 return None
             # On every rank: with tensor parallelism the LM head is collective. All rows, as
@@ -325,6 +333,5 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def release_cuda_graphs(self) -> None:
-        """Drop the captured graphs before the process group goes (GraphRunner.release)."""
-        self.graph_runner.release(self.device)
-        self.chunk_graphs.release(self.device)
+        """Drop the captured graphs before the process group goes (GraphCache.release)."""
+        self.graphs.release(self.device)

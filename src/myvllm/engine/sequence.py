@@ -92,7 +92,7 @@ class Sequence:
         # the seeded generator of SamplingParams.seed, made at the first sampled step;
         self.generator: torch.Generator | None = None
         # the row of this sequence's token in the last step's sampled-token pool, where a
-        # decode step reads a token that is still pending (engine/decode_buffers.py);
+        # next step reads a token that is still pending (engine/token_pool.py);
         self.sampled_row: int | None = None
         # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
         self.finish_reason: FinishReason | None = None

@@ -1,0 +1,117 @@
+"""The sampled-token pool: where each step's tokens land on the device, and the one place
+where a pending token is read.
+
+Every step writes its sampled tokens, row by row, into the pool (a decode CUDA graph
+itself, or ModelRunner.run after the Sampler), and the host copies them back from there.
+With async scheduling the host plans step N+1 before step N's tokens reach it: each
+sequence of step N counts one token it cannot see yet (Sequence.num_pending_tokens), held
+in row Sequence.sampled_row of the pool. Step N+1's input ids are then gathered on the
+device from the pool and the ids the host knows, in one index_select:
+
+    source      = [ pool (size rows) | host ids (n) ]
+    token_index = [ size + i   where the host knows token i (its id is in host ids)
+                    row        where token i is pending: that row of the pool ]
+    input_ids   = source[token_index]
+
+Under tensor parallelism only rank 0 samples; it broadcasts the pool's rows at the end of
+each step (share), so every rank's pool holds the same tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from myvllm.engine.sequence import Sequence
+
+
+class TokenPool:
+    def __init__(self, tokens: torch.Tensor) -> None:
+        """tokens: the pool, [max_num_sequences] int64 on the device (on a GPU a field of
+        the StaticBuffers, so that decode graphs write into it)."""
+        self.tokens = tokens
+        self.size = tokens.numel()
+        on_gpu = tokens.device.type == "cuda"
+        # The way back: two pinned host slots that alternate, an event each (GPU only).
+        self.host = [torch.zeros(self.size, dtype=torch.int64, pin_memory=on_gpu)
+                     for _ in range(2)] if on_gpu else []
+        self.copied = [torch.cuda.Event() for _ in range(2)] if on_gpu else []
+        self.read_slot = 0
+        self.steps_read = 0
+        self.read_owner = [0, 0]  # which read_back call each host slot holds now
+
+    # ------------------------------------------------------------------ into the next step
+    @staticmethod
+    def last_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
+        """The host id of seq's last token, an input at position `at` of the step; if it is
+        still pending, 0 as a placeholder and (at, its row of the pool) added to pending."""
+        if not seq.num_pending_tokens:
+            return seq.last_token
+        assert seq.sampled_row is not None, "a pending token but no step"
+        pending.append((at, seq.sampled_row))
+        return 0
+
+    def token_index(self, num_ids: int, pending: list[tuple[int, int]]) -> np.ndarray:
+        """Where each of a step's num_ids input ids is read from in [pool | host ids]."""
+        index = np.arange(self.size, self.size + num_ids, dtype=np.int64)
+        for at, row in pending:
+            index[at] = row
+        return index
+
+    def gather(self, source: torch.Tensor, token_index: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids = source[token_index], source being [pool | host ids] on the device."""
+        return torch.index_select(source, 0, token_index, out=out)
+
+    def with_host_ids(self, host_ids: torch.Tensor) -> torch.Tensor:
+        """[pool | host ids] as one tensor, for steps whose host ids are not already staged
+        right after the pool."""
+        return torch.cat([self.tokens, host_ids])
+
+    # ------------------------------------------------------------------ after the step
+    def share(self, num_seqs: int) -> None:
+        """Collective (tensor parallelism): rank 0's rows to every rank. Under NCCL it is
+        queued on the stream after rank 0's sampler and before the next step's reads."""
+        dist.broadcast(self.tokens[:num_seqs], src=0)
+
+    def read_back(self, seqs: list[Sequence]) -> SampledTokens:
+        """Queue the copy of this step's tokens (rows 0..len(seqs)-1) to the host and note
+        each sequence's row for the next step; returns at once."""
+        for row, seq in enumerate(seqs):
+            seq.sampled_row = row
+        num_seqs = len(seqs)
+        if not self.host:  # a CPU: the step has run; keep the tokens before the next one
+            return SampledTokens(self.tokens[:num_seqs].clone(), None, [1], 0, 1)
+        slot = self.read_slot
+        self.read_slot = 1 - slot
+        self.steps_read += 1
+        self.read_owner[slot] = self.steps_read
+        host = self.host[slot][:num_seqs]
+        host.copy_(self.tokens[:num_seqs], non_blocking=True)
+        self.copied[slot].record()
+        return SampledTokens(host, self.copied[slot], self.read_owner, slot, self.steps_read)
+
+
+class SampledTokens:
+    """The token ids of one step, on their way from the device to the host.
+
+    ModelRunner.run returns as soon as the step is queued; token_ids() waits for the copy.
+    Between the two the host can plan the next step (overlapped scheduling, see
+    EngineCore.step). On a GPU the host memory is one of two slots that alternate, so a
+    step's tokens must be read before two more steps are run; reading them later raises
+    (the engine reads each step right after queuing the next).
+    """
+
+    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event | None,
+                 owner: list[int], slot: int, step: int) -> None:
+        self.host, self.copied = host, copied
+        self._owner, self._slot, self._step = owner, slot, step
+
+    def token_ids(self) -> list[int]:
+        if self._owner[self._slot] != self._step:
+            raise RuntimeError("these sampled tokens were overwritten: read a step's tokens "
+                               "before running two more steps")
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
