@@ -76,15 +76,6 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-def default_weight_loader(
-    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-) -> None:
-    """Loader of every replicated parameter (norms, replicated linears): a checked copy."""
-    if shard_id is not None:
-        raise ValueError(f"this parameter is not packed, but got shard id {shard_id!r}")
-    copy_checked(param.data, loaded_weight, "replicated parameter")
-
-
 def set_weight_attrs(param: nn.Parameter, attrs: dict[str, object]) -> None:
     """Attach attributes such as ``weight_loader`` to a parameter (vLLM's helper). The loader
     reads them with getattr; nn.Parameter declares none of them, hence setattr."""
@@ -152,7 +143,9 @@ class ReplicatedLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        default_weight_loader(param, loaded_weight, shard_id)
+        if shard_id is not None:
+            raise ValueError(f"ReplicatedLinear is not packed, but got shard id {shard_id!r}")
+        copy_checked(param.data, loaded_weight, "ReplicatedLinear")
 
 
 class ColumnParallelLinear(LinearBase):
