@@ -9,11 +9,10 @@ Compared with qwen3.py: no per-head q_norm/k_norm; head_dim is config.head_dim w
 config.attention_bias, the MLP when config.mlp_bias; Llama-3.1/3.2 use the "llama3" RoPE
 scaling, read from the config like the plain rope_theta.
 
-    x, residual = input_layernorm(x, residual)   # fused into qkv_proj
-    q, k, v     = split(qkv_proj(x))             # this rank's heads: grouped-query attention,
-                                                 # fewer k/v heads than q heads
-    q, k        = rotary_emb(positions, q, k)    # RoPE, scaled as the config says
-    x           = o_proj(attn(q, k, v))
+    q, k, v = split(qkv_proj(hidden_states))   # this rank's heads: grouped-query attention,
+                                               # fewer k/v heads than q heads
+    q, k    = rotary_emb(positions, q, k)      # RoPE, scaled as the config says
+    out     = o_proj(attn(q, k, v))
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import torch
 from torch import nn
 
 from myvllm.layers.attention import Attention
-from myvllm.layers.fused import norm_linear
-from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from myvllm.layers.rotary_embedding import get_rope
 from myvllm.models.config import get_head_dim, rope_parameters
@@ -57,15 +54,12 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-        norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (attention of norm(x + residual), x + residual); norm: the layer's input_layernorm."""
-        qkv, residual = norm_linear(norm, self.qkv_proj, x, residual)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v)), residual
+        o = self.attn(q, k, v)
+        return self.o_proj(o)
 
 
 class LlamaForCausalLM(CausalLM):

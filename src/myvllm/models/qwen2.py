@@ -6,11 +6,10 @@ is hidden_size / num_attention_heads (Qwen2.5-0.5B: 896 / 14 = 64). The configs 
 sliding window, but use_sliding_window is false in the released checkpoints and transformers
 then attends to the whole sequence, as we do; a config that turns it on is refused.
 
-    x, residual = input_layernorm(x, residual)   # fused into qkv_proj
-    q, k, v     = split(qkv_proj(x))             # W x + b: the packed bias is [b_q | b_k | b_v],
-                                                 # cut by heads under tensor parallelism
-    q, k        = rotary_emb(positions, q, k)    # RoPE
-    x           = o_proj(attn(q, k, v))          # no bias
+    q, k, v = split(qkv_proj(hidden_states))   # W x + b: the packed bias is [b_q | b_k | b_v],
+                                               # cut by heads under tensor parallelism
+    q, k    = rotary_emb(positions, q, k)      # RoPE
+    out     = o_proj(attn(q, k, v))            # no bias
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ import torch
 from torch import nn
 
 from myvllm.layers.attention import Attention
-from myvllm.layers.fused import norm_linear
-from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from myvllm.layers.rotary_embedding import get_rope
 from myvllm.models.config import get_head_dim, rope_parameters
@@ -54,15 +51,12 @@ class Qwen2Attention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-        norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (attention of norm(x + residual), x + residual); norm: the layer's input_layernorm."""
-        qkv, residual = norm_linear(norm, self.qkv_proj, x, residual)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v)), residual
+        o = self.attn(q, k, v)
+        return self.o_proj(o)
 
 
 class Qwen2ForCausalLM(CausalLM):
