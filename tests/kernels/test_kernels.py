@@ -501,6 +501,7 @@ def test_silu_and_mul_triton(device, dtype, rows, inter) -> None:
 def test_layer_ops_dispatch_to_triton_when_forced(device, monkeypatch) -> None:
     """The layer modules go through the dispatch, so MYVLLM_FORCE_TRITON reaches them."""
     from myvllm.layers.activation import SiluAndMul
+    from myvllm.layers.fused import fuse
     from myvllm.layers.layernorm import RMSNorm
     from myvllm.layers.rotary_embedding import get_rope
 
@@ -508,12 +509,13 @@ def test_layer_ops_dispatch_to_triton_when_forced(device, monkeypatch) -> None:
     x = torch.randn(3, 64, device=device)
     norm = RMSNorm(64).to(device)
     rope = get_rope(32, 64, 10000.0).to(device)
-    q, k = torch.randn(3, 2 * 32, device=device), torch.randn(3, 32, device=device)
+    q, k = torch.randn(3, 2, 32, device=device), torch.randn(3, 1, 32, device=device)
     positions = torch.tensor([0, 5, 9], device=device)
     q_norm = RMSNorm(32).to(device)
+    fuse(q_norm, rope)  # as in Qwen3's attention (layers/fused.py)
 
     def run_all() -> list[torch.Tensor]:
-        return [norm(x), *norm(x, x), SiluAndMul()(x), *rope(positions, q, k, q_norm, q_norm)]
+        return [norm(x), *norm(x, x), SiluAndMul()(x), *rope(positions, q_norm(q), q_norm(k))]
 
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
     ref_out = run_all()
@@ -650,7 +652,8 @@ def test_skinny_gemm_prologues_dispatch_to_triton_when_forced(device, monkeypatc
     mod = triton_mod("skinny_gemm_kernel")
     for name in ("rms_norm_skinny_gemm_triton", "silu_and_mul_skinny_gemm_triton"):
         original = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+        monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name, **kw:
+                            calls.append(_n) or _f(*a, **kw))
     tri_out = run_all()
     assert calls == ["rms_norm_skinny_gemm_triton"] * 2 + ["silu_and_mul_skinny_gemm_triton"]
     for a, b in zip(tri_out, ref_out):
@@ -690,10 +693,12 @@ def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) ->
 
 @pytest.mark.parametrize("first_layer", [True, False])
 def test_fused_layers_compute_the_unfused_layers(device, monkeypatch, first_layer) -> None:
-    """layers/fused.py: norm_linear and silu_and_mul_linear, where they fuse (forced here,
-    on the interpreter on a CPU), give what RMSNorm -> linear and SiluAndMul -> linear give,
-    in one kernel each; the new residual stream is the exact rounded sum."""
+    """layers/fused.py: a norm fused into gate_up_proj and SiLU-and-mul into down_proj, where
+    they fuse (forced here, on the interpreter on a CPU), give what RMSNorm -> linear and
+    SiluAndMul -> linear give, in one kernel each; the new residual stream is the exact
+    rounded sum."""
     import myvllm.layers.fused as fused
+    import myvllm.layers.linear as linear_mod
     from myvllm.layers.activation import SiluAndMul
     from myvllm.layers.layernorm import RMSNorm
     from myvllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -718,14 +723,22 @@ def test_fused_layers_compute_the_unfused_layers(device, monkeypatch, first_laye
     want_out = down_proj(SiluAndMul()(want_gate_up))
 
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
-    monkeypatch.setattr(fused, "uses_skinny_gemm", lambda x, w, b: True)  # as on a GPU
+    monkeypatch.setattr(linear_mod, "uses_skinny_gemm", lambda x, w, b: True)  # as on a GPU
+    act_fn = SiluAndMul()
+    fused.fuse(norm, gate_up_proj)
+    fused.fuse(act_fn, down_proj)
     calls = []
     mod = triton_mod("skinny_gemm_kernel")
     for name in ("rms_norm_skinny_gemm_triton", "silu_and_mul_skinny_gemm_triton"):
         original = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
-    gate_up, new_residual = fused.norm_linear(norm, gate_up_proj, x, residual)
-    out = fused.silu_and_mul_linear(SiluAndMul(), down_proj, gate_up)
+        monkeypatch.setattr(mod, name, lambda *a, _f=original, _n=name, **kw:
+                            calls.append(_n) or _f(*a, **kw))
+    if residual is None:
+        new_residual, normed = x, norm(x)
+    else:
+        normed, new_residual = norm(x, residual)
+    gate_up = gate_up_proj(normed)
+    out = down_proj(act_fn(gate_up))
     assert calls == ["rms_norm_skinny_gemm_triton", "silu_and_mul_skinny_gemm_triton"]
     assert torch.equal(new_residual, want_residual)
     assert_close(gate_up, want_gate_up, torch.float32)

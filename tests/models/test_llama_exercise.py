@@ -175,21 +175,17 @@ def test_attention_takes_the_layer_norm(loaded) -> None:
     if not isinstance(layer, DecoderLayer):
         return  # a decoder layer of your own: test_first_decoder_layer_matches_hf checks it
     contract = (
-        "the shared DecoderLayer calls self_attn(positions, x, residual, input_layernorm) and "
-        "expects (out, residual) back: run norm_linear(norm, self.qkv_proj, x, residual) "
-        "first, which returns qkv and the new residual (models/decoder.py)"
+        "the shared DecoderLayer runs input_layernorm, then calls self_attn(positions, "
+        "hidden_states) with its output and expects the attention's output [tokens, "
+        "hidden_size] back: start with qkv_proj(hidden_states) (models/decoder.py)"
     )
     x = torch.randn(5, model.config.hidden_size)
     try:
         with forward_context(prefill_context([5])):
-            out = layer.self_attn(torch.arange(5), x, None, layer.input_layernorm)
+            out = layer.self_attn(torch.arange(5), layer.input_layernorm(x))
     except TypeError as e:
         pytest.fail(f"[{kind}] {type(e).__name__}: {e}\n{contract}")
-    assert isinstance(out, tuple) and len(out) == 2, f"[{kind}] {contract}"
-    assert out[0].shape == x.shape and torch.equal(out[1], x), (
-        f"[{kind}] in the first layer (residual None) the residual returned must be x itself, "
-        f"and the output [tokens, hidden_size]: {contract}"
-    )
+    assert isinstance(out, torch.Tensor) and out.shape == x.shape, f"[{kind}] {contract}"
 
 
 def test_rope_matches_hf(loaded) -> None:

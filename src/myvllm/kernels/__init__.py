@@ -275,25 +275,34 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @overload
 def rms_norm_skinny_gemm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+                         weight: torch.Tensor, residual: None = None,
+                         residual_out: None = None) -> torch.Tensor: ...
 @overload
 def rms_norm_skinny_gemm(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    residual: torch.Tensor, residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm_skinny_gemm(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x, norm_weight, eps, residual) @ weight [N, K]^T for x [M, K], 1 <= M <= 8, in
-    one launch on the GPU. Without residual -> [M, N]; with it -> ([M, N], x + residual)."""
+    one launch on the GPU. Without residual -> [M, N]; with it -> ([M, N], x + residual), the
+    sum written into residual_out when given (layers/fused.py hands out that tensor before the
+    kernel runs)."""
     if use_triton(x):
         from . import skinny_gemm_kernel as triton_impl
 
-        return triton_impl.rms_norm_skinny_gemm_triton(x, norm_weight, eps, weight, residual)
-    return rms_norm_skinny_gemm_ref(x, norm_weight, eps, weight, residual)
+        return triton_impl.rms_norm_skinny_gemm_triton(x, norm_weight, eps, weight, residual,
+                                                       residual_out=residual_out)
+    if residual is None:
+        return rms_norm_skinny_gemm_ref(x, norm_weight, eps, weight)
+    out, new_residual = rms_norm_skinny_gemm_ref(x, norm_weight, eps, weight, residual)
+    return out, new_residual if residual_out is None else residual_out.copy_(new_residual)
 
 
 def silu_and_mul_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

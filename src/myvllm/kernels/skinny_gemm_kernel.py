@@ -173,11 +173,14 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (out [M, N], the new residual stream [M, K] or None). Arguments already checked."""
+    """-> (out [M, N], the new residual stream [M, K] or None: written into residual_out when
+    given). Arguments already checked."""
     num_rows, (n, k) = x.shape[0], weight.shape
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    new_residual = None if residual is None else out.new_empty((num_rows, k))
+    new_residual = None if residual is None else (
+        out.new_empty((num_rows, k)) if residual_out is None else residual_out)
     block_n, block_k, num_warps = config or skinny_gemm_config(num_rows, n, k)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out,
@@ -210,9 +213,11 @@ def rms_norm_skinny_gemm_triton(
     weight: torch.Tensor,
     residual: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x, norm_weight, eps, residual) @ weight^T in one launch: x [M, K] -> [M, N];
-    with residual [M, K], (that, x + residual) like rms_norm. 1 <= M <= MAX_ROWS."""
+    with residual [M, K], (that, x + residual) like rms_norm, the sum written into
+    residual_out when given (a new contiguous [M, K] tensor). 1 <= M <= MAX_ROWS."""
     _check("rms_norm_skinny_gemm", x, weight)
     if norm_weight.shape != (x.shape[1],) or norm_weight.stride(0) != 1:
         raise ValueError(f"rms_norm_skinny_gemm: norm_weight {tuple(norm_weight.shape)} must be "
@@ -220,7 +225,12 @@ def rms_norm_skinny_gemm_triton(
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
         raise ValueError(f"rms_norm_skinny_gemm: residual {tuple(residual.shape)} must match x "
                          f"{tuple(x.shape)} with a contiguous last axis")
-    out, new_residual = _launch(x, weight, config, "rms_norm", norm_weight, eps, residual)
+    if residual_out is not None and (residual_out.shape != x.shape
+                                     or not residual_out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"rms_norm_skinny_gemm: residual_out {tuple(residual_out.shape)} must "
+                         f"be a contiguous {tuple(x.shape)}")
+    out, new_residual = _launch(x, weight, config, "rms_norm", norm_weight, eps, residual,
+                                residual_out)  # fmt: skip
     return out if new_residual is None else (out, new_residual)
 
 

@@ -1,56 +1,129 @@
-"""The op before a matmul, fused into it where the matmul is a skinny_gemm.
+"""An op and the layer after it as one kernel, beneath model code that calls them one by one.
+
+The model files call their layers as transformers' and vLLM's model files do, one at a time:
+
+    hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    hidden_states = self.self_attn(positions, hidden_states)   # starts with qkv_proj(...)
+        q, k = self.q_norm(q), self.k_norm(k)                   # Qwen3
+        q, k = self.rotary_emb(positions, q, k)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    hidden_states = self.mlp(hidden_states)  # down_proj(act_fn(gate_up_proj(...)))
 
 A decode step at batch 1 is bound by kernel launches, not by math: on an H200 each of its
-~310 kernels costs ~3 us, most of them far more than their work. Three per decoder layer
-only touch one row each and feed a matmul that reads all of that row anyway, so the matmul
-(kernels.skinny_gemm, used for a few rows on a GPU) applies them to x as it loads it:
+~310 kernels costs ~3 us. Some ops touch one row each and feed a single layer whose kernel
+reads all of that input anyway, so on a GPU that kernel applies the op as it loads it:
 
-    norm_linear:          input_layernorm          -> qkv_proj        one kernel, not two
-                          post_attention_layernorm -> gate_up_proj
-    silu_and_mul_linear:  act_fn (SiLU and mul)    -> down_proj
+    op                         next layer     one kernel                        when
+    input_layernorm            qkv_proj       kernels.rms_norm_skinny_gemm      the matmul is a
+    post_attention_layernorm   gate_up_proj   kernels.rms_norm_skinny_gemm      skinny_gemm (a
+    act_fn (SiLU and mul)      down_proj      kernels.silu_and_mul_skinny_gemm  GPU, 1-4 rows)
+    q_norm, k_norm             rotary_emb     kernels.norm_rope (q and k)       on a GPU
 
-Everywhere else (prefill, larger batches, a CPU, a layer with a bias) both functions run the
-two layers one after the other, so they always compute what the unfused layers compute.
+How, in three steps:
 
-The module that owns the matmul calls them (models/decoder.py): the attention runs the
-decoder layer's input_layernorm with its qkv_proj, the MLP post_attention_layernorm with its
-gate_up_proj and its act_fn with its down_proj.
+1. Once, when the model is built (CausalLM.__init__), ``fuse_layer_ops(model)`` finds these
+   pairs by their checkpoint names (FUSED_PAIRS) and hands each op its next layer's
+   ``fuses(x)``: whether that layer's fused kernel will run for the input x.
+2. At each call the op asks. If the answer is yes, it computes nothing and returns what is
+   left to do, its input and its weights: a NormedInput (RMSNorm) or a GatedInput
+   (SiluAndMul). Otherwise it computes its output as usual.
+3. The next layer, handed one of those, runs its fused kernel (LinearBase.forward,
+   RowParallelLinear.forward, RotaryEmbedding.forward).
+
+An RMSNorm with a residual also returns the new residual stream, x + residual. When it defers,
+that tensor is allocated here, empty, and the fused kernel writes it; nothing reads it before:
+its reader is the next norm.
+
+Everywhere else (prefill, larger batches, a layer with a bias, a CPU) no op defers, so the
+layers run one after the other and compute exactly what the model file says. A pair is listed
+only where the op's output goes to that one layer and nowhere else, as it does in every model
+here; Qwen3-MoE's post_attention_layernorm feeds a router and the experts, not a gate_up_proj,
+so in its sparse layers the norm always runs on its own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from myvllm.kernels import rms_norm_skinny_gemm, silu_and_mul_skinny_gemm
-from myvllm.layers.activation import SiluAndMul
-from myvllm.layers.layernorm import RMSNorm
-from myvllm.layers.linear import ColumnParallelLinear, RowParallelLinear, uses_skinny_gemm
+
+# (op, next layer), as module names under the module that holds both.
+FUSED_PAIRS: tuple[tuple[str, str], ...] = (
+    ("input_layernorm", "self_attn.qkv_proj"),     # in a DecoderLayer
+    ("post_attention_layernorm", "mlp.gate_up_proj"),
+    ("act_fn", "down_proj"),                       # in a GatedMLP
+    ("q_norm", "rotary_emb"),                      # in Qwen3's attention
+    ("k_norm", "rotary_emb"),
+)
 
 
-def norm_linear(norm: RMSNorm, layer: ColumnParallelLinear, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (layer(norm(x + residual)), x + residual), the new residual stream.
+class DeferredInput:
+    """The input of a matmul with the op before it still to do, inside the matmul's kernel."""
 
-    residual None (the first layer): the residual stream starts as x itself.
-    A column-parallel layer needs no collective, so the fused kernel is the whole layer.
-    """
-    if uses_skinny_gemm(x, layer.weight, layer.bias):
-        if residual is None:
-            return rms_norm_skinny_gemm(x, norm.weight, norm.eps, layer.weight), x
-        out, residual = rms_norm_skinny_gemm(x, norm.weight, norm.eps, layer.weight, residual)
-        return out, residual
+    def matmul(self, weight: torch.Tensor) -> torch.Tensor:
+        """op(input) @ weight^T, in one kernel."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class NormedInput(DeferredInput):
+    """rms_norm(x + residual) with this weight and eps (rms_norm(x) when residual is None), not
+    computed yet. residual_out: where the kernel writes the new residual stream x + residual."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+    def matmul(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.residual is None:
+            return rms_norm_skinny_gemm(self.x, self.weight, self.eps, weight)
+        out, _ = rms_norm_skinny_gemm(self.x, self.weight, self.eps, weight, self.residual,
+                                      self.residual_out)  # fmt: skip
+        return out
+
+
+@dataclass(eq=False)
+class GatedInput(DeferredInput):
+    """silu(gate) * up for gate_up = [gate | up], not computed yet."""
+
+    gate_up: torch.Tensor
+
+    def matmul(self, weight: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_skinny_gemm(self.gate_up, weight)
+
+
+def defer_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> NormedInput | tuple[NormedInput, torch.Tensor]:
+    """What RMSNorm returns when the next layer computes it: as RMSNorm.forward, a NormedInput
+    alone, or with a residual (NormedInput, the residual stream the kernel will write)."""
     if residual is None:
-        return layer(norm(x)), x
-    x, residual = norm(x, residual)
-    return layer(x), residual
+        return NormedInput(x, weight, eps)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return NormedInput(x, weight, eps, residual, residual_out), residual_out
 
 
-def silu_and_mul_linear(act_fn: SiluAndMul, layer: RowParallelLinear,
-                        gate_up: torch.Tensor) -> torch.Tensor:
-    """layer(act_fn(gate_up)) for gate_up = [gate | up] (the output of gate_up_proj).
+def fuse(op: nn.Module, next_layer: nn.Module) -> None:
+    """Let ``op`` (an RMSNorm or SiluAndMul) leave its work to ``next_layer`` whenever
+    ``next_layer.fuses(x)`` says that its fused kernel will run for x."""
+    if not hasattr(op, "next_layer_fuses") or not hasattr(next_layer, "fuses"):
+        raise TypeError(f"{type(op).__name__} cannot be fused into {type(next_layer).__name__}")
+    # A bound method, not the module: assigning a module would register it a second time.
+    setattr(op, "next_layer_fuses", next_layer.fuses)
 
-    A row-parallel layer sums its ranks' partial outputs (layer.reduce) after the kernel.
-    """
-    if uses_skinny_gemm(gate_up, layer.weight, layer.bias):
-        return layer.reduce(silu_and_mul_skinny_gemm(gate_up, layer.weight))
-    return layer(act_fn(gate_up))
+
+def fuse_layer_ops(model: nn.Module) -> None:
+    """Fuse every pair of FUSED_PAIRS found in ``model`` whose two modules can be fused."""
+    for module in model.modules():
+        for op_name, next_name in FUSED_PAIRS:
+            try:
+                op, next_layer = module.get_submodule(op_name), module.get_submodule(next_name)
+            except AttributeError:  # not this module's pair
+                continue
+            if hasattr(op, "next_layer_fuses") and hasattr(next_layer, "fuses"):
+                fuse(op, next_layer)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from myvllm.kernels import prefers_skinny_gemm, skinny_gemm
+from myvllm.layers.fused import DeferredInput
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 
@@ -61,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether linear(x, weight, bias) runs kernels.skinny_gemm (layers/fused.py asks too)."""
+    """Whether linear(x, weight, bias) runs kernels.skinny_gemm (LinearBase.fuses asks too)."""
     return (x.is_cuda and x.dim() == 2 and bias is None
             and prefers_skinny_gemm(x.size(0), *weight.shape))
 
@@ -74,15 +75,6 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
             f"but the checkpoint tensor (after sharding) is {tuple(src.shape)}"
         )
     dst.copy_(src)
-
-
-def default_weight_loader(
-    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-) -> None:
-    """Loader of every replicated parameter (norms, replicated linears): a checked copy."""
-    if shard_id is not None:
-        raise ValueError(f"this parameter is not packed, but got shard id {shard_id!r}")
-    copy_checked(param.data, loaded_weight, "replicated parameter")
 
 
 def set_weight_attrs(param: nn.Parameter, attrs: dict[str, object]) -> None:
@@ -136,8 +128,15 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
+        if isinstance(x, DeferredInput):  # the op before, left to this matmul (layers/fused.py)
+            return x.matmul(self.weight)
         return linear(x, self.weight, self.bias)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether this layer's matmul for input x is a skinny_gemm, whose kernel can apply the
+        op before it (an RMSNorm, SiLU-and-mul) as it loads x (layers/fused.py)."""
+        return uses_skinny_gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -152,7 +151,9 @@ class ReplicatedLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        default_weight_loader(param, loaded_weight, shard_id)
+        if shard_id is not None:
+            raise ValueError(f"ReplicatedLinear is not packed, but got shard id {shard_id!r}")
+        copy_checked(param.data, loaded_weight, "ReplicatedLinear")
 
 
 class ColumnParallelLinear(LinearBase):
@@ -283,7 +284,9 @@ class RowParallelLinear(LinearBase):
         src = _rank_slice(loaded_weight, 1, full, self.tp_rank, self.tp_size, "RowParallelLinear")
         copy_checked(param.data, src, "RowParallelLinear")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
+        if isinstance(x, DeferredInput):  # (only without a bias: LinearBase.fuses)
+            return self.reduce(x.matmul(self.weight))
         # Add the bias on one rank only, or the all_reduce would add it tp times.
         return self.reduce(linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
 

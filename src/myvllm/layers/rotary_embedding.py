@@ -9,8 +9,9 @@ rotated by the angle  position * inv_freq[i]:
 cos and sin for every position up to max_position are computed once, in float32, and looked
 up per token with the token's absolute position (so a sequence whose prefix came from the
 cache still rotates its new tokens at positions num_cached_tokens, num_cached_tokens+1, ...).
-The rotation itself is kernels.norm_rope: one Triton kernel on the GPU, which also applies
-Qwen3's per-head q/k RMSNorm on the way; the PyTorch reference on the CPU.
+The rotation itself is kernels.norm_rope: one Triton kernel on the GPU, the PyTorch reference
+on the CPU. On the GPU Qwen3's per-head q_norm and k_norm leave their work to it
+(layers/fused.py), so one launch normalises and rotates every head of q and k.
 
 Supported scaling: None/"default" (plain RoPE) and "llama3" (Llama-3.1/3.2: long wavelengths
 are stretched by ``factor``, short ones kept, the band in between smoothly interpolated).
@@ -26,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from myvllm.kernels import norm_rope
-from myvllm.layers.layernorm import RMSNorm
+from myvllm.kernels import norm_rope, use_triton
+from myvllm.layers.fused import NormedInput
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -82,29 +83,30 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
+        self, positions: torch.Tensor, q: torch.Tensor | NormedInput, k: torch.Tensor | NormedInput
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes.
 
-        q_norm/k_norm (RMSNorm over head_dim, Qwen3) are applied to each head first: on the
-        GPU the norm and the rotation of all heads of q and k are one kernel.
+        q and k come as NormedInputs when q_norm and k_norm left their work to this kernel
+        (layers/fused.py): it normalises each head, then rotates it.
         """
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("RotaryEmbedding: give both q_norm and k_norm, or neither")
+        q_weight = k_weight = None
+        eps = 0.0
+        if isinstance(q, NormedInput) and isinstance(k, NormedInput) and q.eps == k.eps:
+            q_weight, k_weight, eps = q.weight, k.weight, q.eps
+            q, k = q.x, k.x
+        elif isinstance(q, NormedInput) or isinstance(k, NormedInput):
+            raise ValueError("RotaryEmbedding: q_norm and k_norm are fused into it together, "
+                             "with one eps")  # fmt: skip
         n = positions.shape[0]
-        q_weight = q_norm.weight if q_norm is not None else None
-        k_weight = k_norm.weight if k_norm is not None else None
-        eps = q_norm.eps if q_norm is not None else 0.0
-        if k_norm is not None and k_norm.eps != eps:
-            raise ValueError(f"RotaryEmbedding: q_norm.eps {eps} != k_norm.eps {k_norm.eps}")
         q_out, k_out = norm_rope(q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim),
                                  positions, self.cos_sin_cache, q_weight, k_weight, eps)
         return q_out.view(q.shape), k_out.view(k.shape)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the rotation of x runs in Triton, whose kernel can normalise each head first
+        (Qwen3's q_norm, k_norm: layers/fused.py)."""
+        return use_triton(x)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

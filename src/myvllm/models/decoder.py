@@ -18,21 +18,23 @@ Module names equal the checkpoint's tensor names, except for the two packed matm
         norm                             RMSNorm
       lm_head                            ParallelLMHead (embed_tokens' weight when tied)
 
-One decoder layer, pre-norm, with the residual add fused into the next RMSNorm:
+One decoder layer, pre-norm, with the residual add folded into the next RMSNorm (the
+residual stream is passed along, not added by the layer):
 
-    x, residual = self_attn(positions, x, residual, input_layernorm)
-    x, residual = mlp(x, residual, post_attention_layernorm)
-
-Each norm is the layer's (that is its name in the checkpoint) but runs inside the module whose
-matmul follows it: the attention runs input_layernorm with its qkv_proj, the MLP runs
-post_attention_layernorm with its gate_up_proj and SiLU-and-mul with its down_proj
-(layers/fused.py). At decode batch 1 on a GPU each pair is one kernel; elsewhere the two run
-one after the other, so the math is the unfused layers'.
+    x, residual = input_layernorm(x, residual)     # first layer: residual = x; x = norm(x)
+    x           = self_attn(positions, x)
+    x, residual = post_attention_layernorm(x, residual)
+    x           = mlp(x)
 
 The attention a model brings is built from the config, ``attention(config)``, and runs
-``forward(positions, x, residual, norm) -> (out, residual)``, where residual is None in the
-first layer. The MLP is GatedMLP unless the model brings one per layer, ``mlp(config,
-layer_index)``, which runs ``forward(x, residual, norm) -> (out, residual)`` like GatedMLP.
+``forward(positions, hidden_states) -> hidden_states``. The MLP is GatedMLP unless the model
+brings one per layer, ``mlp(config, layer_index)``, which runs ``forward(hidden_states) ->
+hidden_states`` like GatedMLP.
+
+On a GPU, for a decode batch of a few rows, each norm and the SiLU-and-mul run inside the
+kernel of the layer after them (qkv_proj, gate_up_proj, down_proj; Qwen3's q_norm and k_norm
+inside RoPE's): CausalLM calls fuse_layer_ops once, and layers/fused.py says how. The code
+here does not change for it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch import nn
 
 from myvllm.layers.activation import SiluAndMul
 from myvllm.layers.embedding_head import ParallelLMHead, VocabParallelEmbedding
-from myvllm.layers.fused import norm_linear, silu_and_mul_linear
+from myvllm.layers.fused import fuse_layer_ops
 from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -69,12 +71,10 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the MLP of norm(x + residual), x + residual): the output and the residual stream."""
-        gate_up, residual = norm_linear(norm, self.gate_up_proj, x, residual)
-        return silu_and_mul_linear(self.act_fn, self.down_proj, gate_up), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        x = self.act_fn(gate_up)
+        return self.down_proj(x)
 
 
 class DecoderLayer(nn.Module):
@@ -89,10 +89,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_states, residual = self.self_attn(
-            positions, hidden_states, residual, self.input_layernorm
-        )
-        return self.mlp(hidden_states, residual, self.post_attention_layernorm)
+        """-> (the MLP's output, the residual stream it adds to): their sum is transformers'
+        layer output; the next layer's input_layernorm (or model.norm) adds them."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
 
 
 class DecoderModel(nn.Module):
@@ -137,6 +144,8 @@ class CausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             # One Parameter, two uses: the checkpoint then has no lm_head.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
+        # On a GPU, let each norm run inside the kernel of the layer after it (layers/fused.py).
+        fuse_layer_ops(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [N], positions [N] (all sequences' new tokens, flat) -> hidden [N, H]."""

@@ -7,13 +7,13 @@ grades the result against HF transformers' LlamaForCausalLM.
 Compared with qwen3.py: no per-head q_norm/k_norm; head_dim is config.head_dim when present
 (else hidden_size / num_attention_heads); the attention projections carry a bias when
 config.attention_bias, the MLP when config.mlp_bias; Llama-3.1/3.2 use the "llama3" RoPE
-scaling, read from the config like the plain rope_theta.
+scaling, read from the config like the plain rope_theta. Qwen2's attention is this one with
+a bias on q, k and v only (qwen2.py).
 
-    x, residual = input_layernorm(x, residual)   # fused into qkv_proj
-    q, k, v     = split(qkv_proj(x))             # this rank's heads: grouped-query attention,
-                                                 # fewer k/v heads than q heads
-    q, k        = rotary_emb(positions, q, k)    # RoPE, scaled as the config says
-    x           = o_proj(attn(q, k, v))
+    q, k, v = split(qkv_proj(hidden_states))   # this rank's heads: grouped-query attention,
+                                               # fewer k/v heads than q heads
+    q, k    = rotary_emb(positions, q, k)      # RoPE, scaled as the config says
+    out     = o_proj(attn(q, k, v))
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import torch
 from torch import nn
 
 from myvllm.layers.attention import Attention
-from myvllm.layers.fused import norm_linear
-from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from myvllm.layers.rotary_embedding import get_rope
 from myvllm.models.config import get_head_dim, rope_parameters
@@ -36,20 +34,25 @@ if TYPE_CHECKING:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:  # a transformers LlamaConfig
+    def __init__(self, config: PretrainedConfig, bias: bool | None = None,
+                 bias_o_proj: bool | None = None) -> None:  # fmt: skip
+        """config: a transformers LlamaConfig. bias, bias_o_proj: whether qkv_proj and o_proj
+        carry a bias (vLLM's names); both default to config.attention_bias."""
         super().__init__()
         hidden_size = config.hidden_size
         self.head_dim = get_head_dim(config)
-        bias = bool(getattr(config, "attention_bias", False))
+        attention_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
-            hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias
+            hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            attention_bias if bias is None else bias,
         )
         self.num_heads = self.qkv_proj.num_heads  # this rank's share
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, hidden_size, bias
+            config.num_attention_heads * self.head_dim, hidden_size,
+            attention_bias if bias_o_proj is None else bias_o_proj,
         )
         rope_theta, rope_scaling = rope_parameters(config)
         self.rotary_emb = get_rope(
@@ -57,15 +60,12 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-        norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (attention of norm(x + residual), x + residual); norm: the layer's input_layernorm."""
-        qkv, residual = norm_linear(norm, self.qkv_proj, x, residual)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v)), residual
+        o = self.attn(q, k, v)
+        return self.o_proj(o)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -4,12 +4,12 @@ What makes it Qwen3 is in the attention: a per-head RMSNorm on q and on k (q_nor
 before RoPE. Its MLP has no bias; head_dim is set in the config (Qwen3-0.6B: 128, where
 hidden_size / num_attention_heads is 64).
 
-    x, residual = input_layernorm(x, residual)                 # fused into qkv_proj
-    q, k, v     = split(qkv_proj(x))
-    q, k        = rotary_emb(positions, q, k, q_norm, k_norm)  # per-head RMSNorm, then RoPE:
-                                                               # q and k in one kernel on a GPU
-    x           = o_proj(attn(q, k, v))
+    q, k, v = split(qkv_proj(hidden_states))
+    q, k    = q_norm(q), k_norm(k)                 # per head, over head_dim
+    q, k    = rotary_emb(positions, q, k)
+    out     = o_proj(attn(q, k, v))
 
+On a GPU the two norms and RoPE are one kernel for q and k together (layers/fused.py).
 Every hyper-parameter comes from the HF config object.
 """
 
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from myvllm.layers.attention import Attention
-from myvllm.layers.fused import norm_linear
 from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from myvllm.layers.rotary_embedding import get_rope
@@ -57,19 +56,15 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-        norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (attention of norm(x + residual), x + residual); norm: the layer's input_layernorm."""
-        qkv, residual = norm_linear(norm, self.qkv_proj, x, residual)
-        n = qkv.shape[0]
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        # The norms see one head at a time: [tokens, heads, head_dim].
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v)
-        return self.o_proj(o), residual
+        return self.o_proj(o)
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from myvllm.layers.fused_moe import EXPERT_PARAMS_MAPPING, FusedMoE
-from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import ReplicatedLinear
 from myvllm.models.decoder import CausalLM, GatedMLP
 from myvllm.models.qwen3 import Qwen3Attention
@@ -49,15 +48,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
                                 config.hidden_size, config.moe_intermediate_size,
                                 renormalize=bool(config.norm_topk_prob))  # fmt: skip
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the experts' output for norm(x + residual), x + residual), as GatedMLP."""
-        if residual is None:
-            x, residual = norm(x), x
-        else:
-            x, residual = norm(x, residual)
-        return self.experts(x, self.gate(x)), residual
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(hidden_states)
+        return self.experts(hidden_states, router_logits)
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -6,7 +6,9 @@ For speed measurements on shapes whose checkpoint is not at hand (Qwen3-8B, a Mo
 of a step does not depend on the weights' values, only on their shapes and dtype. The values
 still have to keep the forward pass finite, so that the sampler sees real numbers:
 
-    RMSNorm weights          1 (the identity scale, where training starts them)
+    RMSNorm weights          1 (the identity scale, where training starts them); found by
+                             name: every checkpoint names a norm's module ...norm
+                             (input_layernorm, post_attention_layernorm, q_norm, k_norm, norm)
     everything else          uniform in [-1e-3, 1e-3] (vLLM's dummy range)
 
 With every matrix entry at most 1e-3, a row of hidden size H moves a unit-scale input by at
@@ -25,21 +27,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from myvllm.layers.layernorm import RMSNorm
-
 DUMMY_WEIGHT_SEED = 0
 DUMMY_WEIGHT_RANGE = (-1e-3, 1e-3)
+
+
+def is_norm_weight(name: str) -> bool:
+    """Whether parameter ``name`` is a norm's scale (model.layers.0.input_layernorm.weight)."""
+    module, _, param = name.rpartition(".")
+    return param == "weight" and module.rpartition(".")[2].endswith("norm")
 
 
 @torch.no_grad()
 def initialize_dummy_weights(model: nn.Module, seed: int = DUMMY_WEIGHT_SEED) -> None:
     """Fill every parameter of ``model`` in place: RMSNorm weights 1, the rest uniform."""
-    norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm)
-                   for p in m.parameters(recurse=False)}
     low, high = DUMMY_WEIGHT_RANGE
     generators: dict[torch.device, torch.Generator] = {}
-    for _, param in model.named_parameters():  # a tied weight is listed (and filled) once
-        if id(param) in norm_params:
+    for name, param in model.named_parameters():  # a tied weight is listed (and filled) once
+        if is_norm_weight(name):
             param.fill_(1.0)
             continue
         if not param.is_floating_point():

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from myvllm.layers.linear import default_weight_loader
 from myvllm.utils.checkpoint import Checkpoint, CheckpointError
 
 logger = logging.getLogger("myvllm")
@@ -42,6 +41,17 @@ logger = logging.getLogger("myvllm")
 # Checkpoint tensors that are not parameters: old Llama exports saved RoPE's inverse
 # frequencies, which we derive from the config.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id: object = None) -> None:
+    """The loader of a parameter that carries none (an RMSNorm's weight): a checked copy."""
+    if shard_id is not None:
+        raise ValueError(f"this parameter is not packed, but got shard id {shard_id!r}")
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"shape mismatch, parameter expects {tuple(param.shape)} but the "
+                         f"checkpoint tensor is {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
 
 
 # An expert's tensor: <prefix>.experts.<expert>.<expert_params_mapping key>.weight

@@ -1,0 +1,147 @@
+"""The layers of imports that docs/architecture.md states: which part of src/myvllm/ may import
+which. Imports point down, never up:
+
+    entrypoints/  ->  engine/  ->  models/  ->  layers/  ->  kernels/
+                                                  |
+                      utils/ (layers/: only utils/context.py, utils/distributed.py)
+                      the settings: config.py, sampling_parameters.py, value_checks.py
+
+Every import of a myvllm module is read with ast, at module level and inside functions (a late
+import is still an import). One under ``if TYPE_CHECKING:`` never runs (a type hint only) and
+may point anywhere, as the doc says.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "myvllm"
+SETTINGS = ("config", "sampling_parameters", "value_checks")  # top-level modules
+FACE = ("__init__", "demo")  # the package's public face: it may import anything
+
+# part -> the parts (or single modules, "utils.context") it may import besides itself
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "settings": (),
+    "kernels": (),
+    "utils": ("settings",),
+    "layers": ("kernels", "utils.context", "utils.distributed"),
+    "models": ("layers",),
+    "engine": ("models", "layers", "kernels", "utils", "settings"),
+    "entrypoints": ("engine", "utils", "settings"),
+}
+
+
+def part_of(module: str) -> str:
+    """myvllm.layers.linear -> "layers"; myvllm.config -> "settings"; myvllm -> "face"."""
+    parts = module.split(".")[1:]
+    if not parts or parts[0] in FACE:
+        return "face"
+    if parts[0] in SETTINGS:
+        return "settings"
+    return parts[0]
+
+
+def may_import(importer: str, target: str) -> bool:
+    part, target_part = part_of(importer), part_of(target)
+    if part == "face" or part == target_part:
+        return True
+    name = target.removeprefix("myvllm.")
+    return any(target_part == allowed or name == allowed or name.startswith(allowed + ".")
+               for allowed in ALLOWED[part])  # fmt: skip
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _run_time_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, anywhere, except those inside `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, module) for each myvllm module that the file imports at run time."""
+    module = _module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in _run_time_imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+            continue
+        base = node.module or ""
+        if node.level:  # from .x import y: relative to this file's package
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join(anchor + ([node.module] if node.module else []))
+        for alias in node.names:  # `from myvllm.utils import context` imports a module too
+            sub = root.parent.joinpath(*f"{base}.{alias.name}".split("."))
+            is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
+            out.append((node.lineno, f"{base}.{alias.name}" if is_module else base))
+    return [(line, name) for line, name in out if name.split(".")[0] == root.name]
+
+
+def back_arrows(root: Path = PACKAGE) -> list[str]:
+    """Each import that points up (or sideways into a part it may not use), as file:line."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        importer = _module_name(path, root)
+        for line, target in imported_modules(path, root):
+            if not may_import(importer, target):
+                allowed = ", ".join(ALLOWED[part_of(importer)]) or "nothing else of myvllm"
+                found.append(f"{path.relative_to(root)}:{line} imports {target} "
+                             f"({part_of(importer)} may import: {allowed})")  # fmt: skip
+    return found
+
+
+def test_every_part_of_the_package_has_a_place() -> None:
+    parts = {part_of(_module_name(p, PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    unknown = parts - set(ALLOWED) - {"face"}
+    assert not unknown, (f"{sorted(unknown)}: give each a place in docs/architecture.md, "
+                         "\"Layers of imports\", and in ALLOWED here")  # fmt: skip
+
+
+def test_imports_point_down() -> None:
+    arrows = back_arrows()
+    assert not arrows, ("imports that point up (docs/architecture.md, \"Layers of imports\"):"
+                        + "".join(f"\n  {arrow}" for arrow in arrows))
+
+
+def test_a_planted_back_arrow_is_found(tmp_path: Path) -> None:
+    """The check sees module-level, function-level and relative imports, and spares
+    TYPE_CHECKING ones."""
+    root = tmp_path / "myvllm"
+    for folder in ("kernels", "layers", "utils"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "layers" / "linear.py").write_text("import torch\n")
+    (root / "utils" / "context.py").write_text("")
+    (root / "kernels" / "ok.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from myvllm.layers.linear import linear\n")  # fmt: skip
+    (root / "kernels" / "late.py").write_text("def f():\n    from ..layers import linear\n")
+    (root / "utils" / "top.py").write_text("import myvllm.layers.linear\n")
+    (root / "layers" / "fine.py").write_text("from myvllm.utils import context\n")
+    assert back_arrows(root) == [
+        "kernels/late.py:2 imports myvllm.layers.linear (kernels may import: nothing else of "
+        "myvllm)",
+        "utils/top.py:1 imports myvllm.layers.linear (utils may import: settings)",
+    ]
