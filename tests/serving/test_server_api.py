@@ -25,8 +25,7 @@ from test_server import MAX_MODEL_LENGTH, MODEL, SERVED, fetch, free_socket, wai
 from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from myvllm.engine.core_messages import AddRequest  # noqa: E402
 from myvllm.entrypoints import openai_server  # noqa: E402
-from myvllm.entrypoints.h11_deadlines import DeadlineConfig  # noqa: E402
-from myvllm.entrypoints.openai_server import make_server  # noqa: E402
+from myvllm.entrypoints.h11_deadlines import DeadlineConfig, H11WithHeadDeadline  # noqa: E402
 
 PROMPTS = ["The first prompt", "A second, longer prompt", "Third"]
 GREEDY: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0,
@@ -263,14 +262,13 @@ def test_health_is_plain_text(base_url: str) -> None:
         assert response.read() == b"ok\n"
 
 
-def test_connection_timeouts_are_set(served: Any) -> None:
-    server = make_server(served[1], MODEL, "127.0.0.1", 0, log_level="warning")
-    config = server.config
-    assert isinstance(config, DeadlineConfig)
-    assert config.timeout_keep_alive == openai_server.TIMEOUT_KEEP_ALIVE_S == 5
+def test_connection_timeouts_are_set() -> None:
+    """What make_server gives uvicorn (the values docs/serving.md gives and explains)."""
+    config = openai_server.uvicorn_config(None, "127.0.0.1", 0, "warning")
+    assert config.timeout_keep_alive == 5
     assert config.timeout_request_head == 20.0
     assert config.h11_max_incomplete_event_size == 16 * 1024
-    logging.getLogger("myvllm.requests").setLevel(logging.WARNING)  # as the fixture's
+    assert config.http is H11WithHeadDeadline and not config.access_log
 
 
 def test_idle_and_half_sent_heads_are_closed_after_the_deadline() -> None:

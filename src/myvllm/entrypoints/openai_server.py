@@ -323,10 +323,17 @@ def make_server(llm: AsyncLLM, model_name: str, host: str, port: int,
     llm.stat_logger = stat_logger
     app = build_app(llm, model_name, stat_logger, max_body_bytes)
     request_logger.setLevel(log_level.upper())
-    # timeout_graceful_shutdown: a connection that still hangs after the aborts is cut.
-    # access_log off: the request log (request_log.py) writes the line, with more in it.
-    config = DeadlineConfig(app, timeout_request_head=timeout_request_head, host=host,
-                            port=port, log_level=log_level, timeout_graceful_shutdown=3,
-                            access_log=False, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
-                            h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES)
-    return Server(config, llm, exit_on_core_death)
+    return Server(uvicorn_config(app, host, port, log_level, timeout_request_head), llm,
+                  exit_on_core_death)
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str,
+                   timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S
+                   ) -> DeadlineConfig:
+    """How make_server runs uvicorn. timeout_graceful_shutdown: a connection that still
+    hangs after the aborts is cut. access_log off: the request log (request_log.py) writes
+    the line, with more in it."""
+    return DeadlineConfig(app, timeout_request_head=timeout_request_head, host=host,
+                          port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                          access_log=False, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
+                          h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES)
