@@ -197,3 +197,39 @@ def test_ctrl_c_while_loading_is_one_line_and_leaves_no_process(
     assert f"myvllm {command}: interrupted while starting" in err
     assert "Traceback" not in err
     assert [p for p in multiprocessing.active_children() if p.name == "myvllm-engine-core"] == []
+
+
+ENCODED = ["Hello, world!", "  two spaces and a tab\t", "héllo wörld \U0001f600", "1234567890"]
+
+
+def check_exported_tokenizer(model: str, out: Path) -> None:
+    """`myvllm export-tokenizer MODEL OUT` writes what AutoTokenizer loads offline, and
+    that tokenizer encodes as the engine's own."""
+    from transformers import AutoTokenizer
+
+    from myvllm.engine.startup import tokenizer_if_any
+
+    assert cli.main(["export-tokenizer", model, str(out)]) == 0
+    exported = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    engine = tokenizer_if_any(model)
+    for text in ENCODED:
+        assert exported.encode(text) == engine.encode(text), text
+    assert exported.eos_token_id == engine.eos_token_id
+    assert exported.chat_template == engine.chat_template
+
+
+def test_export_tokenizer_of_a_checkpoint(tiny_path: Path, tmp_path: Path) -> None:
+    check_exported_tokenizer(str(tiny_path), tmp_path / "tokenizer")
+
+
+@pytest.mark.slow
+def test_export_tokenizer_of_the_bundled_gguf(tmp_path: Path) -> None:
+    from myvllm.utils.model_path import bundled_model_path
+
+    check_exported_tokenizer(bundled_model_path(), tmp_path / "tokenizer")
+
+
+def test_export_tokenizer_of_a_missing_model_is_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["export-tokenizer", str(tmp_path / "nothing"), str(tmp_path / "o")]) == 1
+    assert "does not exist" in capsys.readouterr().err

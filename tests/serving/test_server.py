@@ -1,6 +1,6 @@
 """The OpenAI-compatible server, driven by the official `openai` client over real HTTP.
 
-One server for the module, with its engine core in a child process as under `myvllm serve`
+One server for this module and test_server_api.py (conftest.py), with its engine core in a child process as under `myvllm serve`
 (AsyncLLM, the multiprocess client): a tiny random Qwen3 with the byte-level test tokenizer (token i =
 byte i, so multi-byte characters always span tokens) and a chat template, uvicorn in a thread
 on a free port. Its answers are random bytes, which is all these tests need: they compare the
@@ -14,11 +14,9 @@ import http.client
 import json
 import os
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +25,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from helpers_models import build_tiny_checkpoint  # noqa: E402
-from myvllm import Config  # noqa: E402
-from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
 from myvllm.engine.core_messages import AddRequest  # noqa: E402
-from myvllm.entrypoints.openai_server import make_server  # noqa: E402
 
 MODEL = "tiny"
 MAX_MODEL_LENGTH = 256  # the tiny model's max_position_embeddings
@@ -58,28 +53,9 @@ def tiny_chat_checkpoint(path: Path, **overrides: Any) -> Path:
     return path
 
 
-SERVED: dict[str, Any] = {}  # the AsyncLLM behind base_url, for tests that look inside
-
-
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
-    # A small KV cache: 16 concurrent requests fit, and a leaked block shows in the usage.
-    llm = AsyncLLM(Config(model=str(path), num_kvcache_blocks=128,
-                          max_model_length=MAX_MODEL_LENGTH, max_num_sequences=32))
-    SERVED["llm"] = llm
-    sock = free_socket()
-    server = make_server(llm, MODEL, "127.0.0.1", sock.getsockname()[1], log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:  # uvicorn sets it once the socket accepts connections
-        assert thread.is_alive(), "the server thread died while starting"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
-    llm.shutdown()
-    sock.close()
+# The server itself (base_url, and SERVED["llm"]: the AsyncLLM behind it) is built once for
+# this module and test_server_api.py: conftest.py.
+SERVED: dict[str, Any] = {}
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +214,7 @@ def test_the_engine_core_runs_in_a_process_of_its_own(base_url: str) -> None:
 
 
 def test_aborted_stream_frees_its_blocks(base_url: str) -> None:
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 224,
             "ignore_eos": True, "stream": True}
     host, port = base_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)

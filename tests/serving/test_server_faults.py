@@ -114,7 +114,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max
 # Field -> values that must be refused (each one alone, in an otherwise valid request).
 BAD_SHARED: dict[str, list[Any]] = {
     "model": [5, [], {}, True, "no-such-model", ""],
-    "max_tokens": ["5", 5.5, True, 0, -1, -10**30, [], {}, "", 1e400],
+    # More than the context holds beside the prompt: refused, not cut short.
+    "max_tokens": ["5", 5.5, True, 0, -1, -10**30, [], {}, "", 1e400, 10**20, 2**63,
+                   MAX_MODEL_LENGTH],
     "temperature": ["1", -1, -1e-300, -1e308, True, [], {}, "NaN"],
     "top_p": [0, -0.5, 1.0000001, 2, 1e308, "0.5", True, []],
     "top_k": [-2, -10**30, 10**20, 2**63, 0.5, "5", True],
@@ -124,15 +126,25 @@ BAD_SHARED: dict[str, list[Any]] = {
     "stream": ["yes", 1, None, []],
     "stream_options": [5, {"include_usage": "x"}, [], "x"],
     "ignore_eos": [1, "true", None, []],
+    # Not supported yet: refused unless they ask for nothing.
     "logprobs": [1, True, 5],
-    "presence_penalty": [1.0, "x", []],
+    "presence_penalty": [1.0, "x", [], 3],
     "frequency_penalty": [-2.0, {}],
+    "repetition_penalty": [1.2, 0, -1],
+    "min_p": [0.1, 2],
     "logit_bias": [{"1": 100}, 5, "x"],
+    "min_tokens": [4, -1],
+    "stop_token_ids": [[1], [-1], "x"],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}},
+                        {"type": "xml"}, "json"],
+    "unknown_field": [{"nested": [1, 2, 3]}, None, 1],
 }
 BAD_COMPLETION: dict[str, list[Any]] = {
-    "prompt": [None, 5, 1.5, True, {}, [], [[1, 2], [3]], ["a", "b"], [1, "a"], [-1], [10**30],
-               [256], [2**63], "", [""], [[]], [1.5], "word " * 2 * MAX_MODEL_LENGTH,
+    "prompt": [None, 5, 1.5, True, {}, [], [1, "a"], [-1], [10**30], [256], [2**63], "", [""],
+               [[]], [1.5], "word " * 2 * MAX_MODEL_LENGTH, ["a", ""], [[1, 2], [1, 300]],
+               ["a", 5], [[1], "a"], [[1, 2], []], ["a", "word " * 2 * MAX_MODEL_LENGTH],
                [1 + i % 255 for i in range(MAX_MODEL_LENGTH + 1)]],
+    "logprobs": [0],
     "echo": [True, "x"],
     "best_of": [2, 0, -5, "1"],
     "suffix": ["x", 5],
@@ -143,7 +155,12 @@ BAD_CHAT: dict[str, list[Any]] = {
                  [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                  [{"role": "user", "content": [{"type": "text"}]}],
                  [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-                 [{"role": "user", "content": "word " * 2 * MAX_MODEL_LENGTH}]],
+                 [{"role": "user", "content": "word " * 2 * MAX_MODEL_LENGTH}],
+                 [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}],
+                 [{"role": "user", "content": "x", "unknown": 1}]],
+    "tools": [[{"type": "function", "function": {"name": "f"}}], 5],
+    "tool_choice": ["auto", {"type": "function"}],
+    "top_logprobs": [1, 21],
     "max_completion_tokens": [0, -1, "5", 1.5],
     "chat_template_kwargs": [5, [], "x", {"tokenize": True}, {"conversation": 1},
                              {"tools": 5}, {"continue_final_message": True},
@@ -153,18 +170,29 @@ BAD_CHAT: dict[str, list[Any]] = {
 EXTREME: dict[str, list[Any]] = {
     "prompt": ["\x00" * 8, "\U0001f600" * 20, "\u202e\u0301\uffff\ufeff", "e\u0301" * 30,
                "x" * (MAX_MODEL_LENGTH - 4), [1 + i % 255 for i in range(MAX_MODEL_LENGTH - 4)],
-               [0]],
+               [0], ["a", "b"], [[1, 2], [3]], ["x" * (MAX_MODEL_LENGTH - 4)] * 3],
     "temperature": [0, 1e-320, 1e-30, 1e30, 1e308],
     "top_p": [1e-300, 5e-324, 1],
     "top_k": [1, 0, -1, 2**63 - 1, 10**6],
     "seed": [0, 2**64 - 1],
     "stop": [["\U0001f600"], ["a"] * 64, ["b" * 256], "\n"],
-    "max_tokens": [1, 10**20, 2**63],
+    "max_tokens": [1, 40],  # 40: with a prompt of the rest of the context (below)
     "ignore_eos": [True],
-    "logprobs": [None, False, 0],
+    "logprobs": [None],
     "best_of": [1, None],
     "n": [1],
-    "unknown_field": [{"nested": [1, 2, 3]}, None],
+    # Not supported yet, at the values that ask for nothing (clients send them).
+    "presence_penalty": [0, 0.0, None],
+    "frequency_penalty": [0],
+    "repetition_penalty": [1, 1.0],
+    "min_p": [0],
+    "logit_bias": [{}, None],
+    "min_tokens": [0],
+    "stop_token_ids": [[]],
+    "response_format": [{"type": "text"}],
+    "echo": [False],
+    "suffix": [""],
+    "user": ["someone", None],
 }
 BAD_JSON = [b"", b"{", b'{"prompt": "hi", ', b"null", b"1", b'"x"', b"[]", b"true",
             b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 50_000, b"\xff\xfe\x00",
@@ -201,8 +229,8 @@ class FaultMaker:
             names = rng.sample(sorted(EXTREME), rng.randint(1, 3))
             for name in names:
                 body[name] = rng.choice(EXTREME[name])
-            if body["max_tokens"] > MAX_MODEL_LENGTH:  # keep it short: a long prompt
-                body["prompt"] = "x" * (MAX_MODEL_LENGTH - 40)
+            if body["max_tokens"] > 2:  # the prompt and max_tokens fill the context exactly
+                body["prompt"] = "x" * (MAX_MODEL_LENGTH - body["max_tokens"])
             if "messages" in body and "prompt" in body:  # the template adds ~20 tokens
                 content = str(body.pop("prompt"))[:MAX_MODEL_LENGTH - 40]
                 body["messages"] = [{"role": "user", "content": content}]
@@ -272,7 +300,7 @@ def listed_faults() -> Iterator[Fault]:
         for value in values:
             body = {**COMPLETION, name: value}
             if name == "max_tokens":
-                body["prompt"] = "x" * (MAX_MODEL_LENGTH - 30)
+                body["prompt"] = "x" * (MAX_MODEL_LENGTH - value)
             yield Fault(f"extreme {name}={value!r:.40}", "POST", "/v1/completions",
                         encode(body), valid=True)
 

@@ -41,7 +41,7 @@ import signal
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -67,6 +67,7 @@ __all__ = ["AsyncLLM", "EngineDeadError", "StatLogger", "StreamOutput"]
 START_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs takes minutes
 CONNECT_TIMEOUT_S = 30.0  # from the core's "ready" to its sockets being connected (local ipc)
 SHUTDOWN_WAIT_S = 5.0  # for the core to finish its step and exit, before SIGTERM, then SIGKILL
+MAX_MESSAGE_INT = 2**64 - 1  # the largest int MessagePack encodes
 
 
 @dataclasses.dataclass
@@ -312,7 +313,7 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
                        request_id: str | None = None, stop: Iterable[str] = (),
-                       streamed: bool = True) -> AsyncIterator[StreamOutput]:
+                       streamed: bool = True) -> AsyncGenerator[StreamOutput, None]:
         """Queue one request and yield its outputs as the engine produces them.
 
         streamed=False: the caller only wants the whole answer (a non-streaming HTTP request),
@@ -338,11 +339,12 @@ class AsyncLLM:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, stop)
         elif stop:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        if sampling_params.max_tokens > self.max_model_length:
-            # No sequence grows past max_model_length, so this is the same request; and it
-            # keeps the number within what the message encoding takes (64 bits).
-            sampling_params = dataclasses.replace(sampling_params,
-                                                  max_tokens=self.max_model_length)
+        if sampling_params.max_tokens > MAX_MESSAGE_INT:
+            # MessagePack has no larger int; any max_tokens beyond max_model_length ends the
+            # request at max_model_length all the same ("length"), as LLM.generate does.
+            raise ValueError(f"SamplingParams.max_tokens={sampling_params.max_tokens} is more "
+                             f"than the engine core's messages carry (2**64 - 1); a request "
+                             f"ends at max_model_length={self.max_model_length} anyway")
         stream = _Stream(request_id, next(self._next_id))
         self._streams[stream.core_id] = stream
         self._by_request_id[request_id] = stream

@@ -2,6 +2,7 @@
 
     myvllm serve [MODEL] [--host H] [--port P] [--max-model-length 2048 ...]
     myvllm chat  [MODEL] [--max-tokens N] [--temperature T] [--system TEXT] [...]
+    myvllm export-tokenizer [MODEL] OUT_DIR
 
 Every Config field is a flag of both subcommands, its name in kebab-case (max_model_length ->
 --max-model-length, booleans as --enforce-eager / --no-enforce-eager), with the field's own
@@ -119,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, metavar="TEXT",
                       help="a system message opening every conversation")
     add_config_flags(chat)
+
+    export = sub.add_parser(
+        "export-tokenizer", help="write the model's tokenizer to a folder",
+        description="Write the tokenizer that `myvllm serve MODEL` uses (for a .gguf file, "
+        "such as the bundled model, the one in its metadata) to OUT_DIR, from where "
+        "transformers' AutoTokenizer.from_pretrained(OUT_DIR) loads it offline: for clients "
+        "that count or build tokens on their side (lm-evaluation-harness, guidellm).")
+    add_model_argument(export)
+    export.add_argument("out_dir", metavar="OUT_DIR", help="created if missing")
     return parser
 
 
@@ -154,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"myvllm {args.command}: {e}", file=sys.stderr)
         return 2
     try:
+        if args.command == "export-tokenizer":
+            return export_tokenizer(args.model, args.out_dir)
         if args.command == "serve":
             return serve(config, args.served_model_name or name, args.host, args.port,
                          args.log_level)
@@ -163,6 +175,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model loads (later, each command handles it)
         print(f"myvllm {args.command}: interrupted while starting", file=sys.stderr)
         return 130
+
+
+def export_tokenizer(model: str | None, out_dir: str) -> int:
+    """Save MODEL's tokenizer with save_pretrained (tokenizer.json, its config, the chat
+    template): a GGUF file's tokenizer lives in its metadata, which only transformers' GGUF
+    reader (and this engine) can read, so clients could not load it by themselves."""
+    from myvllm.engine.startup import tokenizer_if_any
+    from myvllm.utils.model_path import resolve_model_path
+
+    try:
+        path = resolve_model_path(model, weights=False)  # a hub id: no weights fetched
+    except (FileNotFoundError, ValueError) as e:
+        print(f"myvllm export-tokenizer: {e}", file=sys.stderr)
+        return 1
+    tokenizer = tokenizer_if_any(path)
+    if tokenizer is None:
+        print(f"myvllm export-tokenizer: {path} has no tokenizer (it takes token ids only)",
+              file=sys.stderr)
+        return 1
+    tokenizer.save_pretrained(out_dir)
+    print(f"the tokenizer of {path} is in {out_dir}: AutoTokenizer.from_pretrained"
+          f"({out_dir!r}) loads it")
+    return 0
 
 
 def serve(config: Config, model_name: str, host: str, port: int, log_level: str) -> int:

@@ -1,68 +1,82 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLM.
 
-    GET  /health               200 while the engine accepts requests, else 503
+    GET  /health               200 while the engine accepts requests, else 503 (text/plain)
     GET  /v1/models            the one model served
-    POST /v1/completions       prompt (text or token ids) -> text
+    GET  /v1/models/{id}       its card, or a 404 naming the model served
+    POST /v1/completions       prompt (text, token ids, or a batch of either) -> text
     POST /v1/chat/completions  messages -> the tokenizer's chat template -> text
+    POST /tokenize             prompt or messages -> token ids (vLLM's route)
+    POST /detokenize           token ids -> text (vLLM's route)
     GET  /metrics              Prometheus text (see metrics.py)
 
-A request's way through this file (the engine side is in myvllm/engine/async_llm.py):
+A request's way through this file (generating: serving_completion.py; the engine side:
+myvllm/engine/async_llm.py):
 
-    body bytes (a 413 over the size limit)
-      --parse_request--> CompletionRequest (strict; a mistake is a 400)
-      -> token ids, SamplingParams -> AsyncLLM.generate(...) -> async iterator of StreamOutput
-      -> stream=false: collect the text, one JSON body
-         stream=true:  one server-sent event per output, "data: {...}\\n\\n", then
-                       "data: [DONE]\\n\\n"
+    body bytes (a 413 over the size limit, a 408 if they stall)
+      --parse_request--> a request model of protocol.py (strict; a mistake is a 400)
+      -> token ids -> Generation (serving_completion.py) -> JSON body or server-sent events
 
-Client mistakes never reach the engine loop as exceptions: the body is validated here, and
-the engine's own checks (prompt longer than max_model_length, token id out of the
-vocabulary, a bad sampling value) raise ValueError/TypeError from generate() before any
-output, which becomes a 400 with OpenAI's error JSON. A client that disconnects cancels the
-task reading its outputs, and generate() aborts the request when it is left early.
+Client mistakes never reach the engine loop as exceptions: the body is validated here, the
+prompts are checked against the context and the vocabulary before anything is queued, and the
+engine's own refusals (ValueError/TypeError from generate(), before any output) become 400s
+with OpenAI's error JSON. Every request gets one log line (request_log.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from myvllm.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput
+from myvllm.engine.async_llm import AsyncLLM, EngineDeadError
+from myvllm.engine.core import check_token_ids
 from myvllm.entrypoints import protocol
+from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
 from myvllm.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from myvllm.entrypoints.protocol import RequestError, error_body
+from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log
+from myvllm.entrypoints.request_log import logger as request_logger
+from myvllm.entrypoints.responses import model_card
+from myvllm.entrypoints.serving_completion import Generation
 
 logger = logging.getLogger("myvllm")
 
-# /v1/completions without max_tokens: OpenAI's default. Chat without max_tokens may use
-# the rest of the context, as vLLM does.
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 # The largest request body read, unless make_server is told otherwise: room for a prompt of
 # max_model_length tokens at 64 bytes each (a token's text escaped in JSON, or its id and a
 # comma, is far less), and never under 1 MiB. A larger body gets a 413 before it is parsed.
 MIN_BODY_LIMIT = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
 DRAIN_LIMIT = 64 << 20  # the most of a too-large body read (and dropped) before the 413
-
-
-def sse(data: dict[str, Any] | str) -> str:
-    """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+# A body that sends nothing for this long is given up (408): a client that stalls in the
+# middle of its body would otherwise hold its connection and this task for good.
+BODY_IDLE_TIMEOUT_S = 30.0
+# A kept-alive connection idle this long after an answer is closed (uvicorn's and vLLM's
+# default: clients that reuse connections send their next request within it).
+TIMEOUT_KEEP_ALIVE_S = 5
+# The largest request line and headers taken (h11's default, made explicit): a head is a few
+# hundred bytes from any API client; a larger one is a 400 before it is complete.
+MAX_REQUEST_HEAD_BYTES = 16 * 1024
+# The request body of each POST route, declared in the OpenAPI schema (the routes parse the
+# raw bytes themselves, for the size limit and strict types, so FastAPI cannot see them).
+BODY_MODELS: dict[str, list[type[protocol.RequestBody]]] = {
+    "/v1/completions": [protocol.CompletionRequest],
+    "/v1/chat/completions": [protocol.ChatCompletionRequest],
+    "/tokenize": [protocol.TokenizeCompletionRequest, protocol.TokenizeChatRequest],
+    "/detokenize": [protocol.DetokenizeRequest],
+}
 
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -83,8 +97,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length.isdigit() and int(length) > max(limit, DRAIN_LIMIT):
         raise too_large  # not worth reading; the connection is closed after the answer
     chunks, size = [], 0
+    stream = request.stream()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), BODY_IDLE_TIMEOUT_S)
+            except StopAsyncIteration:
+                break
             size += len(chunk)
             if size <= limit:
                 chunks.append(chunk)
@@ -93,17 +112,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:  # nobody reads the answer; a client's doing, not a server error
         raise RequestError("the client closed the connection before the request body "
                            "was complete") from None
+    except asyncio.TimeoutError:
+        raise RequestError(f"the request body stalled: nothing came for "
+                           f"{BODY_IDLE_TIMEOUT_S:g} s", 408) from None
     if size > limit:
         raise too_large
     return b"".join(chunks)
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client closes the connection (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
@@ -114,22 +128,29 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
         yield
 
     app = FastAPI(title="myvllm", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(RequestLogMiddleware)
     max_model_length = llm.max_model_length
     body_limit = (max_body_bytes if max_body_bytes is not None
                   else default_body_limit(max_model_length))
     created = int(time.time())
+    generation = Generation(llm, model_name)
+
+    def refused(request: Request, message: str, status: int,
+                param: str | None = None) -> JSONResponse:
+        request_log(request).reason = message
+        return error_response(message, status, param)
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, e: RequestError) -> JSONResponse:
-        return error_response(e.message, e.status, e.param)
+    async def _request_error(request: Request, e: RequestError) -> JSONResponse:
+        return refused(request, e.message, e.status, e.param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(e.detail), e.status_code)  # unknown route, wrong method
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return refused(request, str(e.detail), e.status_code)  # unknown route, wrong method
 
     @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return error_response(str(e), 503)
+    async def _engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
+        return refused(request, str(e), 503)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:
@@ -139,13 +160,18 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if llm.is_running else 503)
+        if llm.is_running:
+            return PlainTextResponse("ok\n")
+        return PlainTextResponse("the engine is not running\n", status_code=503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list",
-                "data": [{"id": model_name, "object": "model", "created": created,
-                          "owned_by": "myvllm", "max_model_len": max_model_length}]}
+        return {"object": "list", "data": [model_card(model_name, created, max_model_length)]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: hub ids hold a slash (Qwen/Qwen3-0.6B)
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card(model_name, created, max_model_length)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -156,150 +182,88 @@ def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
             raise RequestError(f"The model `{name}` does not exist; this server serves "
                                f"`{model_name}`.", 404, "model")
 
-    async def start(prompt_ids: list[int], params: Any, stop: list[str], request_id: str,
-                    streamed: bool) -> tuple[StreamOutput, AsyncIterator[StreamOutput]]:
-        """Queue the request and wait for its first output, so that the engine's refusal
-        (ValueError / TypeError) is still a 400 and not an error inside a 200 stream."""
-        outputs = llm.generate(prompt_ids, params, request_id, stop, streamed=streamed)
-        try:
-            first = await anext(outputs)
-        except (ValueError, TypeError) as e:
-            raise RequestError(str(e)) from e
-        return first, outputs
-
-    async def run(request: Request, body: Any, prompt_ids: list[int], default_max_tokens: int,
-                  chat: bool) -> Response:
+    async def parse(request: Request, model: type[protocol.RequestBody]) -> Any:
+        body = protocol.parse_request(model, await read_body(request, body_limit))
         check_model(body.model)
-        try:
-            params = body.sampling_params(default_max_tokens)
-        except (ValueError, TypeError) as e:
-            raise RequestError(str(e)) from e
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if body.stream:
-            first, outputs = await start(prompt_ids, params, body.stop_strings, request_id,
-                                         streamed=True)
-            events = (stream_chat if chat else stream_completion)(
-                request_id, first, outputs, body.include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
-        # Not streamed: the answer is one body; watch the connection while it is computed.
-        collect = asyncio.ensure_future(
-            collect_text(prompt_ids, params, body.stop_strings, request_id))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():  # the client left: cancelling aborts the request
-            collect.cancel()
-            return Response(status_code=499)  # nobody reads it
-        gone.cancel()
-        text, reason, usage = collect.result()
-        if reason == "abort":
-            # Not the client's doing (its leaving cancels the task above): the server is
-            # shutting down. A partial answer with a 200 would pass for a complete one.
-            raise EngineDeadError("the server shut down before the answer was complete")
-        if chat:
-            return JSONResponse(protocol.chat_response(request_id, model_name, text, reason,
-                                                       usage))
-        return JSONResponse(protocol.completion_response(request_id, model_name, text, reason,
-                                                         usage))
+        return body
 
-    async def collect_text(prompt_ids: list[int], params: Any, stop: list[str],
-                           request_id: str) -> tuple[str, str | None, dict[str, int]]:
-        # One body at the end: nobody reads the tokens as they come.
-        first, outputs = await start(prompt_ids, params, stop, request_id, streamed=False)
-        parts, last = [first.text or ""], first
-        async for out in outputs:
-            parts.append(out.text or "")
-            last = out
-        return ("".join(parts), last.finish_reason,
-                protocol.usage(last.num_prompt_tokens, last.num_completion_tokens))
-
-    async def stream_completion(request_id: str, first: StreamOutput,
-                                outputs: AsyncIterator[StreamOutput],
-                                include_usage: bool) -> AsyncIterator[str]:
-        last = first
-        try:
-            async for out in _with_first(first, outputs):
-                last = out
-                if out.text or out.token_ids or out.finished:
-                    yield sse(protocol.completion_response(
-                        request_id, model_name, out.text or "", out.finish_reason, None))
-        except EngineDeadError as e:
-            yield sse(error_body(str(e), 503))
-        if include_usage:
-            chunk = protocol.completion_response(request_id, model_name, "", None, protocol.usage(
-                last.num_prompt_tokens, last.num_completion_tokens))
-            chunk["choices"] = []
-            yield sse(chunk)
-        yield sse("[DONE]")
-
-    async def stream_chat(request_id: str, first: StreamOutput,
-                          outputs: AsyncIterator[StreamOutput],
-                          include_usage: bool) -> AsyncIterator[str]:
-        yield sse(protocol.chat_chunk(request_id, model_name, {"role": "assistant",
-                                                               "content": ""}))
-        last = first
-        try:
-            async for out in _with_first(first, outputs):
-                last = out
-                if out.text or out.token_ids or out.finished:
-                    yield from_output(request_id, out)
-        except EngineDeadError as e:
-            yield sse(error_body(str(e), 503))
-        if include_usage:
-            yield sse(protocol.chat_chunk(request_id, model_name, None, None, protocol.usage(
-                last.num_prompt_tokens, last.num_completion_tokens)))
-        yield sse("[DONE]")
-
-    def from_output(request_id: str, out: StreamOutput) -> str:
-        delta = {"content": out.text} if out.text else {}
-        return sse(protocol.chat_chunk(request_id, model_name, delta, out.finish_reason))
-
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema("/v1/completions"))
     async def completions(request: Request) -> Response:
-        body = protocol.parse_request(protocol.CompletionRequest,
-                                      await read_body(request, body_limit))
-        prompt_ids = _encode(llm, body.prompt)
-        return await run(request, body, prompt_ids, DEFAULT_COMPLETION_MAX_TOKENS, chat=False)
+        body = await parse(request, protocol.CompletionRequest)
+        return await generation.completions(request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("/v1/chat/completions"))
     async def chat_completions(request: Request) -> Response:
-        body = protocol.parse_request(protocol.ChatCompletionRequest,
-                                      await read_body(request, body_limit))
-        prompt_ids = apply_chat_template(llm, body)
-        return await run(request, body, prompt_ids,
-                         max(1, max_model_length - len(prompt_ids)), chat=True)
+        body = await parse(request, protocol.ChatCompletionRequest)
+        return await generation.chat(request, body, apply_chat_template(llm, body))
 
+    @app.post("/tokenize", openapi_extra=_body_schema("/tokenize"))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = protocol.parse_tokenize_request(await read_body(request, body_limit))
+        check_model(body.model)
+        if isinstance(body, protocol.TokenizeChatRequest):
+            tokens = apply_chat_template(llm, body)
+        else:
+            tokens = list(need_tokenizer(llm).encode(
+                body.prompt, add_special_tokens=body.add_special_tokens))
+        request_log(request).prompt_tokens = len(tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_length}
+
+    @app.post("/detokenize", openapi_extra=_body_schema("/detokenize"))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await parse(request, protocol.DetokenizeRequest)
+        try:
+            tokens = check_token_ids(body.tokens, llm.vocab_size)
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), param="tokens") from e
+        return {"prompt": need_tokenizer(llm).decode(tokens)}
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's hook
     return app
 
 
-async def _with_first(first: StreamOutput,
-                      outputs: AsyncIterator[StreamOutput]) -> AsyncIterator[StreamOutput]:
-    try:
-        yield first
-        async for out in outputs:
-            yield out
-    finally:  # closed early (client gone): close generate() now, which aborts the request
-        await outputs.aclose()  # type: ignore[attr-defined]
+def _body_schema(path: str) -> dict[str, Any]:
+    """A route's request body in the OpenAPI schema: its models, in components/schemas."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in BODY_MODELS[path]]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
 
 
-def _encode(llm: AsyncLLM, prompt: str | list[int]) -> list[int]:
-    try:
-        return llm.encode(prompt)
-    except (ValueError, TypeError) as e:
-        raise RequestError(str(e)) from e
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the request body models (and the models they nest)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for models in BODY_MODELS.values():
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
-def apply_chat_template(llm: AsyncLLM, body: protocol.ChatCompletionRequest) -> list[int]:
-    """The conversation as the model was trained to read it, ending with the assistant's
-    turn; tokenized without adding special tokens (the template writes them)."""
+def need_tokenizer(llm: AsyncLLM) -> Any:
+    if llm.tokenizer is None:
+        raise RequestError("this model has no tokenizer: prompts are token ids")
+    return llm.tokenizer
+
+
+def apply_chat_template(llm: AsyncLLM, body: protocol.ChatCompletionRequest
+                        | protocol.TokenizeChatRequest) -> list[int]:
+    """The conversation as the model was trained to read it (by default ending with the
+    assistant's turn opened); tokenized without adding special tokens (the template writes
+    them)."""
     tokenizer = llm.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template: use /v1/completions")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
     from jinja2 import TemplateError
 
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True,
+                                             add_generation_prompt=body.add_generation_prompt,
                                              **(body.chat_template_kwargs or {}))
     except (TemplateError, ValueError, TypeError) as e:  # e.g. roles out of order
         raise RequestError(f"the chat template refused the messages: {e}") from e
@@ -347,14 +311,29 @@ class Server(uvicorn.Server):
 
 def make_server(llm: AsyncLLM, model_name: str, host: str, port: int,
                 log_level: str = "info", max_body_bytes: int | None = None,
-                exit_on_core_death: bool = True) -> Server:
+                exit_on_core_death: bool = True,
+                timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S) -> Server:
     """max_body_bytes: the largest request body taken (None: default_body_limit).
     exit_on_core_death False: the server keeps answering (503s) after the engine core
-    died, instead of stopping (a server embedded in a process that decides for itself)."""
+    died, instead of stopping (a server embedded in a process that decides for itself).
+    log_level: uvicorn's, and the request log's (one INFO line per request).
+    timeout_request_head: seconds a connection has to send a whole request head
+    (h11_deadlines.py)."""
     stat_logger = PrometheusStatLogger(model_name)
     llm.stat_logger = stat_logger
     app = build_app(llm, model_name, stat_logger, max_body_bytes)
-    # timeout_graceful_shutdown: a connection that still hangs after the aborts is cut.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=3, access_log=False)
-    return Server(config, llm, exit_on_core_death)
+    request_logger.setLevel(log_level.upper())
+    return Server(uvicorn_config(app, host, port, log_level, timeout_request_head), llm,
+                  exit_on_core_death)
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str,
+                   timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S
+                   ) -> DeadlineConfig:
+    """How make_server runs uvicorn. timeout_graceful_shutdown: a connection that still
+    hangs after the aborts is cut. access_log off: the request log (request_log.py) writes
+    the line, with more in it."""
+    return DeadlineConfig(app, timeout_request_head=timeout_request_head, host=host,
+                          port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                          access_log=False, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
+                          h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES)

@@ -1,16 +1,26 @@
-"""The OpenAI API's request bodies (validated) and response bodies (built as dicts).
+"""The OpenAI API's request bodies, validated from raw JSON bytes.
 
-Requests are parsed from the raw JSON bytes in strict mode: "max_tokens": "5" or true is an
-error, not a 5 or a 1, so a client's mistake is reported instead of guessed at. Unknown
-fields are ignored (OpenAI clients send fields we do not use); fields we know but do not
-implement are refused when they ask for something (logprobs, n > 1, echo...).
+Strict: "max_tokens": "5" or true is an error, not a 5 or a 1, so a client's mistake is
+reported instead of guessed at. Every field either works or is refused with a 400 that names
+it, so that no answer looks as if it honoured a field it ignored:
 
-vLLM's extra sampling fields are accepted too: top_k and ignore_eos.
+- fields that work: the sampling fields below, vLLM's extras top_k and ignore_eos, stop
+  strings, streaming (stream_options.include_usage), prompt batches in /v1/completions;
+- `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
+  effect on the answer;
+- fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
+  value that asks for nothing (null, or "n": 1, "presence_penalty": 0 ..., which clients such
+  as LangChain send on every request) and refused otherwise;
+- any other field is refused as unknown, with the list of the fields taken (OpenAI's own API
+  does the same).
+
+Response bodies are in responses.py.
 """
 
 from __future__ import annotations
 
-import time
+import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -37,6 +47,30 @@ ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLar
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
 
+# Known fields not implemented yet: field -> (does this value ask for nothing?, what is taken).
+# null is always taken. A field missing from a request body's model is simply unknown there.
+NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v == 1, "1"),
+    "best_of": (lambda v: v == 1, "1"),
+    "echo": (lambda v: v is False, "false"),
+    "suffix": (lambda v: v == "", '""'),
+    "logprobs": (lambda v: v is False, "false (chat) or null"),
+    "top_logprobs": (lambda v: v == 0, "0"),
+    "presence_penalty": (lambda v: v == 0, "0"),
+    "frequency_penalty": (lambda v: v == 0, "0"),
+    "repetition_penalty": (lambda v: v == 1, "1"),
+    "min_p": (lambda v: v == 0, "0"),
+    "logit_bias": (lambda v: not v, "{}"),
+    "min_tokens": (lambda v: v == 0, "0"),
+    "stop_token_ids": (lambda v: not v, "[]"),
+    "response_format": (lambda v: v.type == "text", '{"type": "text"}'),
+    "tools": (lambda v: not v, "[]"),
+    "tool_choice": (lambda v: v == "none", '"none"'),
+    # On a chat message: the answers this server gives never hold tool calls.
+    "tool_calls": (lambda v: not v, "[]"),
+    "tool_call_id": (lambda v: False, "null"),
+}
+
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"),
@@ -44,11 +78,28 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    def unsupported(self) -> list[str]:
+        """The NOT_YET fields of this model that ask for something, as "name (taken: ...)"."""
+        refused = []
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name in NOT_YET and value is not None and not NOT_YET[name][0](value):
+                refused.append(f"{name} (taken: {NOT_YET[name][1]} or null)")
+        return refused
+
+
+RequestBody = _Strict  # the base of every request body model
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -62,24 +113,22 @@ class _SamplingRequest(_Strict):
     seed: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Known but not implemented: refused when they ask for anything.
-    logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    user: str | None = None  # taken and ignored (see the module docstring)
+    # Not implemented yet (NOT_YET): refused unless they ask for nothing.
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
-    def _refuse_unimplemented(self) -> _SamplingRequest:
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported: send one request per completion")
-        if self.logprobs not in (None, False):
-            raise ValueError("logprobs are not supported")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not "
-                             "supported")
+    def _check_stop(self) -> _SamplingRequest:
         stop = self.stop_strings
         if not all(stop):
             raise ValueError("stop strings must not be empty")
@@ -100,38 +149,51 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams checks the values again and raises ValueError on a bad one."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k in (None, 0) else self.top_k,
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
         )
 
 
+Prompt = str | list[int]
+
+
 class CompletionRequest(_SamplingRequest):
-    # A string, token ids, or a list of one of those (a batch of one).
+    # A string or token ids, or a batch: a list of strings or of token-id lists.
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    # Not implemented yet (NOT_YET).
+    echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        if self.echo or (self.best_of or 1) > 1 or self.suffix:
-            raise ValueError("echo, best_of > 1 and suffix are not supported")
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("a batch of prompts is not supported: send one request per "
-                                 "prompt")
-            self.prompt = prompt[0]
+    def _not_empty(self) -> CompletionRequest:
         if not self.prompt:
             raise ValueError("the prompt is empty")
+        if self.is_batch:
+            empty = [i for i, prompt in enumerate(self.prompts) if not prompt]
+            if empty:
+                raise ValueError(f"prompt[{empty[0]}] is empty")
         return self
+
+    @property
+    def is_batch(self) -> bool:
+        prompt = self.prompt
+        return isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The prompts in order: one, or each of a batch."""
+        if self.is_batch:
+            return list(self.prompt)  # type: ignore[arg-type]  # a list of prompts here
+        return [self.prompt]  # type: ignore[list-item]  # one prompt here
 
 
 class ContentPart(_Strict):
@@ -142,6 +204,10 @@ class ContentPart(_Strict):
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # given to the chat template, which may show it
+    # Not implemented yet (NOT_YET): an assistant turn that called tools, a tool's answer.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -150,11 +216,28 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
-class ChatCompletionRequest(_SamplingRequest):
+
+class _ChatPrompt(_Strict):
+    """What makes a chat prompt: the messages and how the template renders them."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    add_generation_prompt: bool = True  # end with the assistant's turn opened (vLLM's field)
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    # Not implemented yet (NOT_YET).
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _max_tokens(self) -> ChatCompletionRequest:
@@ -162,50 +245,71 @@ class ChatCompletionRequest(_SamplingRequest):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    def unsupported(self) -> list[str]:
+        refused = super().unsupported()
+        for i, message in enumerate(self.messages):
+            refused += [f"messages[{i}].{what}" for what in message.unsupported()]
+        return refused
 
-def parse_request(model: type[_SamplingRequest], body: bytes) -> Any:
+
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # as /v1/completions tokenizes a prompt
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    """POST /tokenize with messages: the prompt /v1/chat/completions would run."""
+
+    model: str | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_request(model: type[_Strict], body: bytes) -> Any:
     """Validate a JSON body; every problem becomes one RequestError (status 400)."""
     try:
-        return model.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as e:
         problems = []
-        for err in e.errors(include_url=False):
+        errors = e.errors(include_url=False)
+        for err in errors:
             where = ".".join(str(p) for p in err["loc"])
-            problems.append(f"{where}: {err['msg']}" if where else err["msg"])
-        param = ".".join(str(p) for p in e.errors()[0]["loc"]) or None
+            if err["type"] == "extra_forbidden":
+                fields = ", ".join(_taken_fields(model, err["loc"]))
+                problems.append(f"{where}: unknown field (taken: {fields})")
+            else:
+                problems.append(f"{where}: {err['msg']}" if where else err["msg"])
+        param = ".".join(str(p) for p in errors[0]["loc"]) or None
         raise RequestError("invalid request: " + "; ".join(problems), 400, param) from None
+    refused = request.unsupported()
+    if refused:
+        raise RequestError(f"not supported yet: {'; '.join(refused)}", 400,
+                           refused[0].split(" ")[0])
+    return request
 
 
-# ---------------------------------------------------------------------------- responses
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+def parse_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """vLLM's /tokenize takes either shape; "messages" says which."""
+    try:
+        is_chat = "messages" in json.loads(body)
+    except (ValueError, TypeError):
+        is_chat = False  # not a JSON object: the prompt model reports what is wrong
+    model = TokenizeChatRequest if is_chat else TokenizeCompletionRequest
+    request: TokenizeCompletionRequest | TokenizeChatRequest = parse_request(model, body)
+    return request
 
 
-def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                        usage_: dict[str, int] | None, chunk: bool = False) -> dict[str, Any]:
-    """A /v1/completions body; with chunk=True one server-sent event of a stream."""
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage_}
-
-
-def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
-                  usage_: dict[str, int]) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_}
-
-
-def chat_chunk(request_id: str, model: str, delta: dict[str, str] | None,
-               finish_reason: str | None = None,
-               usage_: dict[str, int] | None = None) -> dict[str, Any]:
-    """One event of a streamed chat completion; delta None = the usage-only last event."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish_reason}]
-    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage_}
+def _taken_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The fields of the (nested) model in which loc, an unknown field's path, ends."""
+    nested: dict[int | str, type[BaseModel]] = {
+        "stream_options": StreamOptions, "response_format": ResponseFormat,
+        "messages": ChatMessage, "content": ContentPart}
+    for step in loc[:-1]:
+        model = nested.get(step, model)
+    return sorted(model.model_fields)

@@ -1,0 +1,56 @@
+"""The OpenAI API's response bodies, built as dicts (requests are in protocol.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Choice:
+    """One prompt's answer, or the news of one streamed event."""
+
+    index: int  # prompt index * n + i, as OpenAI numbers a batch's choices (n is 1 here)
+    text: str
+    finish_reason: str | None
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def completion_response(request_id: str, model: str, choices: list[Choice],
+                        usage_: dict[str, int] | None) -> dict[str, Any]:
+    """A /v1/completions body, or one server-sent event of its stream."""
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": c.index, "text": c.text, "logprobs": None,
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": usage_}
+
+
+def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
+                  usage_: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_}
+
+
+def chat_chunk(request_id: str, model: str, delta: dict[str, str] | None,
+               finish_reason: str | None = None,
+               usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    """One event of a streamed chat completion; delta None = the usage-only last event."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
+    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage_}
+
+
+def model_card(model: str, created: int, max_model_length: int) -> dict[str, Any]:
+    """One entry of GET /v1/models, and the body of GET /v1/models/{id}."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "myvllm",
+            "max_model_len": max_model_length}

@@ -1,0 +1,287 @@
+"""/v1/completions and /v1/chat/completions: prompts -> AsyncLLM.generate -> answers.
+
+    request body (protocol.py) -> token ids of each prompt, checked here (PromptChecker)
+      -> one AsyncLLM.generate per prompt, all queued at once, each awaited to its first
+         output (so that the engine's refusal is still a plain 400, not an error inside a
+         200 stream)
+      -> stream=false: every prompt's text collected, one JSON body, choices in prompt order
+         stream=true:  one server-sent event per output, "data: {...}\\n\\n", each carrying
+                       its prompt's choice index, then "data: [DONE]\\n\\n"
+
+A batch's prompts are separate requests to the engine (they share its batches like any
+others); its answer numbers the choices as OpenAI does: index = prompt index * n + i, and n
+is 1 here. Usage is summed over the prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from myvllm.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput
+from myvllm.engine.core import check_token_ids
+from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
+                                         RequestError, error_body)
+from myvllm.entrypoints.request_log import request_log
+from myvllm.entrypoints.responses import (Choice, chat_chunk, chat_response,
+                                          completion_response, usage)
+from myvllm.sampling_parameters import SamplingParams
+
+# /v1/completions without max_tokens: OpenAI's default (or what is left of the context, if
+# that is less). Chat without max_tokens may use the rest of the context, as vLLM does.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+Started = tuple[StreamOutput, AsyncGenerator[StreamOutput, None]]  # a request's first output, the rest
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def check_prompt(token_ids: list[int], max_tokens: int | None, max_model_length: int,
+                 vocab_size: int, where: str = "") -> int:
+    """The max_tokens to run a prompt with, or a RequestError (where: "prompt[3]: " in a
+    batch). Given, max_tokens must fit beside the prompt (vLLM's rule: a request is never
+    cut short by the context without having been told); not given, the default is what
+    fits."""
+    try:
+        check_token_ids(token_ids, vocab_size)
+    except (ValueError, TypeError) as e:
+        raise RequestError(f"{where}{e}", param="prompt") from e
+    n = len(token_ids)
+    if n >= max_model_length:
+        what = "longer than" if n > max_model_length else "as long as"
+        raise RequestError(f"{where}prompt of {n} tokens is {what} max_model_length="
+                           f"{max_model_length}; the prompt and at least one completion token "
+                           "must fit", param="prompt")
+    if max_tokens is None:
+        return max_model_length - n
+    if n + max_tokens > max_model_length:
+        raise RequestError(f"{where}prompt of {n} tokens + max_tokens={max_tokens} is "
+                           f"{n + max_tokens} tokens, more than max_model_length="
+                           f"{max_model_length}: ask for at most {max_model_length - n} "
+                           "completion tokens, or shorten the prompt", param="max_tokens")
+    return max_tokens
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _with_first(first: StreamOutput, outputs: AsyncGenerator[StreamOutput, None]
+                      ) -> AsyncGenerator[StreamOutput, None]:
+    try:
+        yield first
+        async for out in outputs:
+            yield out
+    finally:  # closed early (client gone): close generate() now, which aborts the request
+        await outputs.aclose()
+
+
+async def _merge(started: list[Started]) -> AsyncGenerator[tuple[int, StreamOutput], None]:
+    """The outputs of several requests as they come, each with its prompt index. One request
+    (the usual case) is read directly, without a task and a queue between."""
+    if len(started) == 1:
+        async with contextlib.aclosing(_with_first(*started[0])) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, first: StreamOutput,
+                   outputs: AsyncGenerator[StreamOutput, None]) -> None:
+        try:
+            async for out in _with_first(first, outputs):
+                queue.put_nowait((index, out))
+        except Exception as e:  # the engine died: the reader raises it
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, *s)) for i, s in enumerate(started)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:  # left early (client gone, an error): the other requests are aborted
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Generation:
+    """The routes that generate text, over one AsyncLLM serving one model name."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        batch = body.is_batch
+        prompts = []
+        for i, prompt in enumerate(body.prompts):
+            try:
+                prompts.append(self.llm.encode(prompt))
+            except (ValueError, TypeError) as e:  # e.g. text for a model with no tokenizer
+                raise RequestError(f"prompt[{i}]: {e}" if batch else str(e), param="prompt"
+                                   ) from e
+        default = body.max_tokens
+        limits = [min(check_prompt(ids, default, self.llm.max_model_length,
+                                   self.llm.vocab_size, f"prompt[{i}]: " if batch else ""),
+                      DEFAULT_COMPLETION_MAX_TOKENS if default is None else default)
+                  for i, ids in enumerate(prompts)]
+        return await self.run(request, body, prompts, limits, chat=False)
+
+    async def chat(self, request: Request, body: ChatCompletionRequest,
+                   prompt_ids: list[int]) -> Response:
+        limit = check_prompt(prompt_ids, body.max_tokens, self.llm.max_model_length,
+                             self.llm.vocab_size)
+        return await self.run(request, body, [prompt_ids], [limit], chat=True)
+
+    async def run(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                  prompts: list[list[int]], max_tokens: list[int], chat: bool) -> Response:
+        try:
+            params = [body.sampling_params(m) for m in max_tokens]
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e)) from e
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        log = request_log(request)
+        log.prompt_tokens = sum(map(len, prompts))
+        if body.stream:
+            started = await self.start(prompts, params, body.stop_strings, request_id, True)
+            events = (self.stream_chat if chat else self.stream_completion)(
+                request, request_id, started, body.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        # Not streamed: the answer is one body; watch the connection while it is computed.
+        collect = asyncio.ensure_future(
+            self.collect(prompts, params, body.stop_strings, request_id))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():  # the client left: cancelling aborts the requests
+            collect.cancel()
+            log.reason = "the client went away before the answer was complete"
+            return Response(status_code=499)  # nobody reads it
+        gone.cancel()
+        choices, num_completion_tokens = collect.result()
+        log.completion_tokens = num_completion_tokens
+        if any(c.finish_reason == "abort" for c in choices):
+            # Not the client's doing (its leaving cancels the task above): the server is
+            # shutting down. A partial answer with a 200 would pass for a complete one.
+            raise EngineDeadError("the server shut down before the answer was complete")
+        usage_ = usage(log.prompt_tokens, num_completion_tokens)
+        if chat:
+            return JSONResponse(chat_response(request_id, self.model_name, choices[0].text,
+                                              choices[0].finish_reason, usage_))
+        return JSONResponse(completion_response(request_id, self.model_name, choices, usage_))
+
+    async def start(self, prompts: list[list[int]], params: list[SamplingParams],
+                    stop: list[str], request_id: str, streamed: bool) -> list[Started]:
+        """Queue every prompt at once and wait for each one's first output. A refusal
+        (ValueError / TypeError from the engine) aborts the others and is a 400 naming the
+        prompt in a batch."""
+        batch = len(prompts) > 1
+        streams = [self.llm.generate(ids, p, f"{request_id}-{i}" if batch else request_id,
+                                     stop, streamed=streamed)
+                   for i, (ids, p) in enumerate(zip(prompts, params))]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        errors = [(i, e) for i, e in enumerate(firsts) if isinstance(e, BaseException)]
+        if errors:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            i, error = errors[0]
+            if isinstance(error, (ValueError, TypeError)):
+                raise RequestError(f"prompt[{i}]: {error}" if batch else str(error)
+                                   ) from error
+            raise error
+        return [(first, s) for first, s in zip(firsts, streams)
+                if isinstance(first, StreamOutput)]
+
+    async def collect(self, prompts: list[list[int]], params: list[SamplingParams],
+                      stop: list[str], request_id: str) -> tuple[list[Choice], int]:
+        """Every prompt's whole answer, in prompt order, and the completion tokens in all."""
+        started = await self.start(prompts, params, stop, request_id, streamed=False)
+        parts: list[list[str]] = [[] for _ in started]
+        last = [first for first, _ in started]
+        async with contextlib.aclosing(_merge(started)) as outputs:
+            async for index, out in outputs:
+                parts[index].append(out.text or "")
+                last[index] = out
+        choices = [Choice(i, "".join(p), out.finish_reason)
+                   for i, (p, out) in enumerate(zip(parts, last))]
+        return choices, sum(out.num_completion_tokens for out in last)
+
+    async def stream_completion(self, request: Request, request_id: str,
+                                started: list[Started], include_usage: bool
+                                ) -> AsyncIterator[str]:
+        last = [first for first, _ in started]
+        try:
+            async with contextlib.aclosing(self._outputs(request, started)) as outputs:
+                async for index, out in outputs:
+                    last[index] = out
+                    yield sse(completion_response(request_id, self.model_name, [
+                        Choice(index, out.text or "", out.finish_reason)], None))
+        except EngineDeadError as e:
+            request_log(request).reason = str(e)
+            yield sse(error_body(str(e), 503))
+        num_completion_tokens = self._finish_log(request, last)
+        if include_usage:
+            yield sse(completion_response(request_id, self.model_name, [], usage(
+                sum(out.num_prompt_tokens for out in last), num_completion_tokens)))
+        yield sse("[DONE]")
+
+    async def stream_chat(self, request: Request, request_id: str, started: list[Started],
+                          include_usage: bool) -> AsyncIterator[str]:
+        yield sse(chat_chunk(request_id, self.model_name, {"role": "assistant",
+                                                           "content": ""}))
+        last = [first for first, _ in started]
+        try:
+            async with contextlib.aclosing(self._outputs(request, started)) as outputs:
+                async for index, out in outputs:
+                    last[index] = out
+                    delta = {"content": out.text} if out.text else {}
+                    yield sse(chat_chunk(request_id, self.model_name, delta,
+                                         out.finish_reason))
+        except EngineDeadError as e:
+            request_log(request).reason = str(e)
+            yield sse(error_body(str(e), 503))
+        num_completion_tokens = self._finish_log(request, last)
+        if include_usage:
+            yield sse(chat_chunk(request_id, self.model_name, None, None, usage(
+                last[0].num_prompt_tokens, num_completion_tokens)))
+        yield sse("[DONE]")
+
+    async def _outputs(self, request: Request, started: list[Started]
+                       ) -> AsyncGenerator[tuple[int, StreamOutput], None]:
+        """The outputs worth an event (new text or tokens, or the end); a stream closed
+        early (the client went away) says so in the request's log line."""
+        done = False
+        try:
+            async with contextlib.aclosing(_merge(started)) as outputs:
+                async for index, out in outputs:
+                    if out.text or out.token_ids or out.finished:
+                        yield index, out
+            done = True
+        finally:
+            if not done:
+                request_log(request).reason = "the client went away during the stream"
+
+    def _finish_log(self, request: Request, last: Sequence[StreamOutput]) -> int:
+        num_completion_tokens = sum(out.num_completion_tokens for out in last)
+        request_log(request).completion_tokens = num_completion_tokens
+        return num_completion_tokens
