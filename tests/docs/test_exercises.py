@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from test_docs import COVERED_BY_EXERCISE_TEST, extract_commands, python_script
+from test_docs import COVERED_BY_EXERCISE_TEST, GUIDE, _fences, extract_commands, python_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / COVERED_BY_EXERCISE_TEST
@@ -110,6 +110,27 @@ def test_guide_runs_every_probe_and_every_question_has_an_answer_here() -> None:
     assert set(RIGHT) == set(module.PROBES) == set(module.QUESTIONS)
     for name, questions in module.QUESTIONS.items():
         assert [q.key for q in questions] == list(RIGHT[name]), name
+
+
+def test_each_answer_is_folded_away_after_its_command() -> None:
+    """In the guide an answer never comes before its exercise's command: every command is
+    followed by a <details> block, and every <details> block follows a command."""
+    lines = GUIDE.read_text().splitlines()
+    blocks = _fences(GUIDE)  # (language, first content line, 1-based; body)
+    ends = {start + len(body): COVERED_BY_EXERCISE_TEST in "\n".join(body)
+            for _, start, body in blocks}  # 1-based line of each closing fence
+    for end, is_exercise in ends.items():
+        if is_exercise:
+            after = next(line for line in lines[end:] if line.strip())
+            assert after.startswith("<details>"), (
+                f"HowToApproachvLLM.md:{end}: an exercise command without its folded answer "
+                f"right after it (found {after!r})")
+    for number, line in enumerate(lines, 1):
+        if line.startswith("<details>"):
+            fence = max(end for end in ends if end < number)
+            assert ends[fence] and not any(lines[i].strip() for i in range(fence, number - 1)), (
+                f"HowToApproachvLLM.md:{number}: an answer that does not follow an exercise "
+                "command")
 
 
 @pytest.mark.parametrize("name", list(RIGHT))
