@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -60,17 +59,11 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
+from benchmarks.device import kernel_device  # noqa: E402
+
 TOL = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
-
-def setup_device(quick: bool) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if not quick:
-        raise SystemExit("benchmark_decoding.py needs a CUDA GPU; use --quick on the CPU")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported (in main)
-    return torch.device("cpu")
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device, graph: bool = True
@@ -180,7 +173,7 @@ def bytes_moved(lens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype) 
 
 def main() -> None:
     args = parse_args()
-    device = setup_device(args.quick)
+    device = kernel_device(__file__, args.quick)
     import triton
 
     from benchmarks.baselines import paged_attention_decode_per_head_triton

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -60,6 +59,8 @@ REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
+from benchmarks.device import kernel_device  # noqa: E402
+
 from benchmark_decoding import bench_ms, copy_bandwidth_gbs  # noqa: E402
 
 # bf16: the expert outputs (up to ~4 in size) are rounded to bf16 before they are summed;
@@ -67,14 +68,6 @@ from benchmark_decoding import bench_ms, copy_bandwidth_gbs  # noqa: E402
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-2}
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
-
-def setup_device(quick: bool) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if not quick:
-        raise SystemExit("benchmark_moe.py needs a CUDA GPU; use --quick on the CPU")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported (in main)
-    return torch.device("cpu")
 
 
 def make_case(tokens: int, experts: int, top_k: int, hidden: int, inter: int,
@@ -93,7 +86,7 @@ def make_case(tokens: int, experts: int, top_k: int, hidden: int, inter: int,
 
 def main() -> None:
     args = parse_args()
-    device = setup_device(args.quick)
+    device = kernel_device(__file__, args.quick)
     import triton
 
     from myvllm.kernels import fused_moe_ref

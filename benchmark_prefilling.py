@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -70,18 +69,11 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
+from benchmarks.device import kernel_device  # noqa: E402
+
 TOL = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
-
-def setup_device(quick: bool) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if not quick:
-        raise SystemExit("benchmark_prefilling.py needs a CUDA GPU; use --quick on the CPU")
-    # Triton reads this when it is imported (below, in main), so set it first.
-    os.environ["TRITON_INTERPRET"] = "1"
-    return torch.device("cpu")
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device, cuda_graph: bool = False) -> float:
@@ -120,7 +112,7 @@ def standard_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def main() -> None:
     args = parse_args()
-    device = setup_device(args.quick)
+    device = kernel_device(__file__, args.quick)
     import torch.nn.functional as F
     import triton
 

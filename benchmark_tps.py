@@ -30,6 +30,8 @@ on vLLM after the other two.
 --bundled: the CPU comparison (docs/benchmarks.md): the bundled SmolLM2-135M-Instruct (real
 weights, GGUF), 4 chat prompts x 64 greedy tokens, myvllm against transformers loading the
 same GGUF file (batched with left padding), fp32, both timed after one warm-up run.
+
+Those two are the CPU modes: without a GPU, any other run stops at once with a hint naming them.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+
+from benchmarks.device import require_gpu  # noqa: E402
 
 QWEN3_CONFIG = REPO / "configs" / "Qwen3-0.6B" / "config.json"
 
@@ -263,7 +267,9 @@ def main() -> None:
 
     from myvllm import LLM, SamplingParams
 
-    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    # --quick and --bundled are the CPU modes; the full workload on a CPU would run for
+    # tens of minutes, so without a GPU the script stops and names them.
+    device = "cpu" if args.quick else require_gpu(__file__, "--quick or --bundled").type
     if args.quick:
         args.num_seqs, args.max_input_len, args.max_output_len = 6, 24, 24
         args.hf_num_seqs, args.hf_batch_size, min_len = 3, 3, 8

@@ -11,9 +11,14 @@
     uv run python examples/exercises.py stop-string        # step 7: text held back while streaming
     uv run python examples/exercises.py graph-padding      # fast path: the -1 slot of padding
 
-Each probe drives the real classes (BlockManager, Scheduler, LLMEngine, ModelRunner methods,
-the kernels' PyTorch references) and ends with `answer:` lines. Try to answer the question in
-the guide first, then run the probe. tests/docs/test_exercises.py checks the answers.
+Each exercise first asks its questions, and you answer: typed in at the prompt in a terminal,
+or written into examples/answers.toml (another file with --answers FILE), one [NAME] table per
+exercise; with neither, it prints the questions and that table to fill in, and exits 2. Then
+the probe drives the real classes (BlockManager, Scheduler, LLMEngine, ModelRunner methods, the
+kernels' PyTorch references), prints what happened, and grades each answer against what it
+computed: right or wrong, and why. Exit status 0 when all are right, 1 otherwise. --show runs
+the probe without asking. tests/docs/test_exercises.py checks that right answers pass and
+wrong ones are refused.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # run without install
+sys.path.insert(0, str(ROOT / "examples"))  # grading, exercise_questions: also when imported
 
 import torch  # noqa: E402
 
@@ -37,6 +44,12 @@ from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.kernels import store_kvcache  # noqa: E402
 from myvllm.sampling_parameters import SamplingParams  # noqa: E402
+
+from exercise_questions import QUESTIONS  # noqa: E402
+from grading import collect, grade, how_to_answer  # noqa: E402
+
+ANSWERS = ROOT / "examples" / "answers.toml"
+Truths = dict[str, object]  # what a probe computed: question key -> the right answer
 
 
 def input_builder(block_size: int) -> InputBuilder:
@@ -53,7 +66,7 @@ def modulo_rule_can_append(bm: BlockManager, seq: Sequence) -> bool:
 
 
 # ------------------------------------------------------------------------------------ step 1
-def paged_slots() -> None:
+def paged_slots() -> Truths:
     from myvllm.kernels.reference import paged_attention_decode_ref
 
     block_size, table, num_tokens = 4, [7, 2, 9], 10
@@ -93,17 +106,15 @@ def paged_slots() -> None:
     other_sizes = {1: list(range(19, 9, -1)), 16: [3]}  # any blocks, in any order
     same_across_sizes = all(torch.allclose(paged(size, blocks), dense, atol=1e-5)
                             for size, blocks in other_sizes.items())
-    print(f"\nanswer: token 5 -> slot {slots[5]}, token 9 -> slot {slots[9]} "
-          "(slot = block_table[p // block_size] * block_size + p % block_size)")
-    print(f"answer: paged attention through block_table {table} equals dense attention: "
-          f"{same_as_dense}")
-    print(f"answer: the same keys stored at block_size 1, 4 and 16 give the same output: "
-          f"{same_as_dense and same_across_sizes} (attention never sees blocks, only the "
-          "positions the table maps)")
+    print(f"paged attention through block_table {table} vs dense: "
+          f"{'same' if same_as_dense else 'differs'}; at block sizes 1 and 16: "
+          f"{'same' if same_across_sizes else 'differs'}")
+    return {"slot_5": slots[5], "slot_9": slots[9], "paged_equals_dense": same_as_dense,
+            "any_block_size": same_as_dense and same_across_sizes}
 
 
 # ------------------------------------------------------------------------------------ 1
-def can_append() -> None:
+def can_append() -> Truths:
     print("BlockManager(num_blocks=3, block_size=8); a 23-token sequence takes all 3 blocks "
           "(8 + 8 + 7 tokens).")
     bm = BlockManager(3, 8)
@@ -133,16 +144,12 @@ def can_append() -> None:
           "num_tokens % size == 1 rule")
     for size, (n, free, ours, modulo_rule, needed) in zip((8, 8, 1), rows):
         print(f"{size:>10} {n:>10} {free:>5} {needed:>17} {str(ours):>18}  {modulo_rule}")
-    print(f"\nanswer: block_size 8, num_tokens 24, no free block -> can_append = {answer_24} "
-          "(token 24 takes the last slot of block 3; append() only hashes the full block)")
-    print(f"answer: num_tokens 25 -> can_append = {answer_25} (first token of a 4th block); "
-          "the scheduler then preempts the tail of running, it never drops the sequence")
-    print(f"answer: block_size 1 -> can_append = {rows[2][2]}, the modulo rule says {rows[2][3]} "
-          "(x % 1 is never 1); ours compares the block table with num_blocks")
+    return {"at_24": answer_24, "at_25": answer_25, "modulo_rule_size_1": rows[2][3],
+            "ours_size_1": rows[2][2]}
 
 
 # ------------------------------------------------------------------------------------ 2
-def identical_prompts() -> None:
+def identical_prompts() -> Truths:
     print("Scheduler with block_size=256. Two requests with the SAME prompt; how many prompt "
           "tokens of the second come from the cache, and how many does its prefill compute?")
     print(f"\n{'prompt':>6}  {'arrival':<34} {'cached':>6} {'computed':>8}")
@@ -169,13 +176,9 @@ def identical_prompts() -> None:
             answers[(length, mode.split()[0])] = second.num_cached_tokens
             print(f"{length:>6}  {mode:<34} {second.num_cached_tokens:>6} "
                   f"{length - second.num_cached_tokens:>8}")
-    print(f"\nanswer: 300 tokens -> {answers[(300, 'together')]} cached (one full block; the "
-          "44-token tail is a partial block, never hashed), together or one after the other")
-    print(f"answer: 512 tokens -> {answers[(512, 'together')]} cached, not 512: both blocks "
-          "match, but a prefill must compute at least the last token, so the last block is "
-          "recomputed (in a fresh block)")
-    print("answer: the original gave 0 when the first request had finished (freed blocks "
-          "forgot their tokens) and 512 with nothing left to compute when both were alive")
+    same = all(answers[(n, "together")] == answers[(n, "after")] for n in (300, 512))
+    return {"cached_300": answers[(300, "after")], "cached_512": answers[(512, "after")],
+            "same_in_both_orders": same}
 
 
 # ------------------------------------------------------------------------------------ 3
@@ -201,7 +204,7 @@ def _finish(sch: Scheduler, tokens: list[int]) -> Sequence:
     return seq
 
 
-def freed_blocks() -> None:
+def freed_blocks() -> Truths:
     def scheduler(manager: type[BlockManager]) -> Scheduler:
         sch = Scheduler(Config(num_kvcache_blocks=6, block_size=4, max_model_length=64, eos=-1))
         sch.block_manager = manager(6, 4)
@@ -245,14 +248,11 @@ def freed_blocks() -> None:
         print(f"    {key:<13} {value.tolist() if isinstance(value, torch.Tensor) else value}")
     print("    cu_seqlens_k > cu_seqlens_q and block_tables is set: flash_attention_varlen reads "
           "the cached prefix from the paged cache; positions start at num_cached_tokens")
-    print(f"\nanswer: keeping tokens on free -> Y hits {hits['BlockManager']} tokens; clearing "
-          f"them (the original) -> {hits['ClearOnFree']}")
-    print(f"answer: a freed block stops matching only when it is handed out as a fresh block "
-          f"(_allocate_fresh_block evicts it); here Y then hits {evicted_hit}")
-    print("answer: tests that fail if you clear tokens on free include "
-          "tests/core/test_block_manager.py::test_prefix_cache_survives_the_sequence_that_filled_it, "
-          "tests/core/test_scheduler.py::test_prefix_served_from_cache_after_first_request_finished, "
-          "tests/engine/test_engine.py::test_prefix_reuse_across_generate_calls_matches_cold_engine")
+    paged_prefill = step.context.is_prefill and step.context.block_tables is not None
+    return {"hits_kept": hits["BlockManager"], "hits_cleared": hits["ClearOnFree"],
+            "stops_matching": "handed-out" if evicted_hit < hits["BlockManager"] else "never",
+            "hits_after_eviction": evicted_hit,
+            "kernel": "flash_attention_varlen" if paged_prefill else "paged_attention_decode"}
 
 
 # ------------------------------------------------------------------------------------ 4
@@ -331,7 +331,7 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     return float(k_cache[3, 2, 0, 0]), float(k_cache[0, 0, 0, 0]), step1, step2
 
 
-def graph_padding() -> None:
+def graph_padding() -> Truths:
     print("A, B, C, D (prompts [11, 12], [21, 22], ...) decode with a captured graph of batch "
           "size 4; D finishes and its block 3 goes to a new request E (K = 501, 502, 503 at "
           "slots 12, 13, 14); then A, B, C decode: batch 3 is padded to the batch-4 graph, "
@@ -339,28 +339,24 @@ def graph_padding() -> None:
           "graphs whose 'K' is the input token id.\n")
     print(f"{'padding row slot':<38} {'static slot_mapping, step 1 / step 2':<38} "
           f"{'E slot 14':>9} {'A slot 0':>8}")
-    results = {}
+    results, padded_minus_one = {}, False
     variants = (("-1", "-1 (as written)"), ("stale", "stale (the original, fill deleted)"),
                 ("0", "0 (a real slot: block 0, offset 0)"))
     for variant, label in variants:
         e_k, a_k, step1, step2 = _graph_run(variant)
         results[variant] = (e_k, a_k)
+        if variant == "-1":
+            padded_minus_one = step2[3] == -1  # row 3, the padding row, as prepare_decode wrote it
         print(f"{label:<38} {str(step1) + ' / ' + str(step2):<38} {e_k:>9g} {a_k:>8g}")
-    print(f"\nanswer: with slot -1 the padding row writes nothing: E keeps K "
-          f"{results['-1'][0]:g} at slot 14 and A keeps {results['-1'][1]:g} at slot 0")
-    print(f"answer: with the stale slot (the original without its fill_(-1)) the padding row "
-          f"overwrites E's K at slot 14 with {results['stale'][0]:g}: a sequence that finished "
-          "corrupts the one that got its block, silently")
-    print(f"answer: with slot 0 it overwrites A's first K ({results['-1'][1]:g} -> "
-          f"{results['0'][1]:g}); any real slot belongs to someone")
-    print("answer: our -1 is written by InputBuilder.prepare_decode (padding rows: slot -1, "
-          "context length 0) and GraphRunner.capture (captures on slots of -1); it is "
-          "honored by store_kvcache: kernels/store_kvcache_kernel.py (mask slot >= 0) and "
-          "kernels/reference.py (keep = slot_mapping >= 0)")
+    kept_e, kept_a = results["-1"]  # E's K at slot 14 and A's at slot 0 when padding is -1
+    return {"stale": "overwritten" if results["stale"][0] != kept_e else "nothing",
+            "slot_0_victim": "A" if results["0"][1] != kept_a else "nobody",
+            "written_by": "prepare_decode" if padded_minus_one else "replay",
+            "honored_by": "store_kvcache" if kept_e == 503 else "replay"}
 
 
 # ------------------------------------------------------------------------------------ 5
-def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 40) -> None:
+def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 40) -> Truths:
     from myvllm.utils.hf_config import load_hf_config
 
     hf_config = load_hf_config(ROOT / "configs" / "Qwen3-0.6B")
@@ -371,7 +367,7 @@ def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 
     print(f"{'block_size':>10} {'bytes/block':>12} {'blocks':>7} {'token slots':>11} "
           f"{'blocks/seq':>10} {'seqs that fit':>13} {'wasted slots/seq':>16} "
           f"{'prefix hit':>10}")
-    fits = {}
+    fits, blocks, memory, hits = {}, {}, {}, {}
     for size in (256, 16):
         layout = KVCacheLayout(num_layers=hf_config.num_hidden_layers, block_size=size,
                                num_kv_heads=hf_config.num_key_value_heads,
@@ -386,7 +382,7 @@ def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 
                 break
             bm.allocate(seq)
             count += 1
-        fits[size] = count
+        fits[size], blocks[size], memory[size] = count, num_blocks, num_blocks * block_bytes
         # Prefix caching: a second prompt sharing a `shared_prefix`-token system prompt.
         sch = Scheduler(Config(num_kvcache_blocks=num_blocks, block_size=size,
                                max_model_length=1024, max_num_batched_tokens=4096, eos=-1))
@@ -395,24 +391,21 @@ def block_size(kv_gib: float = 1.0, seq_tokens: int = 114, shared_prefix: int = 
             second = Sequence(common + tail, size, SamplingParams(max_tokens=1))
             sch.add_sequence(second)
             sch.postprocess(sch.schedule()[0], [9])
-        per_seq = -(-seq_tokens // size)
+        per_seq, hits[size] = -(-seq_tokens // size), second.num_cached_tokens
         print(f"{size:>10} {block_bytes:>12,} {num_blocks:>7} {num_blocks * size:>11,} "
               f"{per_seq:>10} {count:>13} {per_seq * size - seq_tokens:>16} "
               f"{second.num_cached_tokens:>10}")
-    print("\nanswer: 256 -> 16 multiplies the block count by 16 at the same bytes (the "
-          "memory budget, not the block size, fixes the KV memory), and the token capacity "
-          "stays the same up to rounding")
-    print(f"answer: but each sequence wastes at most block_size - 1 slots in its last block: "
-          f"{fits[256]} sequences of {seq_tokens} tokens fit with 256, {fits[16]} with 16")
-    print("answer: the line is in kv_cache.count_blocks: num_blocks = budget // "
-          "block_bytes, with KVCacheLayout.block_bytes = block_size * 2 * layers * "
-          "kv_heads * head_dim * dtype size")
-    print(f"answer: prefix caching shares only full blocks: a {shared_prefix}-token shared "
-          "prefix gives 0 cached tokens at 256 and 32 at 16")
+    # The same memory up to one block's bytes of rounding: the budget fixes it.
+    same_memory = abs(memory[16] - memory[256]) < memory[256] // blocks[256]
+    return {"blocks_factor": round(blocks[16] / blocks[256]),
+            "memory": "same" if same_memory else "up" if memory[16] > memory[256] else "down",
+            "decided_by": "count_blocks",  # the comment in the loop above quotes its line
+            "seqs_256": fits[256], "seqs_16": fits[16],
+            "cached_256": hits[256], "cached_16": hits[16]}
 
 
 # ------------------------------------------------------------------------------------ step 5
-def preemption() -> None:
+def preemption() -> Truths:
     config = Config(num_kvcache_blocks=3, block_size=4, max_model_length=64, eos=-1,
                     max_num_sequences=8, max_num_batched_tokens=64)
     sch = Scheduler(config)
@@ -439,24 +432,29 @@ def preemption() -> None:
     batch, is_prefill = sch.schedule()
     print(f"step 2: {'prefill' if is_prefill else 'decode'} {label(batch)}; preempted in "
           f"order {preempted}; running {label(sch.running)}; waiting {label(sch.waiting)}")
-    tracked = len(sch.running) + len(sch.waiting)
-    print(f"\nanswer: the decode step runs {label(batch)}; preempted in order {preempted} "
-          "(the tail of running first, then the current one when nobody else is left)")
-    print(f"answer: waiting is now {label(sch.waiting)}: each victim went to the FRONT of "
-          f"waiting, with its blocks freed; {tracked} of 3 sequences are still tracked "
-          "(nobody is dropped)")
+    truths: Truths = {"runs": label(batch), "preempted": preempted,
+                      "waiting": label(sch.waiting),
+                      "all_tracked": len(sch.running) + len(sch.waiting) == 3}
     sch.postprocess(batch, [2])
     free = len(sch.block_manager.free_block_ids)
     batch, is_prefill = sch.schedule()
-    print(f"answer: step 3 is a {'prefill' if is_prefill else 'decode'} of {label(batch)}: B, "
-          f"at the head of waiting, needs 2 blocks for its 5 tokens and {free} is free, and C "
-          "may not jump the queue; B is recomputed (prompt + completion) once A frees blocks")
+    print(f"step 3: {'prefill' if is_prefill else 'decode'} {label(batch)}; free blocks "
+          f"before it {free}")
+    return truths | {"next_kind": "prefill" if is_prefill else "decode",
+                     "next_runs": label(batch)}
 
 
 # ------------------------------------------------------------------------------------ step 5b
-def _budget_run(chunked: bool, budget: int) -> list[str]:
+class BudgetStep(NamedTuple):
+    line: str  # what the probe prints
+    c_tokens: int  # C's prompt tokens computed in this step
+    decoding: list[str]  # who decodes in it
+    sampled: list[str]
+
+
+def _budget_run(chunked: bool, budget: int) -> list[BudgetStep]:
     """A and B (3-token prompts) are prefilled and decoding when C (20 tokens) arrives; one
-    line per step until C has its first token. Tokens are made up: only lengths matter."""
+    step each until C has its first token. Tokens are made up: only lengths matter."""
     config = Config(num_kvcache_blocks=32, block_size=4, max_model_length=64, eos=-1,
                     max_num_sequences=8, max_num_batched_tokens=budget,
                     enable_chunked_prefill=chunked)
@@ -474,42 +472,47 @@ def _budget_run(chunked: bool, budget: int) -> list[str]:
     batch, _ = sch.schedule()
     sch.postprocess(batch, [1] * len(batch))  # both sampled their first token
     c = add("C", range(100, 120))
-    lines: list[str] = []
-    step = 0
+    steps: list[BudgetStep] = []
     while c.num_completion_tokens == 0:
-        step += 1
         batch, is_prefill = sch.schedule()
-        rows = []
+        rows, c_tokens = [], 0
         for seq in batch:
             start = seq.num_computed_tokens - seq.num_new_tokens if chunked else 0
             end = seq.num_computed_tokens if chunked else len(seq)
             what = f"tokens [{start}, {end})" if seq is c else "decode"
+            c_tokens = end - start if seq is c else c_tokens
             rows.append(f"{names[seq.seq_id]} {what}")
         sampled = [s for s in batch if not chunked or s.num_computed_tokens == s.num_tokens]
         kind = ("MIXED" if chunked else "PREFILL") if is_prefill else "DECODE"
-        lines.append(f"step {step}: {kind:7} {', '.join(rows)}; samples "
-                     f"{[names[s.seq_id] for s in sampled]}")
+        who = [names[s.seq_id] for s in sampled]
+        steps.append(BudgetStep(f"step {len(steps) + 1}: {kind:7} {', '.join(rows)}; samples "
+                                f"{who}", c_tokens, [r.split()[0] for r in rows if "decode" in r],
+                                who))
         sch.postprocess(sampled, [1] * len(sampled))
-    return lines
+    return steps
 
 
-def budget() -> None:
+def budget() -> Truths:
     print("A and B are decoding; C arrives with a 20-token prompt. Block size 4.\n")
     print("chunked prefill, max_num_batched_tokens=6:")
     chunked = _budget_run(chunked=True, budget=6)
-    print("\n".join("  " + line for line in chunked))
+    print("\n".join("  " + step.line for step in chunked))
     print("\nprefill-first (enable_chunked_prefill=False), max_num_batched_tokens=64:")
     first = _budget_run(chunked=False, budget=64)
-    print("\n".join("  " + line for line in first))
-    print(f"\nanswer: with a budget of 6, C's prompt takes {len(chunked)} steps of 4 tokens "
-          f"(6 minus the 2 decode rows), and C samples its first token in step {len(chunked)}, "
-          "the one whose chunk reaches its last prompt token")
-    print(f"answer: A and B decode in every one of those {len(chunked)} steps; prefill-first "
-          f"computes C in {len(first)} step, in which A and B skip their decode")
+    print("\n".join("  " + step.line for step in first))
+    sizes = {step.c_tokens for step in chunked}
+    return {"chunk_steps": len(chunked), "chunk_tokens": sizes.pop() if len(sizes) == 1 else -1,
+            "first_token_step": next(i + 1 for i, step in enumerate(chunked)
+                                     if "C" in step.sampled),
+            "ab_decode_meanwhile": all(step.decoding == ["A", "B"] for step in chunked),
+            "prefill_first_steps": len(first),
+            # No probe can show a read of unwritten K/V; the question's why names the test
+            # that does.
+            "register_all_at_admission": "unwritten"}
 
 
 # ------------------------------------------------------------------------------------ step 6
-def step_loop() -> None:
+def step_loop() -> Truths:
     import importlib.util
     import tempfile
 
@@ -540,11 +543,8 @@ def step_loop() -> None:
         reference = llm.generate(prompts, params, use_tqdm=False)
         llm.exit()
     same = [by_hand[i] for i in seq_ids] == [out["token_ids"] for out in reference]
-    print(f"\nanswer: step() returns (outputs of the sequences that finished in it, a signed "
-          f"token count); the counts were {counts}")
-    print(f"answer: prefill steps count prompt tokens computed (+{counts[0]}), decode steps "
-          f"minus one per sequence ({counts[1]})")
-    print(f"answer: add_request + step gives generate()'s tokens: {same}")
+    return {"calls": len(counts), "first_count": counts[0], "decode_count": counts[1],
+            "same_as_generate": same}
 
 
 # ------------------------------------------------------------------------------------ step 7
@@ -555,7 +555,7 @@ class _ByteTokenizer:
         return bytes(token_ids).decode("utf-8", errors="replace")
 
 
-def stop_string() -> None:
+def stop_string() -> Truths:
     from myvllm.engine.detokenizer import IncrementalDetokenizer
 
     text = "5€ Obstacle. Observation: 7"
@@ -563,20 +563,20 @@ def stop_string() -> None:
     detok = IncrementalDetokenizer(_ByteTokenizer(), list(b"Q: "), stop=[stop])
     print(f"A completion of {len(text.encode())} byte tokens, {text!r}, stop string {stop!r};")
     print("the delta each token releases to the client:")
-    shown = ""
+    shown, deltas = "", []
     for i, byte in enumerate(text.encode()):
         delta = detok.add_tokens([byte])
         shown += delta
+        deltas.append(delta)
         print(f"  token {i:2} {bytes([byte])!r:7} -> {delta!r}")
         if detok.stopped:
             break
     shown += detok.finish()
-    print(f"\nanswer: the client receives {shown!r}; stopped={detok.stopped} after "
-          f"{detok.num_tokens} of {len(text.encode())} tokens (AsyncLLM then aborts the engine "
-          "request and reports finish_reason 'stop')")
-    print("answer: '€' is released with its third byte (before that the text ends in half a "
-          "character); 'O', 'Ob', 'Obs' are held back, since each may begin the stop string, "
-          "and 'Obst' releases them")
+    euro = text.encode().index("€".encode())  # its three bytes are tokens euro .. euro + 2
+    obstacle = text.index("Obstacle") + 2  # + 2: "€" is one character but three tokens
+    return {"client_text": shown, "stopped_after": detok.num_tokens if detok.stopped else -1,
+            "euro_silent": deltas[euro:euro + 3].count(""),
+            "obstacle_silent": deltas[obstacle:obstacle + 8].count("")}
 
 
 PROBES = {
@@ -593,18 +593,43 @@ PROBES = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_exercise(name: str, answers_file: Path, show: bool) -> int:
+    """Ask, probe, grade: 0 all right, 1 something wrong or unanswered, 2 no answers."""
+    questions = QUESTIONS[name]
+    answers = None
+    if not show:
+        answers = collect(name, questions, answers_file)
+        if answers is None:  # no probe run: its output would give the answers away
+            print(how_to_answer(name, questions, answers_file))
+            return 2
+        print()
+    truths = PROBES[name]()
+    if answers is None:
+        return 0
+    verdicts, all_right = grade(questions, answers, truths)
+    print("\n" + "\n".join(verdicts))
+    print(f"\n{name}: {'all right' if all_right else 'not yet: read the why of each wrong one'}")
+    return 0 if all_right else 1
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="exercises: " + ", ".join(PROBES) + " (or 'all')")
     parser.add_argument("exercise", choices=[*PROBES, "all"])
+    parser.add_argument("--answers", type=Path, default=ANSWERS,
+                        help="TOML file with one [EXERCISE] table of answers (default: %(default)s)")
+    parser.add_argument("--show", action="store_true",
+                        help="run the probe without asking or grading")
     args = parser.parse_args(argv)
     names = list(PROBES) if args.exercise == "all" else [args.exercise]
+    status = 0
     for name in names:
         if len(names) > 1:
             print(f"\n===== {name} =====")
-        PROBES[name]()
+        status = max(status, run_exercise(name, args.answers, args.show))
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -92,3 +92,13 @@ def test_benchmark_tps_bundled_cpu_comparison() -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "-> OK" in result.stdout and "ratio:" in result.stdout, output[-4000:]
+
+
+def test_benchmark_tps_without_a_gpu_names_its_cpu_modes() -> None:
+    """Without a GPU the full workload would run for tens of minutes on a CPU: the script
+    stops at once, as the kernel benchmarks do, and names --quick and --bundled."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(REPO / "benchmark_tps.py")], capture_output=True,
+                            text=True, timeout=120, cwd=REPO, env=env)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "needs a CUDA GPU; use --quick or --bundled on the CPU" in result.stderr

@@ -26,9 +26,12 @@ Commands that load a real model are marked slow: `uv run pytest` skips them and
 `uv run pytest -m slow` runs them.
 
 A ```text block right after a bash block that holds one command is an excerpt of that command's
-output: every line of it, except `...`, must appear as a line of the real output (whitespace
-runs compared as one space). Finally, every repository path and every `tests/x.py::test_name`
-mentioned in HowToApproachvLLM.md must exist.
+output: every line of it, except `...`, must appear as a line of the real output, in the same
+order (whitespace runs compared as one space), so a line cannot be borrowed from another part
+of the output. A ```python block in the guide is an excerpt of a source file: its first line
+names the file (`# src/...`), the file must be one the excerpt's step names (its `## ` section
+mentions the path), and every other line must be a line of the file. Finally, every repository
+path and every `tests/x.py::test_name` mentioned in HowToApproachvLLM.md must exist.
 """
 
 from __future__ import annotations
@@ -196,13 +199,25 @@ def test_command_runs(command: Command) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, (
         f"{command.where}: `{command.code}` exited {result.returncode}:\n{output[-4000:]}")
-    produced = {_normalize(line) for line in result.stdout.splitlines()}
-    missing = [line for line in command.output
-               if line.strip() and line.strip() != "..." and _normalize(line) not in produced]
+    missing = _not_printed_in_order(command.output, result.stdout.splitlines())
     assert not missing, (
         f"{command.where}: the documented output of `{command.code}` no longer matches; "
-        f"lines not printed any more:\n  " + "\n  ".join(missing)
+        f"lines not printed any more, or not in this order:\n  " + "\n  ".join(missing)
         + f"\nactual output:\n{result.stdout[-4000:]}")
+
+
+def _not_printed_in_order(excerpt: list[str], printed: list[str]) -> list[str]:
+    """The excerpt's lines that are not found in `printed` after the previous line's match."""
+    lines = [_normalize(line) for line in printed]
+    missing, at = [], 0
+    for line in excerpt:
+        if not line.strip() or line.strip() == "...":
+            continue
+        try:
+            at = lines.index(_normalize(line), at) + 1
+        except ValueError:
+            missing.append(line)
+    return missing
 
 
 @pytest.mark.parametrize("command", [pytest.param(c, id=f"{c.where} {c.code}")
@@ -271,3 +286,31 @@ def test_guide_names_existing_files_and_tests() -> None:
     # Bare test names in the guide's text (tests/x.py::name above covers the table).
     for file, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", text):
         _check_test_reference(f"{file}::{name}", "HowToApproachvLLM.md")
+
+
+# ------------------------------------------------------------------------------ code excerpts
+def _sections(text: str) -> list[tuple[int, str]]:
+    """(line number of the heading, text) of each `## ` section of the guide."""
+    starts = [i for i, line in enumerate(text.splitlines()) if line.startswith("## ")]
+    lines = text.splitlines()
+    return [(start, "\n".join(lines[start:end]))
+            for start, end in zip(starts, starts[1:] + [len(lines)])]
+
+
+def test_guide_code_excerpts_are_in_the_files_their_steps_name() -> None:
+    sections = _sections(GUIDE.read_text())
+    excerpts = [(start, body) for lang, start, body in _fences(GUIDE) if lang == "python"]
+    assert excerpts, "the guide quotes no code in ```python blocks: did the format change?"
+    for start, body in excerpts:
+        where = f"HowToApproachvLLM.md:{start}"
+        m = re.fullmatch(r"#\s*((?:src|tests|examples|benchmarks)/\S+)", body[0].strip())
+        assert m, f"{where}: a python excerpt's first line names its file: '# src/...'"
+        path = m.group(1)
+        assert (REPO / path).is_file(), f"{where}: {path} does not exist"
+        section = next(text for heading, text in reversed(sections) if heading < start)
+        assert f"`{path}`" in section, (
+            f"{where}: quotes {path}, which the section ({section.splitlines()[0]!r}) never "
+            "names: quote the file the step is about, or name it in its 'Where it lives'")
+        source = {_normalize(line) for line in (REPO / path).read_text().splitlines()}
+        missing = [line for line in body[1:] if line.strip() and _normalize(line) not in source]
+        assert not missing, f"{where}: not (any more) in {path}:\n  " + "\n  ".join(missing)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_models import tiny_checkpoint
+from helpers_tp_ranks import pretend_rank
 
 import myvllm.layers.embedding_head as embedding_head
 import myvllm.layers.linear as linear
@@ -34,9 +35,7 @@ def as_rank(monkeypatch):
     """as_rank(r, size) -> context in which new layers are built as TP rank r of size."""
 
     def set_rank(rank: int, size: int = TP) -> None:
-        for module in (linear, embedding_head):
-            monkeypatch.setattr(module, "get_tp_rank", lambda: rank)
-            monkeypatch.setattr(module, "get_tp_size", lambda: size)
+        pretend_rank(monkeypatch, rank, size)
 
     return set_rank
 

@@ -1,20 +1,38 @@
 """Grader for the exercise "delete src/myvllm/models/llama.py and write it back".
 
-Run:  uv run pytest tests/models/test_llama_exercise.py -v
+Run:  uv run pytest tests/models/test_llama_exercise.py -x            (seconds: one rank)
+      uv run pytest tests/models/test_llama_exercise.py -m slow   (1-2 minutes: two ranks)
 Each test checks one part, in the order you would build it; read the first failure's message.
 The oracle is HF transformers' LlamaForCausalLM on tiny random checkpoints: "llama" (plain
 RoPE, untied lm_head) and "llama3" (llama3 RoPE scaling, tied embeddings, attention and MLP
 biases). The decoder stack (models/decoder.py) is shared with Qwen3; what you write is
 Llama's attention and the class that puts it into that stack.
+
+At tensor_parallel_size 1 a rank's head counts equal the config's, so a model that uses the
+totals passes every one-rank test: test_attention_holds_this_ranks_heads builds rank 0 of 2
+in this process, and the slow test_two_ranks_over_gloo_match_hf runs two ranks for real.
+When an output differs, the message says which step looks missing when HF's model with that
+step removed gives your output (RoPE, a norm).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
-from helpers_models import load_hf_reference, prefill_context, tiny_checkpoint, tiny_config
+from helpers_models import (
+    load_hf_reference,
+    prefill_context,
+    random_prompts,
+    tiny_checkpoint,
+    tiny_config,
+)
+from helpers_tp_ranks import prefill_logits, pretend_rank, run_ranks
 
 from myvllm.layers.attention import Attention
 from myvllm.layers.rotary_embedding import RotaryEmbedding
@@ -56,6 +74,52 @@ def _llama_class():
         pytest.fail(f"src/myvllm/models/llama.py has no LlamaForCausalLM: {START_HERE}.",
                     pytrace=False)
     return cls
+
+
+@contextmanager
+def _hf_without(hf: Any, step: str) -> Iterator[None]:
+    """HF's model with one step of the forward removed: "rope", or a norm by its module name
+    ("input_layernorm", "post_attention_layernorm" in every layer, "norm" the final one)."""
+    from transformers.models.llama import modeling_llama
+
+    if step == "rope":
+        original = modeling_llama.apply_rotary_pos_emb
+        modeling_llama.apply_rotary_pos_emb = lambda q, k, *args, **kwargs: (q, k)
+        try:
+            yield
+        finally:
+            modeling_llama.apply_rotary_pos_emb = original
+        return
+    norms = [hf.model.norm] if step == "norm" else [getattr(layer, step)
+                                                    for layer in hf.model.layers]
+    handles = [norm.register_forward_hook(lambda m, args, out: args[0]) for norm in norms]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+MISSING_STEP_HINTS = {
+    "rope": "looks like RoPE is not applied: rotate q and k with your rotary_emb(positions, q, "
+            "k) after the split and before attention",
+    "input_layernorm": "looks like input_layernorm is not applied: the attention must run the "
+                       "norm it is given with qkv_proj, norm_linear(norm, self.qkv_proj, x, "
+                       "residual), not qkv_proj alone",
+    "post_attention_layernorm": "looks like post_attention_layernorm is not applied before the "
+                                "MLP",
+    "norm": "looks like the final norm (model.norm) is not applied before the LM head",
+}
+
+
+def _missing_step(got: torch.Tensor, hf: Any, hf_output: Callable[[], torch.Tensor],
+                  steps: tuple[str, ...]) -> str:
+    """The hint for the first step whose removal from HF's forward gives `got`, else ""."""
+    for step in steps:
+        with _hf_without(hf, step):
+            if torch.allclose(got, hf_output(), atol=1e-4):
+                return MISSING_STEP_HINTS[step] + ". "
+    return ""
 
 
 def _build(kind: str):
@@ -235,12 +299,18 @@ def test_first_decoder_layer_matches_hf(loaded) -> None:
     out = captured[0]
     # nano-vllm style layers return (hidden, residual) with the residual add deferred.
     got = out[0] + out[1] if isinstance(out, tuple) else out
-    want = hf(ids[None], output_hidden_states=True).hidden_states[1][0]
-    assert torch.allclose(got, want, atol=1e-4), (
-        f"[{kind}] decoder layer 0 output (hidden + residual) differs from HF's: check "
-        "input_layernorm -> qkv_proj -> RoPE -> attention -> o_proj -> residual -> "
-        "post_attention_layernorm -> gate_up_proj -> SiluAndMul -> down_proj"
-    )
+
+    def layer_0() -> torch.Tensor:
+        return hf(ids[None], output_hidden_states=True).hidden_states[1][0]
+
+    if torch.allclose(got, layer_0(), atol=1e-4):
+        return
+    steps = ("rope", "input_layernorm", "post_attention_layernorm")
+    pytest.fail(
+        f"[{kind}] decoder layer 0 output (hidden + residual) differs from HF's: "
+        f"{_missing_step(got, hf, layer_0, steps)}The layer runs input_layernorm -> qkv_proj "
+        "-> RoPE -> attention -> o_proj -> residual -> post_attention_layernorm -> "
+        "gate_up_proj -> SiluAndMul -> down_proj", pytrace=False)
 
 
 @torch.no_grad()
@@ -250,15 +320,20 @@ def test_prefill_logits_match_hf(loaded) -> None:
     with forward_context(prefill_context([7, 12])):
         hidden = model(torch.cat(prompts), torch.cat([torch.arange(7), torch.arange(12)]))
         last = model.compute_logits(hidden)
-    want = torch.stack([hf(p[None]).logits[0, -1] for p in prompts])
+
+    def last_logits() -> torch.Tensor:
+        return torch.stack([hf(p[None]).logits[0, -1] for p in prompts])
+
+    want = last_logits()
     assert last is not None and last.shape == want.shape, (
         f"[{kind}] compute_logits in a prefill must return one row per sequence "
         f"({tuple(want.shape)}), "
         f"got {None if last is None else tuple(last.shape)}: use ParallelLMHead"
     )
-    assert torch.allclose(last, want, atol=1e-4), (
-        f"[{kind}] prefill logits differ from HF's (model.norm? lm_head?)"
-    )
+    if not torch.allclose(last, want, atol=1e-4):
+        pytest.fail(f"[{kind}] prefill logits differ from HF's: "
+                    f"{_missing_step(last, hf, last_logits, ('norm',))}check model.norm and "
+                    "lm_head", pytrace=False)
 
 
 @torch.no_grad()
@@ -297,3 +372,74 @@ def test_decode_logits_match_hf(loaded) -> None:
     finally:
         for m in attns:
             m.k_cache = m.v_cache = torch.tensor([])
+
+
+# 3. Two ranks ----------------------------------------------------------------------------------
+
+TP = 2
+
+
+def _heads_hint(config: Any) -> str:
+    return (f"each of the {TP} ranks holds num_attention_heads / {TP} = "
+            f"{config.num_attention_heads // TP} query heads and num_key_value_heads / {TP} = "
+            f"{config.num_key_value_heads // TP} KV heads: build QKVParallelLinear with the "
+            "config's totals, then take this rank's counts from qkv_proj.num_heads and "
+            "qkv_proj.num_kv_heads for the split sizes and for Attention")
+
+
+def _check_heads(kind: str, heads: list[tuple[int, int]], config: Any, rank: int) -> None:
+    want = (config.num_attention_heads // TP, config.num_key_value_heads // TP)
+    wrong = sorted({h for h in heads if h != want})
+    if wrong:
+        totals = (config.num_attention_heads, config.num_key_value_heads)
+        what = ("looks like the config's total head counts, not this rank's"
+                if totals in wrong else "not this rank's share")
+        pytest.fail(f"[{kind}] at tensor_parallel_size {TP}, rank {rank}'s Attention layers "
+                    f"have (num_heads, num_kv_heads) = {wrong}: {what}; {_heads_hint(config)}",
+                    pytrace=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_holds_this_ranks_heads(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of 2 built in this process: no forward (that needs the two ranks), the shapes."""
+    from myvllm.layers.attention import Attention
+
+    config = load_hf_config(tiny_checkpoint(kind))
+    pretend_rank(monkeypatch, 0, TP)
+    model = _llama_class()(config)
+    heads = [(m.num_heads, m.num_kv_heads) for m in model.modules() if isinstance(m, Attention)]
+    _check_heads(kind, heads, config, rank=0)
+
+
+@pytest.mark.slow
+def test_two_ranks_over_gloo_match_hf() -> None:
+    """Your model at tensor_parallel_size 2: two spawned processes over gloo, each building
+    its shard from the same file and loading the checkpoint through the weight loaders; rank
+    0's prefill logits against HF's."""
+    module = importlib.import_module(MODULE)
+    cls = _llama_class()
+    prompts = random_prompts([7, 12])
+    paths = [str(tiny_checkpoint(kind)) for kind in KINDS]
+    ranks = run_ranks(prefill_logits, TP, paths, prompts, (MODULE, inspect.getfile(module)))
+    for rank, result in enumerate(ranks):
+        if isinstance(result, BaseException):
+            pytest.fail(f"rank {rank} of {TP} failed before it could build the model:\n{result}",
+                        pytrace=False)
+    for i, kind in enumerate(KINDS):
+        config = load_hf_config(paths[i])
+        for rank, result in enumerate(ranks):
+            _check_heads(kind, result[i]["heads"], config, rank)
+            if "error" in result[i]:
+                pytest.fail(f"[{kind}] at tensor_parallel_size {TP}, rank {rank} failed; "
+                            f"{_heads_hint(config)}.\n{result[i]['error']}", pytrace=False)
+        hf = load_hf_reference(paths[i])
+        with torch.no_grad():
+            want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+        got = ranks[0][i]["logits"]
+        assert got is not None and torch.allclose(torch.tensor(got), want, atol=1e-4), (
+            f"[{kind}] at tensor_parallel_size {TP} rank 0's prefill logits differ from HF's "
+            f"although one rank matches: sizes must be this rank's ({_heads_hint(config)}), "
+            "and o_proj takes num_attention_heads * head_dim inputs in total (RowParallelLinear "
+            f"keeps 1/{TP} of them per rank); {cls.__name__} must build every layer from the "
+            "config, not from numbers typed in"
+        )
