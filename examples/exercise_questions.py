@@ -185,8 +185,8 @@ QUESTIONS: dict[str, list[Question]] = {
                  ("nobody", "A", "E")),
         Question("written_by", "Which function writes our -1 into a decode step's padding "
                  "rows?", "choice",
-                 "InputBuilder.prepare_decode pads the batch itself (slot -1, context length "
-                 "0), and GraphRunner.capture captures the graphs on slots of -1.",
+                 "InputBuilder.prepare_decode pads the batch (through PaddedSteps.decode: "
+                 "slot -1, context length 0), and the graphs are captured on slots of -1.",
                  PAD_FUNCTIONS),
         Question("honored_by", "Which one skips a slot of -1?", "choice",
                  "store_kvcache: kernels/store_kvcache_kernel.py masks slot >= 0, "

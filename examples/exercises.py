@@ -36,8 +36,8 @@ import torch  # noqa: E402
 
 from myvllm.config import Config  # noqa: E402
 from myvllm.engine.block_manager import BlockManager  # noqa: E402
-from myvllm.engine.decode_buffers import DecodeViews  # noqa: E402
-from myvllm.engine.graph_runner import GraphRunner  # noqa: E402
+from myvllm.engine.batch import StepInputs  # noqa: E402
+from myvllm.engine.cuda_graphs import GraphCache  # noqa: E402
 from myvllm.engine.input_builder import InputBuilder  # noqa: E402
 from myvllm.engine.kv_cache import KVCacheLayout  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
@@ -264,13 +264,15 @@ class FakeDecodeGraph:
     the static buffers for ALL bs rows, padding rows included. Its 'model' is tiny: the K
     (and V) of a row is its input token id, written to the row's slot by store_kvcache."""
 
-    def __init__(self, views: DecodeViews, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.views, self.k_cache, self.v_cache = views, k_cache, v_cache
+    def __init__(self, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.step, self.k_cache, self.v_cache = step, k_cache, v_cache
 
     def replay(self) -> None:
-        ids = self.views.input_ids.float()
+        ids = self.step.input_ids.float()
         kv = ids[:, None, None].expand(len(ids), 1, HEAD_DIM).contiguous()
-        store_kvcache(kv, kv, self.k_cache, self.v_cache, self.views.slot_mapping)
+        slots = self.step.context.slot_mapping
+        assert slots is not None
+        store_kvcache(kv, kv, self.k_cache, self.v_cache, slots)
 
 
 def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -288,17 +290,19 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     # Graph sizes 1, 2, 4; block tables 4 wide; the decode buffers every step (and graph) reads.
     inputs = InputBuilder(Config(device="cpu", block_size=block_size,
                                  max_num_sequences=max_bs, max_model_length=16))
-    assert inputs.decode_sizes == [1, 2, 4] and inputs.max_blocks_per_seq == width
-    inputs.pad_decode = True  # what a GPU does (pad to a captured graph size); off on a CPU
+    # What a GPU does: pad decode steps to a captured graph size, on fixed buffers.
+    padded = inputs.pad_steps(chunk_tiles=None)
+    assert padded.decode_sizes == [1, 2, 4] and inputs.max_blocks_per_seq == width
     bm = BlockManager(8, block_size)
     k_cache = torch.zeros(8, block_size, 1, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
-    static = inputs.decode_buffers.views(max_bs, width)  # what the batch-4 graph reads
-    static.slot_mapping.fill_(-1)  # as GraphRunner.capture leaves it
-    graphs = GraphRunner()
-    graphs.graphs = {bs: FakeDecodeGraph(inputs.decode_buffers.views(bs, width),  # type: ignore[misc]
-                                         k_cache, v_cache) for bs in (1, 2, 4)}
-    graphs.graph_hidden = {bs: torch.zeros(bs, 1) for bs in (1, 2, 4)}  # the graphs' outputs
+    # What the batch-4 graph reads, filled as capture_decode_inputs leaves it (slots -1).
+    static = padded.capture_decode_inputs(max_bs).context
+    assert static.slot_mapping is not None
+    graphs = GraphCache()
+    graphs.graphs = {("decode", bs): FakeDecodeGraph(  # type: ignore[misc]
+        padded.decode_inputs(bs), k_cache, v_cache) for bs in (1, 2, 4)}
+    graphs.outputs = {("decode", bs): torch.zeros(bs, 1) for bs in (1, 2, 4)}  # their outputs
 
     def decode(seqs: list[Sequence], token: int) -> list[int]:
         for i, seq in enumerate(seqs):
@@ -314,7 +318,7 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
             slots[pad] = before[pad]
         elif padding_slot == "0":
             slots[pad] = 0
-        graphs.replay(step)  # the real method
+        graphs.replay(("decode", step.input_ids.size(0)))  # the real method
         return static.slot_mapping.tolist()
 
     a, b, c, d = (Sequence([10 * i + 1, 10 * i + 2], block_size) for i in (1, 2, 3, 4))
@@ -335,7 +339,7 @@ def graph_padding() -> Truths:
     print("A, B, C, D (prompts [11, 12], [21, 22], ...) decode with a captured graph of batch "
           "size 4; D finishes and its block 3 goes to a new request E (K = 501, 502, 503 at "
           "slots 12, 13, 14); then A, B, C decode: batch 3 is padded to the batch-4 graph, "
-          "row 3 is padding. Runs the real prepare_decode and GraphRunner.replay, with fake "
+          "row 3 is padding. Runs the real prepare_decode and GraphCache.replay, with fake "
           "graphs whose 'K' is the input token id.\n")
     print(f"{'padding row slot':<38} {'static slot_mapping, step 1 / step 2':<38} "
           f"{'E slot 14':>9} {'A slot 0':>8}")

@@ -211,10 +211,10 @@ def test_no_answers_and_no_terminal_says_how_to_answer(tmp_path: Path) -> None:
 def test_quoted_code_is_still_there() -> None:
     engine = REPO / "src/myvllm/engine"
     assert "num_blocks = budget // layout.block_bytes" in (engine / "kv_cache.py").read_text()
-    inputs = (engine / "input_builder.py").read_text()
-    assert re.search(r"\[-1\] \* padding", inputs), "prepare_decode pads slots with -1"
-    assert "views.slot_mapping.fill_(-1)" in (engine / "graph_runner.py").read_text(), \
-        "GraphRunner.capture's padding slots are -1"
+    padded = (engine / "padded_steps.py").read_text()
+    assert "slot_mapping + [-1] * pad" in padded, "decode padding rows get slot -1"
+    assert 'for name in ("slot_mapping", "block_tables"):' in padded, \
+        "capture_decode_inputs fills the padding slots with -1"
     assert "slot) >= 0" in (REPO / "src/myvllm/kernels/store_kvcache_kernel.py").read_text()
     assert "keep = slot_mapping >= 0" in (REPO / "src/myvllm/kernels/reference.py").read_text()
     manager = (REPO / "src/myvllm/engine/block_manager.py").read_text()
