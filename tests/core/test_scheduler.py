@@ -13,6 +13,7 @@ from myvllm.config import Config
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
+from helpers_blocks import used_block_ids
 
 PREFIX = [10, 20, 30, 40, 50, 60, 70, 80]
 
@@ -53,7 +54,7 @@ def test_prefix_served_from_cache_after_first_request_finished() -> None:
     sch.add_sequence(a)
     batch, _ = sch.schedule()
     sch.postprocess(batch, [99])
-    assert a.is_finished and sch.is_finished() and not sch.block_manager.used_block_ids
+    assert a.is_finished and sch.is_finished() and not used_block_ids(sch.block_manager)
     b = seq(PREFIX + [2])
     sch.add_sequence(b)
     assert sch.schedule() == ([b], True)
@@ -342,7 +343,7 @@ def test_abort_releases_blocks() -> None:
     sch.add_sequence(b)
     sch.abort(a)
     sch.abort(b)
-    assert sch.is_finished() and not sch.block_manager.used_block_ids
+    assert sch.is_finished() and not used_block_ids(sch.block_manager)
 
 
 def test_block_size_one_end_to_end() -> None:

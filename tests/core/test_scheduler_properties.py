@@ -36,6 +36,7 @@ from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
+from helpers_blocks import used_block_ids
 
 VOCAB = 16
 EOS = 0  # the fake model emits it about once in VOCAB tokens
@@ -177,8 +178,8 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
     n = len(bm.blocks)
     free = list(bm.free_block_ids)
     assert len(free) == len(set(free)), "a block is twice in the free list"
-    assert set(free).isdisjoint(bm.used_block_ids)
-    assert set(free) | bm.used_block_ids == set(range(n))
+    assert set(free).isdisjoint(used_block_ids(bm))
+    assert set(free) | used_block_ids(bm) == set(range(n))
 
     # every sequence is in exactly one place, with a matching status
     waiting_ids = [s.seq_id for s in sch.waiting]
@@ -202,8 +203,7 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
             holders[b] += 1
     for block in bm.blocks:
         assert block.ref_count == holders[block.block_id], block
-        assert (block.ref_count > 0) == (block.block_id in bm.used_block_ids), block
-
+    
     # the cache index only names blocks that hold that hash, and only full blocks are hashed
     for h, b in bm.hash_to_block_id.items():
         assert bm.blocks[b].hash == h
@@ -421,7 +421,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
         assert step < max_steps, "no termination"
 
     bm = sch.block_manager
-    assert len(bm.free_block_ids) == len(bm.blocks) and not bm.used_block_ids
+    assert len(bm.free_block_ids) == len(bm.blocks) and not used_block_ids(bm)
     assert all(b.ref_count == 0 for b in bm.blocks)
     if any(s.completion_token_ids[-1] == EOS and not r.params.ignore_eos for s, r in accepted):
         event("a sequence stopped on eos")

@@ -14,7 +14,6 @@ honored); the last test checks that those quotes are still in the source.
 from __future__ import annotations
 
 import importlib.util
-import re
 import subprocess
 import sys
 from functools import cache

@@ -18,6 +18,7 @@ from helpers_models import record_preemptions, tiny_checkpoint
 from test_engine import random_prompts
 
 from myvllm import LLM, Config, SamplingParams
+from helpers_blocks import used_block_ids
 
 ENGINE_KW = dict(block_size=4, max_model_length=64, max_num_batched_tokens=64,
                  max_num_sequences=4)
@@ -160,7 +161,7 @@ def test_interrupted_generate_leaves_an_async_engine_usable() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine_core._in_flight is None and llm.is_finished()
     manager = llm.scheduler.block_manager
-    assert len(manager.free_block_ids) == len(manager.blocks) and not manager.used_block_ids
+    assert len(manager.free_block_ids) == len(manager.blocks) and not used_block_ids(manager)
     llm.model_runner.run = run  # type: ignore[method-assign]
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in expected]

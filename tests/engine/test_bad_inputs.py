@@ -33,6 +33,7 @@ from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.model_runner import ModelRunner
 from myvllm.utils.checkpoint import CheckpointError
+from helpers_blocks import used_block_ids
 
 VOCAB = 256  # helpers_models.TINY_DIMS
 ENGINE_KW: dict[str, Any] = dict(block_size=4, num_kvcache_blocks=16, max_model_length=32,
@@ -255,7 +256,7 @@ def assert_untouched(llm: LLM) -> None:
     scheduler = llm.scheduler
     bm = scheduler.block_manager
     assert not scheduler.waiting and not scheduler.running
-    assert not bm.used_block_ids and len(bm.free_block_ids) == len(bm.blocks)
+    assert not used_block_ids(bm) and len(bm.free_block_ids) == len(bm.blocks)
     assert all(block.ref_count == 0 for block in bm.blocks)
     assert not llm.engine_core._requests  # no per-request state left behind
 

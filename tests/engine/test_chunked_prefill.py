@@ -15,6 +15,7 @@ import pytest
 from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
+from helpers_blocks import used_block_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -233,7 +234,7 @@ def test_a_failed_step_leaves_no_unwritten_block_findable(async_scheduling: bool
                 continue
             outputs.update({out["seq_id"]: out["token_ids"] for out in finished})
     assert [outputs[i] for i in ids] == [cold[0]["token_ids"], cold_other[0]["token_ids"]]
-    assert llm.scheduler.block_manager.used_block_ids == set()
+    assert used_block_ids(llm.scheduler.block_manager) == set()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -258,7 +259,7 @@ def test_a_failed_step_leaves_no_unwritten_block_findable_prefill_first(
     llm = LLM(path, **kw)
     with run_fails_at_call(llm, failing_call), pytest.raises(KeyboardInterrupt):
         llm.generate([prompt], GREEDY, use_tqdm=False)
-    assert llm.scheduler.block_manager.used_block_ids == set()
+    assert used_block_ids(llm.scheduler.block_manager) == set()
     again = llm.generate([longer], GREEDY, use_tqdm=False)[0]
     assert again["num_cached_tokens"] == (0 if failing_call == 1 else 28)
     assert again["token_ids"] == cold

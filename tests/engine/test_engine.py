@@ -16,6 +16,7 @@ from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_ch
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.sampling import prepare_sample
+from helpers_blocks import used_block_ids
 
 
 
@@ -46,7 +47,7 @@ def test_greedy_batch_with_preemption_matches_transformers(kind: str) -> None:
         assert out["token_ids"] == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
     # All blocks are back in the free list once everything finished.
     manager = llm.scheduler.block_manager
-    assert len(manager.free_block_ids) == len(manager.blocks) and not manager.used_block_ids
+    assert len(manager.free_block_ids) == len(manager.blocks) and not used_block_ids(manager)
     llm.exit()
 
 

@@ -31,6 +31,7 @@ import torch
 from helpers_models import tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
+from helpers_blocks import used_block_ids
 
 TRIALS = int(os.environ.get("MYVLLM_RANDOM_ENGINE_TRIALS", "16"))
 VOCAB = 256  # helpers_models.TINY_DIMS
@@ -123,7 +124,7 @@ def run_engine(path: str, settings: dict[str, Any], calls: list[list[Request]],
         # Between calls nothing is queued and every block is free (cached or not).
         bm = llm.scheduler.block_manager
         assert not llm.scheduler.waiting and not llm.scheduler.running
-        assert not bm.used_block_ids and len(bm.free_block_ids) == len(bm.blocks)
+        assert not used_block_ids(bm) and len(bm.free_block_ids) == len(bm.blocks)
         assert all(block.ref_count == 0 for block in bm.blocks)
     llm.exit()
     return results

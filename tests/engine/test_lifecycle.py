@@ -32,6 +32,7 @@ import torch.distributed as dist
 from helpers_models import tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
+from helpers_blocks import used_block_ids
 
 # Each test starts worker processes (or a whole engine in a subprocess), and each of those
 # imports torch: seconds apiece on a 2-core CPU. `uv run pytest -m slow` runs them.
@@ -153,7 +154,7 @@ def test_keyboard_interrupt_single_process_engine_stays_usable(path: str,
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     bm = llm.scheduler.block_manager
     assert not llm.scheduler.waiting and not llm.scheduler.running
-    assert not bm.used_block_ids and len(bm.free_block_ids) == len(bm.blocks)
+    assert not used_block_ids(bm) and len(bm.free_block_ids) == len(bm.blocks)
     llm.model_runner.run = original  # type: ignore[method-assign]
     assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 

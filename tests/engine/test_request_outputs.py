@@ -14,6 +14,7 @@ from helpers_models import tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
 from myvllm.engine.batch import RequestOutput
+from helpers_blocks import used_block_ids
 
 ENGINE_KW = dict(block_size=4, max_model_length=64, max_num_batched_tokens=128,
                  num_kvcache_blocks=32)
@@ -85,7 +86,7 @@ def test_abort_frees_blocks_at_once_and_silences_the_request(async_scheduling: b
     seen = drain(llm)
     assert drop not in seen
     assert seen[keep][-1].finished and len(seen[keep][-1].token_ids) == 20
-    assert len(bm.free_block_ids) == len(bm.blocks) and not bm.used_block_ids
+    assert len(bm.free_block_ids) == len(bm.blocks) and not used_block_ids(bm)
 
 
 def test_abort_of_a_waiting_request() -> None:

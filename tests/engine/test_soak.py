@@ -43,6 +43,7 @@ from myvllm.engine.async_llm import AsyncLLM, StatLogger
 from myvllm.engine.llm_engine import LLMEngine
 from myvllm.engine.scheduler import Scheduler
 from myvllm.sampling_parameters import SamplingParams
+from helpers_blocks import used_block_ids
 
 SHORT_REQUESTS = 200
 SHORT_ASYNC_REQUESTS = 100  # two threads share the GIL: each request costs twice as much
@@ -133,7 +134,7 @@ def check_blocks_all_free(engine: LLMEngine) -> None:
     assert not scheduler.waiting and not scheduler.running
     assert not engine.has_unfinished_requests()
     assert sorted(blocks.free_block_ids) == list(range(NUM_BLOCKS))
-    assert not blocks.used_block_ids
+    assert not used_block_ids(blocks)
     assert all(block.ref_count == 0 for block in blocks.blocks)
     for h, block_id in blocks.hash_to_block_id.items():  # every entry names its own block
         assert blocks.blocks[block_id].hash == h
@@ -147,7 +148,7 @@ def check_ref_counts(scheduler: Scheduler) -> None:
             holders[block_id] += 1
     blocks = scheduler.block_manager
     assert [block.ref_count for block in blocks.blocks] == holders
-    assert len(blocks.free_block_ids) + len(blocks.used_block_ids) == NUM_BLOCKS
+    assert len(blocks.free_block_ids) + len(used_block_ids(blocks)) == NUM_BLOCKS
 
 
 def check_finished_tokens(tokens: list[int], reason: str | None, prompt_len: int,

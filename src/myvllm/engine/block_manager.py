@@ -70,28 +70,8 @@ class FreeBlockQueue:
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids)
 
-    def __reversed__(self) -> Iterator[int]:
-        return reversed(self._ids)
-
-    def __eq__(self, other: object) -> bool:
-        """Equal to a deque (or another queue) of the same ids in the same order, as a deque
-        is; a list is not a deque, and not equal either."""
-        if isinstance(other, (FreeBlockQueue, deque)):
-            return list(self._ids) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, as a deque
-
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._ids
-
-    def __getitem__(self, index: int) -> int:
-        """By position, as a deque: O(1) at either end (0, -1), O(n) elsewhere."""
-        if index == 0 and self._ids:
-            return next(iter(self._ids))
-        if index == -1 and self._ids:
-            return next(reversed(self._ids))
-        return list(self._ids)[index]
 
     def __repr__(self) -> str:
         return f"FreeBlockQueue({list(self._ids)})"
@@ -133,7 +113,6 @@ class BlockManager:
         # hash of a full block -> the block that holds it (free or in use)
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: FreeBlockQueue = FreeBlockQueue(range(num_blocks))
-        self.used_block_ids: set[int] = set()
 
     # ------------------------------------------------------------------ hashing
     @staticmethod
@@ -212,7 +191,6 @@ class BlockManager:
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
         block.reset()
-        self.used_block_ids.add(block_id)
         return block_id
 
     def _reuse_block(self, block_id: int) -> None:
@@ -221,7 +199,6 @@ class BlockManager:
         if block.ref_count == 0:
             # Freed but still cached: take it out of the free list (O(1), see above).
             self.free_block_ids.remove(block_id)
-            self.used_block_ids.add(block_id)
         block.ref_count += 1
 
     def _release_block(self, block_id: int) -> None:
@@ -231,7 +208,6 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count > 0:
             return  # another sequence still reads this block
-        self.used_block_ids.remove(block_id)
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             # Findable cached block: keep its hash and tokens, append at the MRU end.
             self.free_block_ids.append(block_id)
