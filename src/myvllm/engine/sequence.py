@@ -38,8 +38,8 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    # One counter for the process: seq_id orders outputs and keys per-request state
-    # (e.g. a seeded generator) in the runner.
+    # One counter for the process: seq_id is the request's id (EngineCore), orders the
+    # outputs, and names the sequence in the steps sent to tensor-parallel workers.
     _ids = count()
 
     def __init__(self, token_ids: Iterable[int], block_size: int,
