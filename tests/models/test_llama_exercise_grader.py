@@ -21,14 +21,13 @@ from myvllm.utils.hf_config import load_hf_config
 from myvllm.utils.loader import load_model
 
 # The reference lines each mistake changes. If llama.py is rewritten, change them here.
+# (The norms are the decoder layer's, in models/decoder.py: a learner's llama.py cannot skip
+# one, so no variant here does; the grader still names a skipped norm if its output says so.)
 RoPE_CALL = "        q, k = self.rotary_emb(positions, q, k)\n"
-NORM_CALL = "        qkv, residual = norm_linear(norm, self.qkv_proj, x, residual)\n"
 RANK_HEADS = ("        self.num_heads = self.qkv_proj.num_heads  # this rank's share\n"
               "        self.num_kv_heads = self.qkv_proj.num_kv_heads\n")
 
 SKIPS_ROPE = (RoPE_CALL, "")
-SKIPS_NORM = (NORM_CALL, "        residual = x if residual is None else x + residual\n"
-                         "        qkv = self.qkv_proj(residual)\n")
 TOTAL_HEADS = (RANK_HEADS, "        self.num_heads = config.num_attention_heads\n"
                            "        self.num_kv_heads = config.num_key_value_heads\n")
 
@@ -58,8 +57,7 @@ def loaded(kind: str) -> tuple[str, object, object]:
 
 @pytest.mark.parametrize(("change", "message"), [
     (SKIPS_ROPE, "looks like RoPE is not applied"),
-    (SKIPS_NORM, "looks like input_layernorm is not applied"),
-], ids=["skips_rope", "skips_input_norm"])
+], ids=["skips_rope"])
 def test_a_skipped_step_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                  change: tuple[str, str], message: str) -> None:
     install_variant(monkeypatch, tmp_path, change)
