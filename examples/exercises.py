@@ -287,7 +287,7 @@ def _store_prompt(seq: Sequence, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     """padding_slot: "-1" (as written), "stale" (the original without its fill), or "0"."""
     block_size, max_bs, width = 4, 4, 4
-    # Graph sizes 1, 2, 4; block tables 4 wide; the decode buffers every step (and graph) reads.
+    # Graph sizes 1, 2, 4; block tables 4 wide.
     inputs = InputBuilder(Config(device="cpu", block_size=block_size,
                                  max_num_sequences=max_bs, max_model_length=16))
     # What a GPU does: pad decode steps to a captured graph size, on fixed buffers.

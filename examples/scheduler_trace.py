@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         print()
     bm = sch.block_manager
     print(f"done after {step - 1} steps; free blocks {len(bm.free_block_ids)} of {len(bm.blocks)},"
-          f" used {sorted(bm.used_block_ids)}")
+          f" used {sorted(b.block_id for b in bm.blocks if b.ref_count > 0)}")
 
 
 if __name__ == "__main__":

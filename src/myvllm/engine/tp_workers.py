@@ -263,7 +263,7 @@ def nccl_abort() -> Callable[[], None] | None:
     ProcessGroup.abort works from any thread and only touches the C++ side (the Python
     bookkeeping of the group is left to release_process_group on the main thread). NCCL sets
     its abort flag first, so the kernels spinning in a collective return at once; the rest of
-    the abort waits until rank 0 has dropped its CUDA graphs (GraphRunner.release), which
+    the abort waits until rank 0 has dropped its CUDA graphs (GraphCache.release), which
     captured NCCL kernels of this communicator.
     """
     group = dist.group.WORLD
