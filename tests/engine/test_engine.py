@@ -11,12 +11,13 @@ import logging
 
 import pytest
 import torch
+from helpers_blocks import used_block_ids
 from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_checkpoint
 
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.sampling import prepare_sample
-from helpers_blocks import used_block_ids
+from myvllm.engine.warmup import warmup_cached_prefix_prefill
 
 
 
@@ -216,7 +217,7 @@ def test_cuda_graph_batch_sizes_cover_every_batch() -> None:
 
 
 def test_cached_prefix_warmup_writes_only_blocks_nobody_owns_yet() -> None:
-    """ModelRunner.warmup_cached_prefix_prefill (run at start-up on a GPU, after the KV cache
+    """warmup_cached_prefix_prefill (engine/warmup.py: run at start-up on a GPU, after the KV cache
     exists and before any request, to compile the prefill kernel's cached-prefix variant)
     runs here on the CPU: it writes K/V only into the first blocks, registers no hash, and
     the engine then generates what a fresh engine does."""
@@ -230,7 +231,7 @@ def test_cached_prefix_warmup_writes_only_blocks_nobody_owns_yet() -> None:
     runner = llm.model_runner
     runner.k_cache.zero_()
     runner.v_cache.zero_()
-    runner.warmup_cached_prefix_prefill()  # 2 * 4 + 1 tokens: blocks 0, 1, 2
+    warmup_cached_prefix_prefill(runner)  # 2 * 4 + 1 tokens: blocks 0, 1, 2
     written = (runner.k_cache != 0) | (runner.v_cache != 0)  # [layers, blocks, ...]
     written_blocks = written.flatten(2).any(dim=-1).any(dim=0).nonzero().flatten().tolist()
     assert written_blocks and set(written_blocks) <= {0, 1, 2}

@@ -65,7 +65,7 @@ class InputBuilder:
 
         The width is a multiple of 16: Triton compiles a kernel variant per "divisible by 16 or
         not" of each int argument, the rows' stride among them, and a variant met first in
-        the middle of a run took ~2 s there (warmup_cached_prefix_prefill compiles this one).
+        the middle of a run took ~2 s there (engine/warmup.py compiles this one).
         """
         width = -(-max(len(seq.block_table) for seq in seqs) // 16) * 16
         return self.fresh.tensor(block_table_array([seq.block_table for seq in seqs], width),

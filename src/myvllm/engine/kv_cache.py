@@ -6,7 +6,7 @@ The paged KV cache is one tensor for K and one for V, shaped
 
 and every Attention module gets a view of its layer. On a GPU the number of blocks is what is
 left of gpu_memory_utilization after the weights and the peak of the largest step (measured
-by the warm-up, ModelRunner.warmup_model); on a CPU it is capped by a fixed budget.
+by the warm-up, warmup.warmup_model); on a CPU it is capped by a fixed budget.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import torch
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
+from myvllm.engine import warmup
 from myvllm.engine.cuda_graphs import GraphCache, GraphKey
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
@@ -123,121 +124,28 @@ class ModelRunner:
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
         """Warm up, size and allocate the KV cache, capture graphs; returns the block count.
+        What only a GPU does here is in engine/warmup.py.
 
         Collective under tensor parallelism: every rank must call it (engine/tp_workers.py).
         """
         start = time.perf_counter()
-        if self.device.type == "cuda":  # on a CPU there is no peak to measure
-            self.warmup_model()
+        on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
+        if on_gpu:
+            warmup.warmup_model(self)
         num_blocks = count_blocks(self.config, self.kv_layout, self.device,
                                   self.inputs.max_blocks_per_seq)
         self.k_cache, self.v_cache = allocate_kv_cache(self.attention_layers, self.kv_layout,
                                                        num_blocks, self.device)
         self.num_kvcache_blocks = num_blocks
-        if self.device.type == "cuda":
-            self.warmup_cached_prefix_prefill()
+        if on_gpu:
+            warmup.warmup_cached_prefix_prefill(self)
         if self.rank == 0:
             gib = num_blocks * self.kv_layout.block_bytes / 2**30
             logger.info(f"KV cache: {num_blocks} blocks of {self.config.block_size} tokens "
                         f"({gib:.2f} GiB per rank), sized in {time.perf_counter() - start:.1f} s")
-        if self.device.type == "cuda":
-            self.pad_and_capture()
+        if on_gpu:
+            warmup.pad_and_capture(self)
         return num_blocks
-
-    def pad_and_capture(self) -> None:
-        """GPU: pad steps onto fixed buffers from now on, and capture their CUDA graphs
-        (unless enforce_eager: padded in eager mode too, so that both compute the same)."""
-        chunk_tiles = None
-        if self.config.enable_chunked_prefill:
-            from myvllm.kernels.prefill_attention import prefill_config  # imports triton
-
-            tiles = prefill_config(self.device, self.kv_layout.head_dim, self.dtype)
-            chunk_tiles = (tiles.block_m, tiles.block_n)
-        padded = self.inputs.pad_steps(chunk_tiles)
-        if self.enforce_eager:
-            return
-        for kind, sizes, inputs, forward in (
-                ("decode", padded.decode_sizes, padded.capture_decode_inputs,
-                 self.graph_forward),
-                ("prefill", padded.chunk_sizes, padded.capture_prefill_inputs,
-                 self.body_forward)):
-            start = time.perf_counter()
-            self.graphs.capture(kind, sizes, inputs, forward)
-            if self.rank == 0 and sizes:
-                logger.info(f"captured {len(sizes)} {kind} CUDA graphs (sizes {sizes}) in "
-                            f"{time.perf_counter() - start:.1f} s")
-
-    @torch.inference_mode()
-    def warmup_model(self) -> None:
-        """Run the largest step the scheduler may send, so the peak memory is measured.
-
-        That is a prefill of max_num_batched_tokens tokens (whole max_model_length sequences
-        plus a remainder), then the sampler on max_num_sequences rows of logits with top-p
-        (its sort makes several vocabulary-sized copies). A small prefill and the sampling
-        kernels follow, so Triton compiles their variants now. The scheduler's prefill
-        batches are bounded by the same max_num_batched_tokens.
-        """
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        config = self.config
-        max_len = self.inputs.max_blocks_per_seq * config.block_size
-        budget = min(config.max_num_batched_tokens, max_len * config.max_num_sequences)
-        lengths = [max_len] * (budget // max_len)
-        if budget % max_len:
-            lengths.append(budget % max_len)
-        # No KV cache exists yet: prefill attends over the fresh K/V and writes nothing.
-        self.forward_prefill([self.made_up_prompt(n) for n in lengths])
-        # Triton compiles one variant of a kernel per "specialisation" of its arguments (an
-        # int divisible by 16 or not, equal to 1, ...), ~2 s for the prefill kernel on the
-        # H200 machine. A small one-sequence prefill meets specialisations the large one
-        # does not (on the H200 it compiled one more variant): better here than mid-request.
-        self.forward_prefill([self.made_up_prompt(17)])
-        self.warmup_sampler()
-        torch.cuda.synchronize()
-        # Give the freed activations back, or they would count twice when the KV cache is
-        # sized: once as memory in use, once as the peak to leave room for.
-        torch.cuda.empty_cache()
-
-    @torch.inference_mode()
-    def warmup_sampler(self) -> None:
-        """The sampler on max_num_sequences rows of logits, with top-p (its sort makes several
-        vocabulary-sized copies) and without, then on 3 rows: up to 8 rows the sampling
-        kernels launch with programmatic dependent launch (kernels/pdl.py), a variant of
-        their own that Triton compiles now. Part of warmup_model, so that its peak counts
-        when the KV cache is sized."""
-        rows = self.config.max_num_sequences
-        # In the model's dtype, as the LM head returns them (the sampler's float() copy of
-        # bf16 logits is part of the peak).
-        logits = torch.zeros(rows, self.hf_config.vocab_size, device=self.device,
-                             dtype=self.dtype)
-        ones = torch.ones(rows, device=self.device)
-        self.sampler(logits, ones, top_ps=ones * 0.9, all_greedy=False)
-        self.sampler(logits, ones, all_greedy=False)  # the sampling kernels, compiled now
-        self.sampler(logits[:3], ones[:3], all_greedy=False)
-
-    @torch.inference_mode()
-    def warmup_cached_prefix_prefill(self) -> None:
-        """Compile the prefill kernel's variant that reads a cached prefix through the block
-        tables (~2 s), here rather than in the first request with a prefix-cache hit.
-
-        A made-up sequence whose first block counts as cached writes K/V into blocks 0-2;
-        no hash points at them, so the BlockManager hands them out as fresh blocks later.
-        """
-        block_size = self.config.block_size
-        seq = self.made_up_prompt(2 * block_size + 1, num_cached=block_size)
-        if self.num_kvcache_blocks < seq.num_blocks:
-            return  # a cache too small to matter; the first hit compiles it
-        seq.block_table = list(range(seq.num_blocks))
-        self.forward_prefill([seq])
-
-    def made_up_prompt(self, num_tokens: int, num_cached: int = 0) -> Sequence:
-        """A warm-up prompt of token 0s, scheduled whole after num_cached cached tokens (no
-        block table: nothing is stored unless the caller gives it one)."""
-        seq = Sequence([0] * num_tokens, self.config.block_size)
-        seq.num_cached_tokens = num_cached
-        seq.num_computed_tokens = num_tokens
-        seq.num_new_tokens = num_tokens - num_cached
-        return seq
 
     # ------------------------------------------------------------------ one step
     def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
