@@ -19,6 +19,9 @@ MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 3.4028234663852886e38
 MAX_INT64 = 2**63 - 1  # top_k is an int64 tensor on the device
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+# The most top logprobs a request may ask for per token (vLLM's default max_logprobs, and
+# OpenAI's limit): each is a column of a top-k over the vocabulary, copied to the host.
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -44,6 +47,16 @@ class SamplingParams:
     seed: int | None = None
     """Per-request random seed, so a sampled (temperature > 0) request is reproducible no matter
     which other requests share its batches. None = the engine's global random state."""
+
+    logprobs: int | None = None
+    """Return each completion token's logprob and the `logprobs` most likely tokens' (0 to
+    20: 0 is the sampled token's alone). They are the log-softmax of the model's raw logits,
+    before temperature, top-k and top-p (vLLM's default). None = off: no cost."""
+
+    prompt_logprobs: int | None = None
+    """The same for each prompt token (the first has none: nothing predicts it). Such a
+    request does not read the prefix cache, as in vLLM: a cached token has no logits, so its
+    whole prompt is computed. None = off."""
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -74,4 +87,9 @@ class SamplingParams:
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64 - 1], "
                              f"got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (is_int(k) and 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"SamplingParams.{name} must be None (off) or an int in "
+                                 f"[0, {MAX_LOGPROBS}], got {k!r}")
 

@@ -112,3 +112,27 @@ def test_tp_size_must_divide_the_heads() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         LLM(str(tiny_checkpoint("qwen3")), tensor_parallel_size=3)
     assert multiprocessing.active_children() == []
+
+
+def test_tp2_logprobs_match_tp1() -> None:
+    """Prompt logprobs run the LM head over prompt rows, a collective: every rank must pick
+    the same rows from what its copy of a sequence carries (needs_prompt_logprobs), also in
+    chunks (a budget of 12 tokens)."""
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = random_prompts([7, 30])
+    kwargs = dict(block_size=4, max_model_length=64, max_num_batched_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)
+    single = LLM(path, **kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=2, **kwargs)
+    sharded = llm.generate(prompts, params, use_tqdm=False)
+    llm.exit()
+    for one, two in zip(single, sharded):
+        assert two["token_ids"] == one["token_ids"]
+        for key in ("logprobs", "prompt_logprobs"):
+            assert len(two[key]) == len(one[key])
+            for a, b in zip(one[key], two[key]):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert a.keys() == b.keys()
+                    assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)

@@ -127,7 +127,6 @@ BAD_SHARED: dict[str, list[Any]] = {
     "stream_options": [5, {"include_usage": "x"}, [], "x"],
     "ignore_eos": [1, "true", None, []],
     # Not supported yet: refused unless they ask for nothing.
-    "logprobs": [1, True, 5],
     "presence_penalty": [1.0, "x", [], 3],
     "frequency_penalty": [-2.0, {}],
     "repetition_penalty": [1.2, 0, -1],
@@ -144,8 +143,8 @@ BAD_COMPLETION: dict[str, list[Any]] = {
                [[]], [1.5], "word " * 2 * MAX_MODEL_LENGTH, ["a", ""], [[1, 2], [1, 300]],
                ["a", 5], [[1], "a"], [[1, 2], []], ["a", "word " * 2 * MAX_MODEL_LENGTH],
                [1 + i % 255 for i in range(MAX_MODEL_LENGTH + 1)]],
-    "logprobs": [0],
-    "echo": [True, "x"],
+    "logprobs": [-1, 21, True, 1.5, "1", 10**30],
+    "echo": ["x", 1],
     "best_of": [2, 0, -5, "1"],
     "suffix": ["x", 5],
 }
@@ -160,7 +159,8 @@ BAD_CHAT: dict[str, list[Any]] = {
                  [{"role": "user", "content": "x", "unknown": 1}]],
     "tools": [[{"type": "function", "function": {"name": "f"}}], 5],
     "tool_choice": ["auto", {"type": "function"}],
-    "top_logprobs": [1, 21],
+    "logprobs": [1, "true", []],
+    "top_logprobs": [1, 21, -1, 1.5],  # 1: without logprobs true
     "max_completion_tokens": [0, -1, "5", 1.5],
     "chat_template_kwargs": [5, [], "x", {"tokenize": True}, {"conversation": 1},
                              {"tools": 5}, {"continue_final_message": True},
@@ -178,7 +178,8 @@ EXTREME: dict[str, list[Any]] = {
     "stop": [["\U0001f600"], ["a"] * 64, ["b" * 256], "\n"],
     "max_tokens": [1, 40],  # 40: with a prompt of the rest of the context (below)
     "ignore_eos": [True],
-    "logprobs": [None],
+    "logprobs": [None, 0, 20],  # chat: a 400 unless null
+    "echo": [False, True],  # chat: a 400 (not one of its fields)
     "best_of": [1, None],
     "n": [1],
     # Not supported yet, at the values that ask for nothing (clients send them).
@@ -190,7 +191,6 @@ EXTREME: dict[str, list[Any]] = {
     "min_tokens": [0],
     "stop_token_ids": [[]],
     "response_format": [{"type": "text"}],
-    "echo": [False],
     "suffix": [""],
     "user": ["someone", None],
 }

@@ -52,7 +52,7 @@ import zmq.asyncio
 from myvllm.config import Config
 from myvllm.engine.core import check_token_ids
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreMessage,
-                                         CoreOutput, CoreOutputs, Shutdown)
+                                         CoreOutput, CoreOutputs, LogprobsLists, Shutdown)
 from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
@@ -82,6 +82,10 @@ class StreamOutput:
     num_prompt_tokens: int
     num_completion_tokens: int  # so far; tokens after a stop string are not counted
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    # SamplingParams.logprobs: one entry per token of token_ids; None when not asked.
+    logprobs: LogprobsLists | None = None
+    # SamplingParams.prompt_logprobs: prompt tokens 1, 2, ..., in the first output only.
+    prompt_logprobs: LogprobsLists | None = None
 
 
 class StatLogger:
@@ -113,6 +117,8 @@ class _Stream:
     core_id: int
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: LogprobsLists | None = None  # of new_token_ids, when the request asked
+    prompt_logprobs: LogprobsLists | None = None
     finish_reason: str | None = None  # set when the core says the request finished
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -121,6 +127,13 @@ class _Stream:
 
     def push(self, out: CoreOutput) -> None:
         self.new_token_ids += out.new_token_ids
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = out.logprobs
+            else:
+                self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
@@ -369,6 +382,8 @@ class AsyncLLM:
                                        len(token_ids), num_tokens, 0)
                     return
                 new_ids, stream.new_token_ids = stream.new_token_ids, []
+                logprobs, stream.logprobs = stream.logprobs, None
+                prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None
                 core_finished = stream.finish_reason is not None
                 if not new_ids and not core_finished:
                     continue
@@ -379,6 +394,8 @@ class AsyncLLM:
                 if detok is not None:
                     text = detok.add_tokens(new_ids)
                     new_ids = new_ids[:max(0, detok.num_tokens - num_tokens)]
+                    if logprobs is not None:  # none for the tokens after a stop string
+                        logprobs = logprobs.slice(0, len(new_ids))
                     if core_finished or detok.stopped:
                         text += detok.finish()
                 if new_ids:
@@ -395,7 +412,8 @@ class AsyncLLM:
                     ended = True
                 yield StreamOutput(request_id, text, new_ids, finished,
                                    reason if finished else None, stream.num_prompt_tokens,
-                                   num_tokens, stream.num_cached_tokens)
+                                   num_tokens, stream.num_cached_tokens, logprobs,
+                                   prompt_logprobs)
                 if finished:
                     return
         finally:

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
+from myvllm.engine.core_messages import LogprobsLists
 from myvllm.engine.sequence import FinishReason
 from myvllm.utils.context import Context
 
@@ -56,3 +58,8 @@ class RequestOutput:
     #                                     max_model_length), "abort"; None while running
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    # SamplingParams.logprobs: one entry per new token; None when not asked.
+    logprobs: LogprobsLists | None = None
+    # SamplingParams.prompt_logprobs: prompt tokens 1, 2, ... (the first has none), in the
+    # request's first output only; None otherwise.
+    prompt_logprobs: LogprobsLists | None = None

@@ -139,7 +139,10 @@ class BlockManager:
         hits: list[int] = []
         hit_set: set[int] = set()
         h = -1
-        missed = not self.enable_prefix_caching
+        # A request that wants its prompt's logprobs needs the logits of every prompt token,
+        # and a cached one has none: it reads no hit (vLLM's rule), though its blocks are
+        # registered for later requests as any other's.
+        missed = not self.enable_prefix_caching or seq.needs_prompt_logprobs
         for i in range(seq.num_blocks):
             if missed and not hash_all:  # nothing after the first miss is needed
                 hashes += [-1] * (seq.num_blocks - i)

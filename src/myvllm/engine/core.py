@@ -40,6 +40,7 @@ from typing import Any
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.executor import Executor
+from myvllm.engine.logprobs import read_step_logprobs, take_prompt_logprobs
 from myvllm.engine.model_runner import SampledTokens
 from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
@@ -246,12 +247,15 @@ class EngineCore:
         """Wait for a queued step's tokens and hand them to the scheduler."""
         with self.executor.watching_workers("run"):  # under NCCL, rank 0 waits for its peers
             token_ids = step.sampled.token_ids()
-        seqs = [seq for seq, sample in zip(step.seqs, step.samples, strict=True) if sample]
+        # Only where some row asked; the copy arrived with the tokens.
+        logprobs = ({} if step.sampled.logprobs is None
+                    else read_step_logprobs(step.seqs, step.sampled.logprobs))
+        sampling = [i for i, sample in enumerate(step.samples) if sample]
+        seqs = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in seqs]
-        self.scheduler.postprocess(
-            seqs, [t for t, sample in zip(token_ids, step.samples, strict=True) if sample])
+        self.scheduler.postprocess(seqs, [token_ids[i] for i in sampling])
         outputs = []
-        for seq, num_known in zip(seqs, known, strict=True):
+        for index, seq, num_known in zip(sampling, seqs, known, strict=True):
             new_token_ids = seq.token_ids[num_known:]
             if not new_token_ids:  # a surplus token of a sequence that had finished
                 continue
@@ -261,7 +265,10 @@ class EngineCore:
                 request_id=seq.seq_id, new_token_ids=new_token_ids,
                 token_ids=seq.completion_token_ids, finished=seq.is_finished,
                 finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_prompt_tokens or 0))
+                num_cached_tokens=seq.num_cached_prompt_tokens or 0,
+                logprobs=logprobs.get(index),
+                prompt_logprobs=(take_prompt_logprobs(seq)
+                                 if seq.prompt_logprobs is not None else None)))
         return outputs, step.num_tokens
 
     def kv_cache_usage(self) -> float:

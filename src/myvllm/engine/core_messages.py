@@ -3,8 +3,8 @@
     front end  --- AddRequest | AbortRequests | Shutdown --->  core process    (input socket)
     front end  <-- CoreOutputs | CoreDead -------------------  core process    (output socket)
 
-Token ids only: the front end tokenizes, applies the chat template, detokenizes and matches
-stop strings; the core never sees text. One CoreOutputs message per engine step carries the
+Token ids only (and their logprobs, for a request that asks): the front end tokenizes,
+applies the chat template, detokenizes and matches stop strings; the core never sees text. One CoreOutputs message per engine step carries the
 new tokens of every request that got some, so the traffic grows with the steps, not with the
 tokens (256 streams decoding: one message of ~3 KB per step, not 256 messages).
 
@@ -38,6 +38,29 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 CoreInput = AddRequest | AbortRequests | Shutdown
 
 
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Logprobs of consecutive tokens of one request, one entry per token (vLLM's name).
+
+    logprobs[i] is token i's own; top_token_ids[i] / top_logprobs[i] its most likely
+    alternatives, most likely first (as many as the request asked for)."""
+
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(self.logprobs[start:end], self.top_token_ids[start:end],
+                             self.top_logprobs[start:end])
+
+    def extend(self, other: LogprobsLists) -> None:
+        self.logprobs += other.logprobs
+        self.top_token_ids += other.top_token_ids
+        self.top_logprobs += other.top_logprobs
+
+
 class CoreOutput(msgspec.Struct, array_like=True):
     """What one step did for one request."""
 
@@ -46,6 +69,10 @@ class CoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None  # None while it runs; "stop", "length" or "abort"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    # Only for a request that asked (SamplingParams.logprobs / prompt_logprobs), else None
+    # (one byte each on the wire): as RequestOutput's.
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs: LogprobsLists | None = None
 
 
 class Refusal(msgspec.Struct, array_like=True):

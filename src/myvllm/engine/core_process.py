@@ -179,7 +179,8 @@ class EngineCoreProc:
             del self._front_ids[out.request_id]
             del self._core_ids[front_id]
         return CoreOutput(front_id, out.new_token_ids, out.finish_reason,
-                          out.num_prompt_tokens, out.num_cached_tokens)
+                          out.num_prompt_tokens, out.num_cached_tokens, out.logprobs,
+                          out.prompt_logprobs)
 
     def _send(self, outputs: list[CoreOutput]) -> None:
         """One message for the step, unless it has nothing new to say."""

@@ -141,3 +141,14 @@ class IncrementalDetokenizer:
         delta = self.output_text[self._emitted:end]
         self._emitted = max(self._emitted, end)
         return delta
+
+
+def token_texts(tokenizer: Any, token_ids: Sequence[int]) -> list[str]:
+    """Each token's own text, decoded alone with special tokens kept: what logprobs name a
+    token by (OpenAI's `tokens` and `top_logprobs` keys; their lengths make `text_offset`),
+    as vLLM does. A token that holds only part of a UTF-8 character decodes to "\ufffd",
+    and the pieces of a SentencePiece word lose their leading space, so these texts need
+    not add up to the decoded text. With no tokenizer, vLLM's "token_id:N"."""
+    if tokenizer is None:
+        return [f"token_id:{t}" for t in token_ids]
+    return list(tokenizer.batch_decode([[t] for t in token_ids]))

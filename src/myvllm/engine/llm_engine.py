@@ -3,7 +3,8 @@
     generate(prompts)
       -> tokenize and validate every prompt, then queue each in the EngineCore
       -> while not is_finished(): step()            one EngineCore.step()
-      -> outputs in input order: text, token_ids, num_cached_tokens
+      -> outputs in input order: text, token_ids, num_cached_tokens, and logprobs /
+         prompt_logprobs (None unless SamplingParams asked for them)
 
 The LLMEngine holds the tokenizer and an EngineCore (core.py): the scheduler, the model
 runner and any tensor-parallel workers. It is the core's in-process client; the server and
@@ -22,6 +23,8 @@ from tqdm.auto import tqdm
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
+from myvllm.engine.core_messages import LogprobsLists
+from myvllm.engine.logprobs import LogprobsCollector
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import resolve_engine, to_config
 from myvllm.sampling_parameters import SamplingParams
@@ -31,6 +34,8 @@ from myvllm.utils.hf_config import gguf_parsed_once
 logger = logging.getLogger("myvllm")
 
 Prompt = str | list[int]
+# A finished output's logprobs when its request asked for none.
+NO_LOGPROBS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None}
 
 
 class LLMEngine:
@@ -49,6 +54,8 @@ class LLMEngine:
         self.max_model_length: int = core.max_model_length
         self.vocab_size: int = core.vocab_size
         self.async_scheduling: bool = core.async_scheduling
+        # The requests that asked for logprobs, gathered until they finish (step()).
+        self._logprobs: dict[int, LogprobsCollector] = {}
 
     @property
     def scheduler(self) -> Any:
@@ -89,11 +96,20 @@ class LLMEngine:
         self.check_alive()
         seq = self._make_sequence(prompt, sampling_params)
         seq.streamed = streamed
+        return self._add_sequence(seq)
+
+    def _add_sequence(self, seq: Sequence) -> int:
+        params = seq.sampling_params
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprobs[seq.seq_id] = LogprobsCollector(
+                seq.prompt_token_ids,
+                None if params.logprobs is None else LogprobsLists([], [], []))
         return self.engine_core.add_sequence(seq)
 
     def abort(self, request_id: int) -> None:
         """Drop a request wherever it is and free its blocks now; unknown or finished ids
         are ignored (a request may finish while its client gives up on it)."""
+        self._logprobs.pop(request_id, None)
         self.engine_core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -105,15 +121,25 @@ class LLMEngine:
     def step(self) -> tuple[list[dict[str, Any]], int]:
         """One scheduler step. Returns (outputs of the sequences that finished, tokens computed).
 
-        Each output has seq_id, token_ids (completion only) and num_cached_tokens. The token
+        Each output has seq_id, token_ids (completion only), num_cached_tokens, logprobs (one
+        {token id: logprob} per completion token, the token's own and its top alternatives)
+        and prompt_logprobs (None for the first prompt token, then one such dict each), both
+        None unless the request's SamplingParams asked for them. The token
         count is positive for a step that computes prompt tokens (with chunked prefill, the
         decode rows beside them count too) and negative for a pure decode step (one per
         sequence), so callers can tell them apart; it never exceeds max_num_batched_tokens.
         """
         outputs, num_tokens = self.step_outputs()
-        finished = [{"seq_id": out.request_id, "token_ids": out.token_ids,
-                     "num_cached_tokens": out.num_cached_tokens}
-                    for out in outputs if out.finished]
+        finished = []
+        for out in outputs:
+            collector = self._logprobs.get(out.request_id)
+            if collector is not None:
+                collector.add(out)
+            if out.finished:
+                logprobs = (NO_LOGPROBS if collector is None
+                            else self._logprobs.pop(out.request_id).result(out.token_ids))
+                finished.append({"seq_id": out.request_id, "token_ids": out.token_ids,
+                                 "num_cached_tokens": out.num_cached_tokens, **logprobs})
         return finished, num_tokens
 
     def step_outputs(self) -> tuple[list[RequestOutput], int]:
@@ -156,7 +182,7 @@ class LLMEngine:
             # only the total, so prompts need not wait beside its decoding sequences.
             seq.streamed = False
         for seq in seqs:
-            self.engine_core.add_sequence(seq)
+            self._add_sequence(seq)
 
         outputs: dict[int, dict[str, Any]] = {}
         progress = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True,
@@ -187,6 +213,8 @@ class LLMEngine:
                 "text": self._decode(outputs[seq.seq_id]["token_ids"]),
                 "token_ids": outputs[seq.seq_id]["token_ids"],
                 "num_cached_tokens": outputs[seq.seq_id]["num_cached_tokens"],
+                "logprobs": outputs[seq.seq_id]["logprobs"],
+                "prompt_logprobs": outputs[seq.seq_id]["prompt_logprobs"],
             }
             for seq in seqs
         ]

@@ -21,6 +21,9 @@ What happens to one step:
         decode    InputBuilder.prepare_decode, then decode_forward; on one GPU with
                   temperature-only sampling it includes the LM head and the sampling
                   kernels, else the LM head and the Sampler run after it
+        both      rows that asked for logprobs: gather_logprobs on their logits, beside
+                  the Sampler (engine/logprobs.py; such a row keeps a decode step out of
+                  the graph's sampling), copied back with the tokens
     -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
 
 On a GPU both kinds of step are padded onto fixed buffers and replayed from a CUDA graph
@@ -47,6 +50,8 @@ from myvllm.engine import warmup
 from myvllm.engine.cuda_graphs import GraphCache, GraphKey
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
+from myvllm.engine.logprobs import (LogprobRows, PromptSpan, StepLogprobs, prompt_logprobs,
+                                    prompt_spans, sampled_logprobs)
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.token_pool import SampledTokens
@@ -148,17 +153,23 @@ class ModelRunner:
         return num_blocks
 
     # ------------------------------------------------------------------ one step
-    def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def forward_prefill(self, seqs: list[Sequence], spans: list[PromptSpan] | None = None
+                        ) -> tuple[torch.Tensor | None, LogprobRows | None]:
         """The model and LM head over each sequence's scheduled chunk (num_new_tokens tokens
-        up to num_computed_tokens) -> logits of each sequence's last token computed (on
-        rank 0; None on other ranks)."""
+        up to num_computed_tokens) -> (logits of each sequence's last token computed, the
+        logprobs of the prompt rows in spans) on rank 0; (None, None) on other ranks."""
         step = self.inputs.prepare_prefill(seqs)
         key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
         with forward_context(step.context):
             hidden = self.run_graph_or_eager(key, step, self.body_forward)
             # The LM head reads the last row of each sequence (context.cu_seqlens_q): padding
             # rows are never read.
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+        if not spans:
+            return logits, None
+        # Outside the context, where the LM head keeps every row it is given.
+        return logits, prompt_logprobs(seqs, spans, hidden, self.model.compute_logits,
+                                       self.inputs.fresh.tensor, self.config.max_num_sequences)
 
     def run_graph_or_eager(self, key: GraphKey | None, step: StepInputs,
                            forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
@@ -201,18 +212,25 @@ class ModelRunner:
         other ranks None. Nothing here waits for the device (NCCL collectives are queued on
         the stream like any kernel).
         """
+        spans = prompt_spans(seqs) if is_prefill else []
+        prompt_rows = None
         if is_prefill:
-            logits = self.forward_prefill(seqs)
+            logits, prompt_rows = self.forward_prefill(seqs, spans)
         else:
             logits = self.run_decode(seqs)
         num_seqs = len(seqs)
         pool = self.inputs.pool
+        step_logprobs = None
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
             args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device)
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
-            pool.tokens[:num_seqs].copy_(self.sampler(
-                logits[:num_seqs], args.temperatures, args.top_ks, args.top_ps,
-                args.generators, all_greedy=args.all_greedy))
+            tokens = self.sampler(logits[:num_seqs], args.temperatures, args.top_ks,
+                                  args.top_ps, args.generators, all_greedy=args.all_greedy)
+            pool.tokens[:num_seqs].copy_(tokens)
+            asked, sampled_rows = sampled_logprobs(seqs, logits[:num_seqs], tokens,
+                                                   self.inputs.fresh.tensor)
+            if sampled_rows is not None or prompt_rows is not None:
+                step_logprobs = StepLogprobs(asked, sampled_rows, spans, prompt_rows)
         if self.broadcast_sampled:
             # Every rank's pool now holds this step's tokens, in the rows where the next
             # step's pending tokens are read (Sequence.sampled_row, shipped with the
@@ -220,7 +238,7 @@ class ModelRunner:
             pool.share(num_seqs)
         if self.rank != 0:
             return None
-        return pool.read_back(seqs)
+        return pool.read_back(seqs, step_logprobs)
 
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """A decode step; returns the logits when the Sampler must still run on them, None

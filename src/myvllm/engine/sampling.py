@@ -2,7 +2,9 @@
 
 Rank 0 alone samples. A decode step on one GPU with temperature-only rows samples inside
 its CUDA graph (two Triton kernels, layers/sampler.py); top-k, top-p and per-request seeds
-need the PyTorch sampler on the logits, outside the graph.
+need the PyTorch sampler on the logits, outside the graph, and logprobs need the logits
+themselves (engine/logprobs.py): such a step runs the graph without its sampling, then the
+LM head, the Sampler and the logprobs eagerly. Steps with no such row keep the graph's path.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def samples_this_step(seq: Sequence) -> bool:
 
 
 def needs_full_sampler(seqs: list[Sequence]) -> bool:
-    return any(uses_filters_or_seeds(seq) for seq in seqs)
+    """A row needs the logits outside the decode graph: filters, a seed, or logprobs."""
+    return any(uses_filters_or_seeds(seq) or seq.sampling_params.logprobs is not None
+               for seq in seqs)
 
 
 def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int
 
+from myvllm.engine.core_messages import LogprobsLists
+
 if TYPE_CHECKING:
     import torch
 
@@ -78,6 +80,11 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.sampling_params: SamplingParams = (sampling_params if sampling_params is not None
                                                 else SamplingParams())
+        # Its prompt's logprobs are still to be computed (SamplingParams.prompt_logprobs): the
+        # prefill's LM head then runs over its prompt rows too, on every tensor-parallel rank
+        # (shipped to workers), and the prefix cache is not read for it (a cached token has
+        # no logits). Cleared once all of them reached the host.
+        self.needs_prompt_logprobs: bool = self.sampling_params.prompt_logprobs is not None
         # True while the next forward for this sequence is a prefill (new, or re-queued after
         # preemption); False once a token has been appended after that prefill. It only
         # decides what __getstate__ ships to tensor-parallel workers.
@@ -89,6 +96,10 @@ class Sequence:
         # num_cached_tokens at the first admission (what the caller is told: a re-prefill
         # after preemption may hit the sequence's own freed blocks, which is no prompt hit);
         self.num_cached_prompt_tokens: int | None = None
+        # the prompt logprobs read back so far, of tokens 1, 2, ... (the first has none),
+        # held until the first output carries them away (then None, as when not asked);
+        self.prompt_logprobs: LogprobsLists | None = (
+            LogprobsLists([], [], []) if self.needs_prompt_logprobs else None)
         # the seeded generator of SamplingParams.seed, made at the first sampled step;
         self.generator: torch.Generator | None = None
         # the row of this sequence's token in the last step's sampled-token pool, where a
@@ -198,7 +209,8 @@ class Sequence:
     # never sample, so they need neither the sampling params nor the status. What they need:
     #
     #   prefill: seq_id, num_tokens, num_prompt_tokens, num_cached_tokens, block_table and
-    #            ALL token_ids (the runner feeds token_ids[num_cached_tokens:])
+    #            ALL token_ids (the runner feeds token_ids[num_cached_tokens:]), and
+    #            needs_prompt_logprobs (the LM head over prompt rows is collective)
     #   decode:  the same counters and block_table, but only last_token (the one new token)
     #
     # Sending the whole token list every decode step would cost O(length) per sequence per
@@ -219,15 +231,17 @@ class Sequence:
         return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
                 self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
                 self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
-                self.sampled_row if self.num_pending_tokens else None)
+                self.sampled_row if self.num_pending_tokens else None,
+                self.needs_prompt_logprobs)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
          self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
          self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
-         self.sampled_row) = state
+         self.sampled_row, self.needs_prompt_logprobs) = state
         self.status = SequenceStatus.RUNNING
         self.num_cached_prompt_tokens = None
+        self.prompt_logprobs = None
         self.generator = None
         self.finish_reason = None
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from myvllm.engine.logprobs import StepLogprobs
 from myvllm.engine.sequence import Sequence
 
 
@@ -75,14 +76,19 @@ class TokenPool:
         queued on the stream after rank 0's sampler and before the next step's reads."""
         dist.broadcast(self.tokens[:num_seqs], src=0)
 
-    def read_back(self, seqs: list[Sequence]) -> SampledTokens:
-        """Queue the copy of this step's tokens (rows 0..len(seqs)-1) to the host and note
-        each sequence's row for the next step; returns at once."""
+    def read_back(self, seqs: list[Sequence], logprobs: StepLogprobs | None = None
+                  ) -> SampledTokens:
+        """Queue the copy of this step's tokens (rows 0..len(seqs)-1), and of the logprobs
+        some rows asked for, to the host and note each sequence's row for the next step;
+        returns at once."""
         for row, seq in enumerate(seqs):
             seq.sampled_row = row
         num_seqs = len(seqs)
+        # Queued before the event below, which then says that they have arrived too.
+        host_logprobs = logprobs.to_host() if logprobs is not None else None
         if not self.host:  # a CPU: the step has run; keep the tokens before the next one
-            return SampledTokens(self.tokens[:num_seqs].clone(), None, [1], 0, 1)
+            return SampledTokens(self.tokens[:num_seqs].clone(), None, [1], 0, 1,
+                                 host_logprobs)
         slot = self.read_slot
         self.read_slot = 1 - slot
         self.steps_read += 1
@@ -90,7 +96,8 @@ class TokenPool:
         host = self.host[slot][:num_seqs]
         host.copy_(self.tokens[:num_seqs], non_blocking=True)
         self.copied[slot].record()
-        return SampledTokens(host, self.copied[slot], self.read_owner, slot, self.steps_read)
+        return SampledTokens(host, self.copied[slot], self.read_owner, slot, self.steps_read,
+                             host_logprobs)
 
 
 class SampledTokens:
@@ -104,9 +111,13 @@ class SampledTokens:
     """
 
     def __init__(self, host: torch.Tensor, copied: torch.cuda.Event | None,
-                 owner: list[int], slot: int, step: int) -> None:
+                 owner: list[int], slot: int, step: int,
+                 logprobs: StepLogprobs | None = None) -> None:
         self.host, self.copied = host, copied
         self._owner, self._slot, self._step = owner, slot, step
+        # Host tensors of their own (not the alternating slots), valid once token_ids()
+        # has waited for the copy.
+        self.logprobs = logprobs
 
     def token_ids(self) -> list[int]:
         if self._owner[self._slot] != self._step:

@@ -5,7 +5,8 @@ reported instead of guessed at. Every field either works or is refused with a 40
 it, so that no answer looks as if it honoured a field it ignored:
 
 - fields that work: the sampling fields below, vLLM's extras top_k and ignore_eos, stop
-  strings, streaming (stream_options.include_usage), prompt batches in /v1/completions;
+  strings, streaming (stream_options.include_usage), prompt batches, `echo` and `logprobs`
+  in /v1/completions, `logprobs` and `top_logprobs` in chat;
 - `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
@@ -25,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from myvllm.sampling_parameters import SamplingParams
+from myvllm.sampling_parameters import MAX_LOGPROBS, SamplingParams
 
 
 class RequestError(Exception):
@@ -52,10 +53,7 @@ MAX_STOP_LENGTH = 256
 NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v == 1, "1"),
     "best_of": (lambda v: v == 1, "1"),
-    "echo": (lambda v: v is False, "false"),
     "suffix": (lambda v: v == "", '""'),
-    "logprobs": (lambda v: v is False, "false (chat) or null"),
-    "top_logprobs": (lambda v: v == 0, "0"),
     "presence_penalty": (lambda v: v == 0, "0"),
     "frequency_penalty": (lambda v: v == 0, "0"),
     "repetition_penalty": (lambda v: v == 1, "1"),
@@ -158,7 +156,12 @@ class _SamplingRequest(_Strict):
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
+            **self.logprob_params(),
         )
+
+    def logprob_params(self) -> dict[str, int | None]:
+        """SamplingParams' logprobs and prompt_logprobs, as each endpoint asks for them."""
+        return {}
 
 
 Prompt = str | list[int]
@@ -167,11 +170,16 @@ Prompt = str | list[int]
 class CompletionRequest(_SamplingRequest):
     # A string or token ids, or a batch: a list of strings or of token-id lists.
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None  # the answer's text starts with the prompt's
+    # The sampled token's logprob and the k most likely tokens' (with echo, the prompt's too).
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Not implemented yet (NOT_YET).
-    echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
-    logprobs: int | None = Field(None, ge=0)
+
+    def logprob_params(self) -> dict[str, int | None]:
+        return {"logprobs": self.logprobs,
+                "prompt_logprobs": self.logprobs if self.echo else None}
 
     @model_validator(mode="after")
     def _not_empty(self) -> CompletionRequest:
@@ -233,9 +241,9 @@ class _ChatPrompt(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None  # each answer token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and its k best's
     # Not implemented yet (NOT_YET).
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -243,7 +251,13 @@ class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
     def _max_tokens(self) -> ChatCompletionRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            # OpenAI's and vLLM's rule: top_logprobs alone would be silently ignored.
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def logprob_params(self) -> dict[str, int | None]:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def unsupported(self) -> list[str]:
         refused = super().unsupported()

@@ -14,6 +14,7 @@ class Choice:
     index: int  # prompt index * n + i, as OpenAI numbers a batch's choices (n is 1 here)
     text: str
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None  # entrypoints/logprobs.py's shape, if asked
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
@@ -26,25 +27,26 @@ def completion_response(request_id: str, model: str, choices: list[Choice],
     """A /v1/completions body, or one server-sent event of its stream."""
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": model,
-            "choices": [{"index": c.index, "text": c.text, "logprobs": None,
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs,
                          "finish_reason": c.finish_reason} for c in choices],
             "usage": usage_}
 
 
-def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
+def chat_response(request_id: str, model: str, choice: Choice,
                   usage_: dict[str, int]) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": choice.text},
+                         "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}],
             "usage": usage_}
 
 
 def chat_chunk(request_id: str, model: str, delta: dict[str, str] | None,
                finish_reason: str | None = None,
-               usage_: dict[str, int] | None = None) -> dict[str, Any]:
+               usage_: dict[str, int] | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One event of a streamed chat completion; delta None = the usage-only last event."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage_}

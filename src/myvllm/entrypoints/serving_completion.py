@@ -8,6 +8,10 @@
          stream=true:  one server-sent event per output, "data: {...}\\n\\n", each carrying
                        its prompt's choice index, then "data: [DONE]\\n\\n"
 
+A choice's text starts with its prompt's under completions' echo (in a stream's first event
+of that choice), and its logprobs, when asked, come in each event for that event's tokens
+(entrypoints/logprobs.py), the echoed prompt's first.
+
 A batch's prompts are separate requests to the engine (they share its batches like any
 others); its answer numbers the choices as OpenAI does: index = prompt index * n + i, and n
 is 1 here. Usage is summed over the prompts.
@@ -20,6 +24,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -27,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from myvllm.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput
 from myvllm.engine.core import check_token_ids
+from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                          RequestError, error_body)
 from myvllm.entrypoints.request_log import request_log
@@ -126,6 +132,18 @@ async def _merge(started: list[Started]) -> AsyncGenerator[tuple[int, StreamOutp
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@dataclass
+class Answer:
+    """What one choice adds to its outputs: the echoed prompt (completions' echo; "" once
+    sent, or without echo) and its logprobs in the endpoint's shape."""
+
+    echo: str
+    logprobs: ChoiceLogprobs
+
+    def logprobs_of(self, out: StreamOutput) -> dict[str, Any] | None:
+        return self.logprobs.part(out.token_ids, out.logprobs, out.prompt_logprobs)
+
+
 class Generation:
     """The routes that generate text, over one AsyncLLM serving one model name."""
 
@@ -147,7 +165,15 @@ class Generation:
                                    self.llm.vocab_size, f"prompt[{i}]: " if batch else ""),
                       DEFAULT_COMPLETION_MAX_TOKENS if default is None else default)
                   for i, ids in enumerate(prompts)]
-        return await self.run(request, body, prompts, limits, chat=False)
+        echo = None
+        if body.echo:  # the prompt as given, or its token ids' text
+            echo = [p if isinstance(p, str) else self._decode(ids)
+                    for p, ids in zip(body.prompts, prompts)]
+        return await self.run(request, body, prompts, limits, chat=False, echo=echo)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.llm.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids)
 
     async def chat(self, request: Request, body: ChatCompletionRequest,
                    prompt_ids: list[int]) -> Response:
@@ -156,22 +182,28 @@ class Generation:
         return await self.run(request, body, [prompt_ids], [limit], chat=True)
 
     async def run(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                  prompts: list[list[int]], max_tokens: list[int], chat: bool) -> Response:
+                  prompts: list[list[int]], max_tokens: list[int], chat: bool,
+                  echo: list[str] | None = None) -> Response:
+        """echo: each prompt's text, which its choice's text starts with."""
         try:
             params = [body.sampling_params(m) for m in max_tokens]
         except (ValueError, TypeError) as e:
             raise RequestError(str(e)) from e
+        answers = [Answer(echo[i] if echo else "",
+                          ChoiceLogprobs(self.llm.tokenizer, p.logprobs is not None, chat,
+                                         ids if echo else None))
+                   for i, (ids, p) in enumerate(zip(prompts, params))]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         log = request_log(request)
         log.prompt_tokens = sum(map(len, prompts))
         if body.stream:
             started = await self.start(prompts, params, body.stop_strings, request_id, True)
             events = (self.stream_chat if chat else self.stream_completion)(
-                request, request_id, started, body.include_usage)
+                request, request_id, started, answers, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         # Not streamed: the answer is one body; watch the connection while it is computed.
         collect = asyncio.ensure_future(
-            self.collect(prompts, params, body.stop_strings, request_id))
+            self.collect(prompts, params, body.stop_strings, request_id, answers))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():  # the client left: cancelling aborts the requests
@@ -187,8 +219,7 @@ class Generation:
             raise EngineDeadError("the server shut down before the answer was complete")
         usage_ = usage(log.prompt_tokens, num_completion_tokens)
         if chat:
-            return JSONResponse(chat_response(request_id, self.model_name, choices[0].text,
-                                              choices[0].finish_reason, usage_))
+            return JSONResponse(chat_response(request_id, self.model_name, choices[0], usage_))
         return JSONResponse(completion_response(request_id, self.model_name, choices, usage_))
 
     async def start(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -213,29 +244,37 @@ class Generation:
                 if isinstance(first, StreamOutput)]
 
     async def collect(self, prompts: list[list[int]], params: list[SamplingParams],
-                      stop: list[str], request_id: str) -> tuple[list[Choice], int]:
+                      stop: list[str], request_id: str, answers: list[Answer]
+                      ) -> tuple[list[Choice], int]:
         """Every prompt's whole answer, in prompt order, and the completion tokens in all."""
         started = await self.start(prompts, params, stop, request_id, streamed=False)
-        parts: list[list[str]] = [[] for _ in started]
+        parts: list[list[str]] = [[a.echo] for a in answers]
+        logprob_parts: list[list[dict[str, Any] | None]] = [[] for _ in started]
         last = [first for first, _ in started]
         async with contextlib.aclosing(_merge(started)) as outputs:
             async for index, out in outputs:
                 parts[index].append(out.text or "")
+                logprob_parts[index].append(answers[index].logprobs_of(out))
                 last[index] = out
-        choices = [Choice(i, "".join(p), out.finish_reason)
-                   for i, (p, out) in enumerate(zip(parts, last))]
+        choices = [Choice(i, "".join(p), out.finish_reason, a.logprobs.merge(lp))
+                   for i, (p, out, a, lp) in enumerate(zip(parts, last, answers,
+                                                           logprob_parts))]
         return choices, sum(out.num_completion_tokens for out in last)
 
     async def stream_completion(self, request: Request, request_id: str,
-                                started: list[Started], include_usage: bool
-                                ) -> AsyncIterator[str]:
+                                started: list[Started], answers: list[Answer],
+                                include_usage: bool) -> AsyncIterator[str]:
         last = [first for first, _ in started]
         try:
             async with contextlib.aclosing(self._outputs(request, started)) as outputs:
                 async for index, out in outputs:
                     last[index] = out
+                    answer = answers[index]
+                    # echo: the prompt's text leads the choice's first event.
+                    text, answer.echo = answer.echo + (out.text or ""), ""
                     yield sse(completion_response(request_id, self.model_name, [
-                        Choice(index, out.text or "", out.finish_reason)], None))
+                        Choice(index, text, out.finish_reason, answer.logprobs_of(out))],
+                        None))
         except EngineDeadError as e:
             request_log(request).reason = str(e)
             yield sse(error_body(str(e), 503))
@@ -246,7 +285,7 @@ class Generation:
         yield sse("[DONE]")
 
     async def stream_chat(self, request: Request, request_id: str, started: list[Started],
-                          include_usage: bool) -> AsyncIterator[str]:
+                          answers: list[Answer], include_usage: bool) -> AsyncIterator[str]:
         yield sse(chat_chunk(request_id, self.model_name, {"role": "assistant",
                                                            "content": ""}))
         last = [first for first, _ in started]
@@ -256,7 +295,8 @@ class Generation:
                     last[index] = out
                     delta = {"content": out.text} if out.text else {}
                     yield sse(chat_chunk(request_id, self.model_name, delta,
-                                         out.finish_reason))
+                                         out.finish_reason,
+                                         logprobs=answers[index].logprobs_of(out)))
         except EngineDeadError as e:
             request_log(request).reason = str(e)
             yield sse(error_body(str(e), 503))
