@@ -45,8 +45,8 @@ from typing import Any, Protocol
 import torch
 
 from myvllm.config import Config
-from myvllm.engine.batch import StepInputs
 from myvllm.engine import warmup
+from myvllm.engine.batch import StepInputs
 from myvllm.engine.cuda_graphs import GraphCache, GraphKey
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
