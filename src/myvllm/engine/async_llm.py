@@ -66,7 +66,13 @@ __all__ = ["AsyncLLM", "EngineDeadError", "StatLogger", "StreamOutput"]
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs takes minutes
 CONNECT_TIMEOUT_S = 30.0  # from the core's "ready" to its sockets being connected (local ipc)
-SHUTDOWN_WAIT_S = 5.0  # for the core to finish its step and exit, before SIGTERM, then SIGKILL
+# Stopping the core (shutdown()): Shutdown, then SIGTERM, then SIGKILL. A core between steps
+# reads Shutdown at once; a step on a GPU takes well under a second (a 30k-token prefill on an
+# H200: 0.28 s), and stopping the tensor-parallel workers about as long. A step on a CPU can
+# take minutes, and its answers go nowhere after a requested shutdown: not worth waiting for.
+SHUTDOWN_WAIT_S = 2.0
+# After SIGTERM: the core's handler runs after the torch op in progress, and exits at once.
+TERMINATE_WAIT_S = 1.0
 MAX_MESSAGE_INT = 2**64 - 1  # the largest int MessagePack encodes
 
 
@@ -260,7 +266,8 @@ class AsyncLLM:
 
     def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
         """Abort everything and end the core process (and with it any tensor-parallel
-        workers); idempotent. Call it after the event loop stopped serving."""
+        workers) within about timeout_s + TERMINATE_WAIT_S, whatever it is doing; idempotent.
+        Call it after the event loop stopped serving."""
         self._closing = True
         if self._shutdown_requested:
             return
@@ -277,12 +284,14 @@ class AsyncLLM:
             self._process.join(timeout_s)
         if self._process.is_alive():
             if self._ready:
-                logger.warning(f"the engine core did not stop within {timeout_s} s: SIGTERM")
-            # (Still loading: it reads no message yet, and SIGTERM ends it at once.)
+                logger.warning(f"the engine core did not stop within {timeout_s:g} s (a step "
+                               "in progress, or it hangs): SIGTERM")
+            # (Still loading: it reads no message yet, and SIGTERM ends it.)
             self._process.terminate()
-            self._process.join(timeout_s)
+            self._process.join(TERMINATE_WAIT_S)
         if self._process.is_alive():
-            logger.warning("the engine core ignored SIGTERM: SIGKILL")
+            logger.warning(f"the engine core did not exit within {TERMINATE_WAIT_S:g} s of "
+                           "SIGTERM: SIGKILL (its tensor-parallel workers see it gone)")
             self._process.kill()
             self._process.join()
         if self._reader is not None and self._loop is not None and not self._loop.is_closed():

@@ -14,19 +14,26 @@ interpreter, and in one process they take turns on one GIL: measured on an H200 
 then ran the bench workload at 0.57x of generate() (docs/serving.md). Here the engine loop
 has an interpreter to itself and steps as fast as generate() does.
 
-Lifetime: the front end owns this process. It sends Shutdown (or the process gets SIGTERM)
-to stop it; Ctrl-C in a terminal reaches every process of the group, so this one ignores
-SIGINT and lets the front end decide. If the front end dies (kill -9), the parent-watch
-thread sees it within a second and exits, and the tensor-parallel workers, which watch this
-process in turn, follow.
+Lifetime: the front end owns this process. It sends Shutdown to stop it: read between steps,
+the loop ends, the workers are stopped and the process exits 0. A step cannot be cut short
+(a long prefill on a CPU runs for seconds), so when Shutdown is not read in time the front
+end sends SIGTERM: between steps it unwinds the loop as Shutdown does; inside a step the
+process exits at once with os._exit(0) (nothing the step computes can reach anyone: no need
+to unwind a forward pass half done and run the interpreter's exit behind it), and its
+workers, which watch it, follow within a second. Ctrl-C in a terminal reaches every process
+of the group, so this one ignores SIGINT and lets the front end decide. If the front end dies
+(kill -9), the parent-watch thread sees it within a second and exits, and the
+tensor-parallel workers, which watch this process in turn, follow.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
@@ -52,9 +59,18 @@ IDLE_POLL_MS = 1000
 PARENT_CHECK_S = 0.5  # how often the core looks whether the front end is still there
 LINGER_MS = 2000  # at exit, how long queued output messages may take to leave
 
+# When the step in progress began (time.monotonic()), None between steps: read by the
+# SIGTERM handler. One process runs one loop.
+_step_started: float | None = None
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)  # unwinds the loop, so the workers are stopped on the way out
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    if _step_started is None:
+        raise SystemExit(0)  # unwinds the loop, so the workers are stopped on the way out
+    # Python runs this handler between two bytecodes of the step (after the torch op in
+    # progress returns). The step's results can go nowhere: leave now, without unwinding it.
+    os.write(2, b"[myvllm] the engine core got SIGTERM in the middle of a step: exit now\n")
+    os._exit(0)
 
 
 def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
@@ -62,7 +78,7 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
                     parent_pid: int) -> None:
     """Entry point of the core process (importable: the process is spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=exit_when_parent_dies,
                      args=(parent_pid, PARENT_CHECK_S, "the engine core"), daemon=True,
                      name="myvllm-parent-watch").start()
@@ -118,7 +134,7 @@ class EngineCoreProc:
                         break
                     outputs: list[RequestOutput] = []
                     if core.has_unfinished_requests():
-                        outputs, _ = core.step()
+                        outputs = self._step()
                     self._send([self._to_output(out) for out in outputs])
             core.abort_all()  # Shutdown: every block back, and the front end hears it
             self._send([])
@@ -128,6 +144,14 @@ class EngineCoreProc:
             raise
         finally:
             self.close()
+
+    def _step(self) -> list[RequestOutput]:
+        global _step_started
+        _step_started = time.monotonic()
+        try:
+            return self.core.step()[0]
+        finally:
+            _step_started = None
 
     def close(self) -> None:
         """Close both sockets (what is queued for the front end may take LINGER_MS to
