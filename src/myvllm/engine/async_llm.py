@@ -25,7 +25,9 @@ behind by steps, never by messages, and the engine never waits for it.
 
 If the core process dies, every request in flight ends with EngineDeadError, is_running turns
 False, and the callbacks given to on_core_death run (the server exits, so that whoever
-supervises it starts a new one).
+supervises it starts a new one). The same happens when the core stops answering while its
+process lives (stopped, or stuck): it sends a heartbeat every second from a thread of its own,
+and nothing at all for hang_timeout_s is taken for a hang (_watch_core).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -52,7 +54,7 @@ import zmq.asyncio
 from myvllm.config import Config
 from myvllm.engine.core import check_token_ids
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreMessage,
-                                         CoreOutput, CoreOutputs, Shutdown)
+                                         CoreOutput, CoreOutputs, Heartbeat, Shutdown)
 from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
@@ -73,6 +75,15 @@ CONNECT_TIMEOUT_S = 30.0  # from the core's "ready" to its sockets being connect
 SHUTDOWN_WAIT_S = 2.0
 # After SIGTERM: the core's handler runs after the torch op in progress, and exits at once.
 TERMINATE_WAIT_S = 1.0
+# Nothing from the core (not even its heartbeat, sent every second) for this long: it hangs.
+# Ten beats missed: no scheduling hiccup of a busy machine, and no step, however long, is
+# silent (the beat comes from a thread of its own); a stopped process or one stuck in C code
+# holding the interpreter is.
+HANG_TIMEOUT_S = 10.0
+HANG_CHECK_S = 1.0  # how often the front end looks
+# A step running this long is logged (and again every as long): the heartbeat goes on during a
+# step, so a kernel that never returns would otherwise show only as requests that never end.
+LONG_STEP_LOG_S = 60.0
 MAX_MESSAGE_INT = 2**64 - 1  # the largest int MessagePack encodes
 
 
@@ -149,9 +160,12 @@ def _describe_exit(code: int | None) -> str:
 
 
 class AsyncLLM:
-    def __init__(self, config: Config, stat_logger: StatLogger | None = None) -> None:
+    def __init__(self, config: Config, stat_logger: StatLogger | None = None,
+                 hang_timeout_s: float | None = HANG_TIMEOUT_S) -> None:
         """Resolve the model here, start the core process, and return once it is ready
-        (bad settings, a missing checkpoint or a failed start raise from here)."""
+        (bad settings, a missing checkpoint or a failed start raise from here).
+        hang_timeout_s: nothing heard from the core for this long fails every request and
+        counts as the core's death (None: never)."""
         with gguf_parsed_once():
             resolved = resolve_engine(config)
         self.tokenizer = resolved.tokenizer
@@ -175,6 +189,10 @@ class AsyncLLM:
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.hang_timeout_s = hang_timeout_s
+        self._last_heard = time.monotonic()  # when the core's last message arrived
+        self._long_step_logged = 0.0  # the step length last logged (LONG_STEP_LOG_S)
         self._next_id = itertools.count()
         self._streams: dict[int, _Stream] = {}  # by core id
         self._by_request_id: dict[str, _Stream] = {}
@@ -245,10 +263,15 @@ class AsyncLLM:
             return
         self._loop = loop
         self._reader = loop.create_task(self._read_outputs(), name="myvllm-core-outputs")
+        self._last_heard = time.monotonic()
+        if self.hang_timeout_s is not None:
+            self._watchdog = loop.create_task(self._watch_core(self.hang_timeout_s),
+                                              name="myvllm-core-watchdog")
         loop.add_reader(self._process.sentinel, self._on_core_exit)
 
     def on_core_death(self, callback: Callable[[BaseException], None]) -> None:
-        """Call callback(error) on the event loop if the core process dies unasked."""
+        """Call callback(error) on the event loop if the core process dies unasked, or
+        stops answering."""
         self._death_callbacks.append(callback)
 
     @property
@@ -294,8 +317,10 @@ class AsyncLLM:
                            "SIGTERM: SIGKILL (its tensor-parallel workers see it gone)")
             self._process.kill()
             self._process.join()
-        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._reader.cancel)
+        if self._loop is not None and not self._loop.is_closed():
+            for task in (self._reader, self._watchdog):
+                if task is not None:
+                    self._loop.call_soon_threadsafe(task.cancel)
         self._context.destroy(linger=0)  # closes the output socket, then ends the context
         self._sync_context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)  # sockets only; gone is fine
@@ -450,10 +475,14 @@ class AsyncLLM:
         """On the event loop, for the core's lifetime: route each message to its streams."""
         while True:
             frame = await self._output.recv(copy=False)
+            self._last_heard = time.monotonic()
             message = self._decoder.decode(frame.buffer)
             if isinstance(message, CoreDead):
                 self._fail(EngineDeadError(message.message))
                 return
+            if isinstance(message, Heartbeat):
+                self._log_long_step(message.step_s)
+                continue
             self._deliver(message)
 
     def _deliver(self, message: CoreOutputs) -> None:
@@ -472,6 +501,44 @@ class AsyncLLM:
         stats = message.stats
         self.stat_logger.record_scheduler(stats.num_running, stats.num_waiting,
                                           stats.kv_cache_usage)
+
+    def _log_long_step(self, step_s: float) -> None:
+        if step_s < self._long_step_logged + LONG_STEP_LOG_S:
+            if step_s < self._long_step_logged:
+                self._long_step_logged = 0.0  # a new step
+            return
+        self._long_step_logged = step_s
+        logger.warning(f"an engine step has been running for {step_s:.0f} s (a long prefill "
+                       f"on a CPU, or a kernel that does not return)")
+
+    async def _watch_core(self, timeout_s: float) -> None:
+        """On the event loop: fail everything once the core was silent for timeout_s.
+
+        Silence is measured from the last message read. A loop that was itself blocked (a
+        long tokenization) wakes late to find the core's messages still queued: those count
+        as heard, and so does a wake-up far behind schedule (the reader runs next).
+        """
+        expected = time.monotonic() + HANG_CHECK_S
+        while True:
+            await asyncio.sleep(HANG_CHECK_S)
+            now = time.monotonic()
+            late, expected = now - expected, now + HANG_CHECK_S
+            pending = cast(int, self._output.get(zmq.EVENTS)) & zmq.POLLIN
+            if late > HANG_CHECK_S or pending:
+                self._last_heard = max(self._last_heard, now - HANG_CHECK_S)
+                continue
+            silent = now - self._last_heard
+            if silent < timeout_s or not self._process.is_alive():
+                continue  # (a process that ended is _on_core_exit's)
+            error = EngineDeadError(
+                f"the engine core process stopped answering: nothing from it for "
+                f"{silent:.0f} s, though it is alive (process {self._process.pid}: stopped, "
+                "or stuck in a step)")
+            self._fail(error)
+            logger.error(f"{error}; requests in flight were failed")
+            for callback in self._death_callbacks:
+                callback(error)
+            return
 
     def _on_core_exit(self) -> None:
         """On the event loop: the core process ended (its sentinel became readable)."""

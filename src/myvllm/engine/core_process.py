@@ -24,6 +24,11 @@ workers, which watch it, follow within a second. Ctrl-C in a terminal reaches ev
 of the group, so this one ignores SIGINT and lets the front end decide. If the front end dies
 (kill -9), the parent-watch thread sees it within a second and exits, and the
 tensor-parallel workers, which watch this process in turn, follow.
+
+Heartbeat: a thread sends a Heartbeat every HEARTBEAT_INTERVAL_S on a socket of its own,
+whatever the loop does, with how long the step in progress has run. The front end takes a
+silence of many intervals for a hung core (stopped, or stuck holding the interpreter), while a
+step that is merely long (a 30k-token prefill on a CPU takes minutes) keeps the beat going.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreInput,
-                                         CoreOutput, CoreOutputs, Refusal, SchedulerStats,
-                                         Shutdown)
+                                         CoreOutput, CoreOutputs, Heartbeat, Refusal,
+                                         SchedulerStats, Shutdown)
 from myvllm.engine.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
 
@@ -58,9 +63,12 @@ logger = logging.getLogger("myvllm")
 IDLE_POLL_MS = 1000
 PARENT_CHECK_S = 0.5  # how often the core looks whether the front end is still there
 LINGER_MS = 2000  # at exit, how long queued output messages may take to leave
+# How often the heartbeat thread tells the front end that this process is alive. The front
+# end's hang limit is many of these (async_llm.HANG_TIMEOUT_S).
+HEARTBEAT_INTERVAL_S = 1.0
 
 # When the step in progress began (time.monotonic()), None between steps: read by the
-# SIGTERM handler. One process runs one loop.
+# SIGTERM handler and the heartbeat thread. One process runs one loop.
 _step_started: float | None = None
 
 
@@ -96,6 +104,7 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
         ready.send(("ready", {"config": core.config, "vocab_size": core.vocab_size,
                               "max_model_length": core.max_model_length}))
         ready.close()
+        proc.start_heartbeat(output_address)
         proc.run_busy_loop()
     finally:
         core.shutdown()
@@ -122,6 +131,12 @@ class EngineCoreProc:
         self._front_ids: dict[int, int] = {}  # core id -> front end id
         self._refused: list[Refusal] = []
         self._last_stats: SchedulerStats | None = None
+        self._heartbeat: HeartbeatThread | None = None
+
+    def start_heartbeat(self, output_address: str,
+                        interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        """Beat until close() (the core process does; the loop's own tests need not)."""
+        self._heartbeat = HeartbeatThread(self._context, output_address, interval_s)
 
     def run_busy_loop(self) -> None:
         core = self.core
@@ -156,6 +171,8 @@ class EngineCoreProc:
     def close(self) -> None:
         """Close both sockets (what is queued for the front end may take LINGER_MS to
         leave), and the ZeroMQ context if this object made it; idempotent."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         self.input.close(linger=0)
         self.output.close()
         if self._owns_context:
@@ -219,3 +236,43 @@ class EngineCoreProc:
 
     def _send_dead(self, message: str) -> None:
         self.output.send(self._encoder.encode(CoreDead(message)))
+
+
+class HeartbeatThread:
+    """A Heartbeat to the front end every interval_s, from a daemon thread, until stop().
+
+    Its own socket (a ZeroMQ socket belongs to one thread; the front end's PULL socket takes
+    messages from both). A beat needs the interpreter only for a moment, which torch ops
+    leave free while they compute, so a long step does not silence it; a process that is
+    stopped (SIGSTOP, a debugger) or stuck in C code holding the interpreter does.
+    """
+
+    def __init__(self, context: zmq.Context[Any], output_address: str,
+                 interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, 16)  # a front end that reads nothing: dropped
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(output_address)
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="myvllm-heartbeat")
+        self._thread.start()
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._stopped.is_set():
+                started = _step_started
+                step_s = 0.0 if started is None else time.monotonic() - started
+                try:
+                    self._socket.send(encoder.encode(Heartbeat(step_s)), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the front end is behind; the next beat says the same
+                self._stopped.wait(self._interval_s)
+        finally:
+            self._socket.close()  # here: the socket is this thread's
+
+    def stop(self) -> None:
+        """End the thread and close its socket (before the context is terminated)."""
+        self._stopped.set()
+        self._thread.join()
