@@ -7,7 +7,9 @@ at (`myvllm serve` itself stops and exits 1: test_engine_core_faults.py).
     quick: the engine core process is SIGKILLed in the middle of a stream
     slow:  tensor_parallel_size 2 over gloo; rank 1 is SIGKILLed while a stream is running,
            then a second server's worker is killed while it is idle (the watchdog alone): the
-           core reports the death and exits
+           core reports the death and exits; and the core process stopped (SIGSTOP) in the
+           middle of a stream: its heartbeat stops, and the front end takes it for dead (this
+           server with exit_on_core_death on, to see it stop as `myvllm serve` does)
 """
 
 from __future__ import annotations
