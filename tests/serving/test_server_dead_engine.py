@@ -7,7 +7,9 @@ at (`myvllm serve` itself stops and exits 1: test_engine_core_faults.py).
     quick: the engine core process is SIGKILLed in the middle of a stream
     slow:  tensor_parallel_size 2 over gloo; rank 1 is SIGKILLed while a stream is running,
            then a second server's worker is killed while it is idle (the watchdog alone): the
-           core reports the death and exits
+           core reports the death and exits; and the core process stopped (SIGSTOP) in the
+           middle of a stream: its heartbeat stops, and the front end takes it for dead (this
+           server with exit_on_core_death on, to see it stop as `myvllm serve` does)
 """
 
 from __future__ import annotations
@@ -177,3 +179,54 @@ def test_a_whole_answer_cut_by_shutdown_is_a_503(checkpoint: Path) -> None:
         status, body = answers[0]
         assert status == 503, body
         assert "shut down before the answer was complete" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.slow
+def test_engine_core_that_stops_answering_is_taken_for_dead(checkpoint: Path) -> None:
+    """The core process alive but stopped (SIGSTOP, as a core stuck in C code holding the
+    interpreter): its heartbeat stops, and after hang_timeout_s the requests in flight fail
+    with a 503, /health answers 503, the server stops as on the core's death (`myvllm
+    serve` then exits 1), and shutdown() kills the stopped core within seconds."""
+    hang_timeout_s = 3.0
+    llm = AsyncLLM(Config(model=str(checkpoint), **ENGINE_KW), hang_timeout_s=hang_timeout_s)
+    core = llm.core_pid
+    assert core is not None
+    sock = free_socket()
+    server = make_server(llm, "tiny", "127.0.0.1", sock.getsockname()[1], log_level="critical")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the server thread died while starting"
+            time.sleep(0.05)
+        conn, stream = open_stream(base_url, max_tokens=200)
+        plain: list[tuple[int, bytes]] = []
+        waiting = threading.Thread(target=lambda: plain.append(completion(base_url, False, 200)))
+        waiting.start()
+        time.sleep(0.2)  # queued or decoding
+        os.kill(core, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        events = rest_of_stream(stream)
+        noticed = time.monotonic() - stopped_at
+        conn.close()
+        assert "error" in events[-1], f"the stream ended without the error: {events[-1]}"
+        assert "stopped answering" in events[-1]["error"]["message"], events[-1]
+        assert events[-1]["error"]["code"] == 503
+        assert hang_timeout_s <= noticed < hang_timeout_s + 5, noticed
+        waiting.join(HANG_LIMIT_S)
+        assert plain and plain[0][0] == 503, plain
+        assert server.core_died  # what makes `myvllm serve` exit 1
+        thread.join(HANG_LIMIT_S)  # the server stops by itself
+        assert not thread.is_alive(), "the server did not stop"
+        started = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - started < 10, "shutdown() waited on the stopped core"
+        assert llm._process.exitcode == -signal.SIGKILL
+    finally:
+        if llm._process.is_alive():
+            os.kill(core, signal.SIGCONT)
+        server.should_exit = True
+        thread.join(HANG_LIMIT_S)
+        llm.shutdown()
+        sock.close()

@@ -25,7 +25,9 @@ behind by steps, never by messages, and the engine never waits for it.
 
 If the core process dies, every request in flight ends with EngineDeadError, is_running turns
 False, and the callbacks given to on_core_death run (the server exits, so that whoever
-supervises it starts a new one).
+supervises it starts a new one). The same happens when the core stops answering while its
+process lives (stopped, or stuck): it sends a heartbeat every second from a thread of its own,
+and nothing at all for hang_timeout_s is taken for a hang (_watch_core).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -52,7 +54,8 @@ import zmq.asyncio
 from myvllm.config import Config
 from myvllm.engine.core import check_token_ids
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreMessage,
-                                         CoreOutput, CoreOutputs, LogprobsLists, Shutdown)
+                                         CoreOutput, CoreOutputs, Heartbeat, LogprobsLists,
+                                         Shutdown)
 from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
@@ -66,7 +69,22 @@ __all__ = ["AsyncLLM", "EngineDeadError", "StatLogger", "StreamOutput"]
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs takes minutes
 CONNECT_TIMEOUT_S = 30.0  # from the core's "ready" to its sockets being connected (local ipc)
-SHUTDOWN_WAIT_S = 5.0  # for the core to finish its step and exit, before SIGTERM, then SIGKILL
+# Stopping the core (shutdown()): Shutdown, then SIGTERM, then SIGKILL. A core between steps
+# reads Shutdown at once; a step on a GPU takes well under a second (a 30k-token prefill on an
+# H200: 0.28 s), and stopping the tensor-parallel workers about as long. A step on a CPU can
+# take minutes, and its answers go nowhere after a requested shutdown: not worth waiting for.
+SHUTDOWN_WAIT_S = 2.0
+# After SIGTERM: the core's handler runs after the torch op in progress, and exits at once.
+TERMINATE_WAIT_S = 1.0
+# Nothing from the core (not even its heartbeat, sent every second) for this long: it hangs.
+# Ten beats missed: no scheduling hiccup of a busy machine, and no step, however long, is
+# silent (the beat comes from a thread of its own); a stopped process or one stuck in C code
+# holding the interpreter is.
+HANG_TIMEOUT_S = 10.0
+HANG_CHECK_S = 1.0  # how often the front end looks
+# A step running this long is logged (and again every as long): the heartbeat goes on during a
+# step, so a kernel that never returns would otherwise show only as requests that never end.
+LONG_STEP_LOG_S = 60.0
 MAX_MESSAGE_INT = 2**64 - 1  # the largest int MessagePack encodes
 
 
@@ -156,9 +174,12 @@ def _describe_exit(code: int | None) -> str:
 
 
 class AsyncLLM:
-    def __init__(self, config: Config, stat_logger: StatLogger | None = None) -> None:
+    def __init__(self, config: Config, stat_logger: StatLogger | None = None,
+                 hang_timeout_s: float | None = HANG_TIMEOUT_S) -> None:
         """Resolve the model here, start the core process, and return once it is ready
-        (bad settings, a missing checkpoint or a failed start raise from here)."""
+        (bad settings, a missing checkpoint or a failed start raise from here).
+        hang_timeout_s: nothing heard from the core for this long fails every request and
+        counts as the core's death (None: never)."""
         with gguf_parsed_once():
             resolved = resolve_engine(config)
         self.tokenizer = resolved.tokenizer
@@ -182,6 +203,10 @@ class AsyncLLM:
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.hang_timeout_s = hang_timeout_s
+        self._last_heard = time.monotonic()  # when the core's last message arrived
+        self._long_step_logged = 0.0  # the step length last logged (LONG_STEP_LOG_S)
         self._next_id = itertools.count()
         self._streams: dict[int, _Stream] = {}  # by core id
         self._by_request_id: dict[str, _Stream] = {}
@@ -252,10 +277,15 @@ class AsyncLLM:
             return
         self._loop = loop
         self._reader = loop.create_task(self._read_outputs(), name="myvllm-core-outputs")
+        self._last_heard = time.monotonic()
+        if self.hang_timeout_s is not None:
+            self._watchdog = loop.create_task(self._watch_core(self.hang_timeout_s),
+                                              name="myvllm-core-watchdog")
         loop.add_reader(self._process.sentinel, self._on_core_exit)
 
     def on_core_death(self, callback: Callable[[BaseException], None]) -> None:
-        """Call callback(error) on the event loop if the core process dies unasked."""
+        """Call callback(error) on the event loop if the core process dies unasked, or
+        stops answering."""
         self._death_callbacks.append(callback)
 
     @property
@@ -273,7 +303,8 @@ class AsyncLLM:
 
     def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
         """Abort everything and end the core process (and with it any tensor-parallel
-        workers); idempotent. Call it after the event loop stopped serving."""
+        workers) within about timeout_s + TERMINATE_WAIT_S, whatever it is doing; idempotent.
+        Call it after the event loop stopped serving."""
         self._closing = True
         if self._shutdown_requested:
             return
@@ -290,16 +321,20 @@ class AsyncLLM:
             self._process.join(timeout_s)
         if self._process.is_alive():
             if self._ready:
-                logger.warning(f"the engine core did not stop within {timeout_s} s: SIGTERM")
-            # (Still loading: it reads no message yet, and SIGTERM ends it at once.)
+                logger.warning(f"the engine core did not stop within {timeout_s:g} s (a step "
+                               "in progress, or it hangs): SIGTERM")
+            # (Still loading: it reads no message yet, and SIGTERM ends it.)
             self._process.terminate()
-            self._process.join(timeout_s)
+            self._process.join(TERMINATE_WAIT_S)
         if self._process.is_alive():
-            logger.warning("the engine core ignored SIGTERM: SIGKILL")
+            logger.warning(f"the engine core did not exit within {TERMINATE_WAIT_S:g} s of "
+                           "SIGTERM: SIGKILL (its tensor-parallel workers see it gone)")
             self._process.kill()
             self._process.join()
-        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._reader.cancel)
+        if self._loop is not None and not self._loop.is_closed():
+            for task in (self._reader, self._watchdog):
+                if task is not None:
+                    self._loop.call_soon_threadsafe(task.cancel)
         self._context.destroy(linger=0)  # closes the output socket, then ends the context
         self._sync_context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)  # sockets only; gone is fine
@@ -459,10 +494,14 @@ class AsyncLLM:
         """On the event loop, for the core's lifetime: route each message to its streams."""
         while True:
             frame = await self._output.recv(copy=False)
+            self._last_heard = time.monotonic()
             message = self._decoder.decode(frame.buffer)
             if isinstance(message, CoreDead):
                 self._fail(EngineDeadError(message.message))
                 return
+            if isinstance(message, Heartbeat):
+                self._log_long_step(message.step_s)
+                continue
             self._deliver(message)
 
     def _deliver(self, message: CoreOutputs) -> None:
@@ -481,6 +520,44 @@ class AsyncLLM:
         stats = message.stats
         self.stat_logger.record_scheduler(stats.num_running, stats.num_waiting,
                                           stats.kv_cache_usage)
+
+    def _log_long_step(self, step_s: float) -> None:
+        if step_s < self._long_step_logged + LONG_STEP_LOG_S:
+            if step_s < self._long_step_logged:
+                self._long_step_logged = 0.0  # a new step
+            return
+        self._long_step_logged = step_s
+        logger.warning(f"an engine step has been running for {step_s:.0f} s (a long prefill "
+                       f"on a CPU, or a kernel that does not return)")
+
+    async def _watch_core(self, timeout_s: float) -> None:
+        """On the event loop: fail everything once the core was silent for timeout_s.
+
+        Silence is measured from the last message read. A loop that was itself blocked (a
+        long tokenization) wakes late to find the core's messages still queued: those count
+        as heard, and so does a wake-up far behind schedule (the reader runs next).
+        """
+        expected = time.monotonic() + HANG_CHECK_S
+        while True:
+            await asyncio.sleep(HANG_CHECK_S)
+            now = time.monotonic()
+            late, expected = now - expected, now + HANG_CHECK_S
+            pending = cast(int, self._output.get(zmq.EVENTS)) & zmq.POLLIN
+            if late > HANG_CHECK_S or pending:
+                self._last_heard = max(self._last_heard, now - HANG_CHECK_S)
+                continue
+            silent = now - self._last_heard
+            if silent < timeout_s or not self._process.is_alive():
+                continue  # (a process that ended is _on_core_exit's)
+            error = EngineDeadError(
+                f"the engine core process stopped answering: nothing from it for "
+                f"{silent:.0f} s, though it is alive (process {self._process.pid}: stopped, "
+                "or stuck in a step)")
+            self._fail(error)
+            logger.error(f"{error}; requests in flight were failed")
+            for callback in self._death_callbacks:
+                callback(error)
+            return
 
     def _on_core_exit(self) -> None:
         """On the event loop: the core process ended (its sentinel became readable)."""

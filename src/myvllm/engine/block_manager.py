@@ -31,7 +31,7 @@ for the same reason).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 

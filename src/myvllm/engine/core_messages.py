@@ -1,7 +1,7 @@
 """What crosses the socket between the front end (AsyncLLM) and the engine core process.
 
     front end  --- AddRequest | AbortRequests | Shutdown --->  core process    (input socket)
-    front end  <-- CoreOutputs | CoreDead -------------------  core process    (output socket)
+    front end  <-- CoreOutputs | CoreDead | Heartbeat -------  core process    (output socket)
 
 Token ids only (and their logprobs, for a request that asks): the front end tokenizes,
 applies the chat template, detokenizes and matches stop strings; the core never sees text. One CoreOutputs message per engine step carries the
@@ -101,4 +101,11 @@ class CoreDead(msgspec.Struct, tag="dead", array_like=True):
     message: str
 
 
-CoreMessage = CoreOutputs | CoreDead
+class Heartbeat(msgspec.Struct, tag="beat", array_like=True):
+    """The core process is alive (sent from a thread of its own every second, whatever the
+    busy loop does): its silence tells the front end the process hangs."""
+
+    step_s: float  # how long the step in progress has run; 0.0 between steps
+
+
+CoreMessage = CoreOutputs | CoreDead | Heartbeat

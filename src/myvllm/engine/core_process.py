@@ -14,19 +14,31 @@ interpreter, and in one process they take turns on one GIL: measured on an H200 
 then ran the bench workload at 0.57x of generate() (docs/serving.md). Here the engine loop
 has an interpreter to itself and steps as fast as generate() does.
 
-Lifetime: the front end owns this process. It sends Shutdown (or the process gets SIGTERM)
-to stop it; Ctrl-C in a terminal reaches every process of the group, so this one ignores
-SIGINT and lets the front end decide. If the front end dies (kill -9), the parent-watch
-thread sees it within a second and exits, and the tensor-parallel workers, which watch this
-process in turn, follow.
+Lifetime: the front end owns this process. It sends Shutdown to stop it: read between steps,
+the loop ends, the workers are stopped and the process exits 0. A step cannot be cut short
+(a long prefill on a CPU runs for seconds), so when Shutdown is not read in time the front
+end sends SIGTERM: between steps it unwinds the loop as Shutdown does; inside a step the
+process exits at once with os._exit(0) (nothing the step computes can reach anyone: no need
+to unwind a forward pass half done and run the interpreter's exit behind it), and its
+workers, which watch it, follow within a second. Ctrl-C in a terminal reaches every process
+of the group, so this one ignores SIGINT and lets the front end decide. If the front end dies
+(kill -9), the parent-watch thread sees it within a second and exits, and the
+tensor-parallel workers, which watch this process in turn, follow.
+
+Heartbeat: a thread sends a Heartbeat every HEARTBEAT_INTERVAL_S on a socket of its own,
+whatever the loop does, with how long the step in progress has run. The front end takes a
+silence of many intervals for a hung core (stopped, or stuck holding the interpreter), while a
+step that is merely long (a 30k-token prefill on a CPU takes minutes) keeps the beat going.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
@@ -39,8 +51,8 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreInput,
-                                         CoreOutput, CoreOutputs, Refusal, SchedulerStats,
-                                         Shutdown)
+                                         CoreOutput, CoreOutputs, Heartbeat, Refusal,
+                                         SchedulerStats, Shutdown)
 from myvllm.engine.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
 
@@ -51,10 +63,22 @@ logger = logging.getLogger("myvllm")
 IDLE_POLL_MS = 1000
 PARENT_CHECK_S = 0.5  # how often the core looks whether the front end is still there
 LINGER_MS = 2000  # at exit, how long queued output messages may take to leave
+# How often the heartbeat thread tells the front end that this process is alive. The front
+# end's hang limit is many of these (async_llm.HANG_TIMEOUT_S).
+HEARTBEAT_INTERVAL_S = 1.0
+
+# When the step in progress began (time.monotonic()), None between steps: read by the
+# SIGTERM handler and the heartbeat thread. One process runs one loop.
+_step_started: float | None = None
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)  # unwinds the loop, so the workers are stopped on the way out
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    if _step_started is None:
+        raise SystemExit(0)  # unwinds the loop, so the workers are stopped on the way out
+    # Python runs this handler between two bytecodes of the step (after the torch op in
+    # progress returns). The step's results can go nowhere: leave now, without unwinding it.
+    os.write(2, b"[myvllm] the engine core got SIGTERM in the middle of a step: exit now\n")
+    os._exit(0)
 
 
 def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
@@ -62,7 +86,7 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
                     parent_pid: int) -> None:
     """Entry point of the core process (importable: the process is spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=exit_when_parent_dies,
                      args=(parent_pid, PARENT_CHECK_S, "the engine core"), daemon=True,
                      name="myvllm-parent-watch").start()
@@ -80,6 +104,7 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
         ready.send(("ready", {"config": core.config, "vocab_size": core.vocab_size,
                               "max_model_length": core.max_model_length}))
         ready.close()
+        proc.start_heartbeat(output_address)
         proc.run_busy_loop()
     finally:
         core.shutdown()
@@ -106,6 +131,12 @@ class EngineCoreProc:
         self._front_ids: dict[int, int] = {}  # core id -> front end id
         self._refused: list[Refusal] = []
         self._last_stats: SchedulerStats | None = None
+        self._heartbeat: HeartbeatThread | None = None
+
+    def start_heartbeat(self, output_address: str,
+                        interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        """Beat until close() (the core process does; the loop's own tests need not)."""
+        self._heartbeat = HeartbeatThread(self._context, output_address, interval_s)
 
     def run_busy_loop(self) -> None:
         core = self.core
@@ -118,7 +149,7 @@ class EngineCoreProc:
                         break
                     outputs: list[RequestOutput] = []
                     if core.has_unfinished_requests():
-                        outputs, _ = core.step()
+                        outputs = self._step()
                     self._send([self._to_output(out) for out in outputs])
             core.abort_all()  # Shutdown: every block back, and the front end hears it
             self._send([])
@@ -129,9 +160,19 @@ class EngineCoreProc:
         finally:
             self.close()
 
+    def _step(self) -> list[RequestOutput]:
+        global _step_started
+        _step_started = time.monotonic()
+        try:
+            return self.core.step()[0]
+        finally:
+            _step_started = None
+
     def close(self) -> None:
         """Close both sockets (what is queued for the front end may take LINGER_MS to
         leave), and the ZeroMQ context if this object made it; idempotent."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         self.input.close(linger=0)
         self.output.close()
         if self._owns_context:
@@ -196,3 +237,43 @@ class EngineCoreProc:
 
     def _send_dead(self, message: str) -> None:
         self.output.send(self._encoder.encode(CoreDead(message)))
+
+
+class HeartbeatThread:
+    """A Heartbeat to the front end every interval_s, from a daemon thread, until stop().
+
+    Its own socket (a ZeroMQ socket belongs to one thread; the front end's PULL socket takes
+    messages from both). A beat needs the interpreter only for a moment, which torch ops
+    leave free while they compute, so a long step does not silence it; a process that is
+    stopped (SIGSTOP, a debugger) or stuck in C code holding the interpreter does.
+    """
+
+    def __init__(self, context: zmq.Context[Any], output_address: str,
+                 interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, 16)  # a front end that reads nothing: dropped
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(output_address)
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="myvllm-heartbeat")
+        self._thread.start()
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._stopped.is_set():
+                started = _step_started
+                step_s = 0.0 if started is None else time.monotonic() - started
+                try:
+                    self._socket.send(encoder.encode(Heartbeat(step_s)), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the front end is behind; the next beat says the same
+                self._stopped.wait(self._interval_s)
+        finally:
+            self._socket.close()  # here: the socket is this thread's
+
+    def stop(self) -> None:
+        """End the thread and close its socket (before the context is terminated)."""
+        self._stopped.set()
+        self._thread.join()
