@@ -4,6 +4,7 @@ cleanly on SIGTERM (exit 0, streams closed, tensor-parallel workers gone)."""
 from __future__ import annotations
 
 import argparse
+import os
 import http.client
 import json
 import signal
@@ -13,6 +14,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +133,49 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """The engine processes below pid, children first then theirs."""
+    found = []
+    for child in engine_children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+def health(port: int) -> int | None:
+    """/health's status, or None when nothing listens any more."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+@contextmanager
+def serve_subprocess(args: list[str], port: int) -> Iterator[subprocess.Popen[str]]:
+    """`myvllm serve ARGS --port PORT` in a subprocess, handed over once /health answers 200;
+    killed afterwards, with any engine process it left behind."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", *args, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while health(port) != 200:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield proc
+    finally:
+        left = descendants(proc.pid) if proc.poll() is None else []
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in left:  # the core's parent watch ends it; do not wait for that here
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import alive, engine_children, free_port, open_stream, tiny_path  # noqa: F401  (a fixture)
+from test_cli import (alive, descendants, engine_children, free_port, health,  # noqa: F401
+                      open_stream, serve_subprocess, tiny_path)  # tiny_path: a fixture
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc").is_dir(),
@@ -37,43 +37,13 @@ pytestmark = [pytest.mark.slow,
 EXIT_LIMIT_S = 10.0  # the issue's bound for every "exits by itself"
 
 
-def descendants(pid: int) -> list[int]:
-    found = []
-    for child in engine_children(pid):
-        found += [child, *descendants(child)]
-    return found
-
-
-def health(port: int) -> int | None:
-    """/health's status, or None when nothing listens any more."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except (urllib.error.URLError, ConnectionError):
-        return None
-
-
 @pytest.fixture
 def server(tiny_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen[str], int]]:  # noqa: F811
     port = free_port()
     extra = getattr(request, "param", [])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", str(tiny_path),
-         "--port", str(port), "--num-kvcache-blocks", "64", "--log-level", "warning", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while health(port) != 200:
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    with serve_subprocess([str(tiny_path), "--num-kvcache-blocks", "64", "--log-level",
+                           "warning", *extra], port) as proc:
         yield proc, port
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_core_killed_mid_stream(server: tuple[subprocess.Popen[str], int]) -> None:

@@ -17,7 +17,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from test_cli import alive, engine_children, free_port
+from test_cli import alive, descendants, engine_children, free_port, health, serve_subprocess
 from test_server import MODEL, finished_by_reason, metrics, tiny_chat_checkpoint, wait_for
 
 pytestmark = [pytest.mark.slow,
@@ -55,13 +54,6 @@ SHUTDOWN_LIMIT_S = 8.0
 CHILDREN_EXIT_LIMIT_S = 5.0  # tensor-parallel workers see their core gone within a second
 
 
-def descendants(pid: int) -> list[int]:
-    found = []
-    for child in engine_children(pid):
-        found += [child, *descendants(child)]
-    return found
-
-
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -69,43 +61,16 @@ def rss_mib(pid: int) -> float:
     raise AssertionError(f"no VmRSS for process {pid}")
 
 
-def health(port: int) -> int | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except (urllib.error.URLError, ConnectionError):
-        return None
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], int]]:
     path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_8k"),
                                 max_position_embeddings=MAX_MODEL_LENGTH)
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", str(path), "--port", str(port),
-         "--served-model-name", MODEL, "--max-model-length", str(MAX_MODEL_LENGTH),
-         "--num-kvcache-blocks", "640", "--max-num-sequences", "32", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while health(port) != 200:
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    with serve_subprocess([str(path), "--served-model-name", MODEL, "--max-model-length",
+                           str(MAX_MODEL_LENGTH), "--num-kvcache-blocks", "640",
+                           "--max-num-sequences", "32", "--log-level", "warning"],
+                          port) as proc:
         yield proc, port
-    finally:
-        left = descendants(proc.pid) if proc.poll() is None else []
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in left:  # the core's parent watch ends it; do not wait for that here
-            if alive(pid):
-                import os
-
-                os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------- soak
