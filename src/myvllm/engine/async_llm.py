@@ -301,6 +301,15 @@ class AsyncLLM:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._abort_streams)
 
+    def _on_loop(self, callback: Callable[[], object]) -> None:
+        """Run callback on the event loop: queued if the loop runs (shutdown may come from
+        another thread), at once if it does not."""
+        assert self._loop is not None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(callback)
+        else:
+            callback()
+
     def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
         """Abort everything and end the core process (and with it any tensor-parallel
         workers) within about timeout_s + TERMINATE_WAIT_S, whatever it is doing; idempotent.
@@ -309,13 +318,10 @@ class AsyncLLM:
         if self._shutdown_requested:
             return
         self._shutdown_requested = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._abort_streams)
-            if self._loop.is_running():
-                self._loop.call_soon_threadsafe(self._loop.remove_reader,
-                                                self._process.sentinel)
-            else:
-                self._loop.remove_reader(self._process.sentinel)
+        loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
+        if loop is not None:
+            self._on_loop(self._abort_streams)
+            self._on_loop(lambda: loop.remove_reader(self._process.sentinel))
         if self._process.is_alive() and self._ready:
             self._send(Shutdown())
             self._process.join(timeout_s)
@@ -331,10 +337,16 @@ class AsyncLLM:
                            "SIGTERM: SIGKILL (its tensor-parallel workers see it gone)")
             self._process.kill()
             self._process.join()
-        if self._loop is not None and not self._loop.is_closed():
-            for task in (self._reader, self._watchdog):
-                if task is not None:
-                    self._loop.call_soon_threadsafe(task.cancel)
+        tasks = [task for task in (self._reader, self._watchdog) if task is not None]
+        if loop is not None and loop.is_running():
+            for task in tasks:
+                loop.call_soon_threadsafe(task.cancel)
+        elif loop is not None and tasks:
+            # A loop that is not running (the chat's, between turns) would close with the
+            # tasks still pending: cancel them and let them finish now.
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self._context.destroy(linger=0)  # closes the output socket, then ends the context
         self._sync_context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)  # sockets only; gone is fine
