@@ -110,3 +110,10 @@ def test_building_an_engine_imports_no_triton() -> None:
             "import myvllm.engine.cuda_graphs; "
             "assert 'triton' not in sys.modules, 'triton was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_block_tables_are_written_straight_into_their_field() -> None:
+    buffers = StaticBuffers(FIELDS, CPU)
+    buffers.stage({}, tables={"d": ([[3], [4, 5]], 2, 4)})
+    views = buffers.stage({}, tables={"d": ([[7, 8, 9]], 2, 4)})  # the other host slot
+    assert views["d"].tolist() == [[7, 8, 9, -1], [-1, -1, -1, -1]]  # no row left over

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from myvllm.engine.batch import StepInputs
-from myvllm.engine.staging import StaticBuffers, block_table_array
+from myvllm.engine.staging import StaticBuffers
 from myvllm.engine.token_pool import TokenPool
 from myvllm.kernels.tile_map import SPLIT_KEY_TILES, TileMap, build_tile_map, tile_map_slots
 from myvllm.utils.context import Context, DecodeRows
@@ -127,8 +127,7 @@ class PaddedSteps:
             "slot_mapping": np.array(slot_mapping + [-1] * pad, dtype=np.int32),
             "context_lens": np.array(context_lens + [0] * pad, dtype=np.int32),
             "temperatures": np.array(temperatures + [0.0] * pad, dtype=np.float32),
-            "block_tables": block_table_array(tables, self.max_width, bs),
-        })
+        }, tables={"block_tables": (tables, bs, self.max_width)})
         self.gather_input_ids(bs)
         return self.decode_inputs(bs)
 
@@ -165,7 +164,6 @@ class PaddedSteps:
                                         NUM_SPLIT_PARTS, self.split_key_tiles)
         rows, num_rows = self.num_rows(padded), len(one_token)
         row_tokens = [cu_seqlens_q[i] for i in one_token]
-        block_tables = block_table_array(tables, self.max_width)
         pad = padded - num_tokens
         i32, i64 = np.int32, np.int64
         # Padding tokens store nothing (slot -1); their ids and positions are 0, valid values
@@ -178,15 +176,15 @@ class PaddedSteps:
             "row_gather": np.array(row_tokens + [0] * (rows - num_rows), dtype=i64),
             "row_scatter": np.array(row_tokens + [padded] * (rows - num_rows), dtype=i64),
             "slot_mapping": np.array(slot_mapping + [-1] * pad, dtype=i32),
-            "block_tables": block_tables,
             "cu_seqlens_q": np.array(cu_seqlens_q, dtype=i32),
             "cu_seqlens_k": np.array(cu_seqlens_k, dtype=i32),
             "row_context_lens": np.array([seqlens_k[i] for i in one_token]
                                          + [0] * (rows - num_rows), dtype=i32),
             "q_tiles": np.array(tiles, dtype=i32),
             "q_tile_combine": np.array(combine, dtype=i32),
-            "row_block_tables": block_tables[one_token],
-        })
+        }, tables={"block_tables": (tables, num_seqs, self.max_width),
+                   "row_block_tables": ([tables[i] for i in one_token], num_rows,
+                                        self.max_width)})
         self.gather_input_ids(padded)
         return self.prefill_inputs(padded, num_seqs, max(seqlens_q), max(seqlens_k))
 

@@ -91,27 +91,40 @@ class StaticBuffers:
         assert kind == _buffer_kind(self.dtypes[last])
         return self.device_buffers[kind][self.offset[first][0]: self.offset[last][1]]
 
-    def stage(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Write each array at the start of its field and send what was written; returns the
-        device views of the written parts, shaped as the arrays. Stream-ordered: a step still
-        running on the buffers has read them before these copies land."""
+    def stage(self, arrays: Mapping[str, np.ndarray],
+              tables: Mapping[str, tuple[list[list[int]], int, int]] | None = None
+              ) -> dict[str, torch.Tensor]:
+        """Write each array at the start of its field, and each entry of tables (block tables,
+        rows, width) as a -1 padded rectangle straight into the host slot (no array of its
+        own: at 256 rows and a long context it is megabytes a step); send what was written.
+        Returns the device views of the written parts, shaped as written. Stream-ordered: a
+        step still running on the buffers has read them before these copies land."""
         slot, self.slot = self.slot, 1 - self.slot
         event = self.copied[slot]
         if event is not None:
             event.synchronize()  # the copy two steps ago out of this slot (long done)
         written: dict[torch.dtype, list[tuple[int, int]]] = {torch.int64: [], torch.int32: []}
         views = {}
-        for name, array in arrays.items():
+        fields: list[tuple[str, tuple[int, ...], np.ndarray | list[list[int]]]] = [
+            (name, array.shape, array) for name, array in arrays.items()]
+        fields += [(name, (rows, width), table_rows)
+                   for name, (table_rows, rows, width) in (tables or {}).items()]
+        for name, shape, values in fields:
+            size = int(np.prod(shape))
             start, end = self.offset[name]
-            if array.size > end - start:
-                raise ValueError(f"{name}: {array.size} values, the field holds {end - start}")
+            if size > end - start:
+                raise ValueError(f"{name}: {size} values, the field holds {end - start}")
             kind = _buffer_kind(self.dtypes[name])
             host = self.host_slots[slot][kind].numpy()
             if self.dtypes[name] == torch.float32:
                 host = host.view(np.float32)
-            host[start: start + array.size] = array.reshape(-1)
-            written[kind].append((start, start + array.size))
-            views[name] = self.field(name, array.size).view(array.shape)
+            if isinstance(values, np.ndarray):
+                host[start: start + size] = values.reshape(-1)
+            else:
+                block_table_array(values, shape[1], shape[0],
+                                  out=host[start: start + size].reshape(shape))
+            written[kind].append((start, start + size))
+            views[name] = self.field(name, size).view(shape)
         for kind, extents in written.items():
             for start, end in _merge(extents):
                 self.device_buffers[kind][start:end].copy_(
@@ -121,11 +134,17 @@ class StaticBuffers:
         return views
 
 
-def block_table_array(tables: list[list[int]], width: int, num_rows: int | None = None
-                      ) -> np.ndarray:
+def block_table_array(tables: list[list[int]], width: int, num_rows: int | None = None,
+                      out: np.ndarray | None = None) -> np.ndarray:
     """Block tables as an int32 rectangle [num_rows (default: one per table), width], -1
-    past each table's end (the kernels never read past a sequence's context)."""
-    array = np.full((len(tables) if num_rows is None else num_rows, width), -1, dtype=np.int32)
+    past each table's end (the kernels never read past a sequence's context); written into
+    out when given."""
+    shape = (len(tables) if num_rows is None else num_rows, width)
+    if out is None:
+        array = np.full(shape, -1, dtype=np.int32)
+    else:
+        array = out
+        array.fill(-1)
     for row, table in enumerate(tables):
         array[row, : len(table)] = table
     return array
