@@ -19,15 +19,16 @@ FIELDS = {"a": (torch.int64, 4), "b": (torch.int64, 6), "c": (torch.int32, 4),
 
 def test_static_fields_hold_what_was_staged_at_fixed_places() -> None:
     buffers = StaticBuffers(FIELDS, CPU)
-    views = buffers.stage({"a": np.array([1, 2], dtype=np.int64),
-                           "t": np.array([0.5, 1.5], dtype=np.float32),
-                           "d": np.array([[7, 8], [9, -1]], dtype=np.int32)})
-    assert views["a"].tolist() == [1, 2] and views["t"].tolist() == [0.5, 1.5]
-    assert views["d"].shape == (2, 2) and views["d"].tolist() == [[7, 8], [9, -1]]
-    assert views["t"].dtype == torch.float32
+    buffers.stage({"a": np.array([1, 2], dtype=np.int64),
+                   "t": np.array([0.5, 1.5], dtype=np.float32),
+                   "d": np.array([[7, 8], [9, -1]], dtype=np.int32)})
+    a, t = buffers.field("a", 2), buffers.field("t", 2)
+    assert a.tolist() == [1, 2] and t.tolist() == [0.5, 1.5]
+    assert buffers.field("d", 4).view(2, 2).tolist() == [[7, 8], [9, -1]]
+    assert t.dtype == torch.float32
     # A later step writes into the same memory (the other host slot): what a graph reads.
-    again = buffers.stage({"a": np.array([5, 6], dtype=np.int64)})
-    assert again["a"].data_ptr() == views["a"].data_ptr() and views["a"].tolist() == [5, 6]
+    buffers.stage({"a": np.array([5, 6], dtype=np.int64)})
+    assert a.tolist() == [5, 6]
     # Fields of one buffer never overlap.
     storages = {n: buffers.field(n).untyped_storage().data_ptr() for n in FIELDS}
     assert len(set(storages.values())) == 2  # an int64 buffer and an int32 one
@@ -50,10 +51,9 @@ def test_span_covers_two_neighbouring_fields() -> None:
 
 def test_fresh_tensors_keep_each_arrays_dtype() -> None:
     fresh = FreshTensors(CPU)
-    tensors = fresh.stage({"x": np.array([1, 2, 3], dtype=np.int32),
-                           "y": np.array([4], dtype=np.int64)})
-    assert tensors["x"].tolist() == [1, 2, 3] and tensors["x"].dtype == torch.int32
-    assert tensors["y"].dtype == torch.int64
+    x = fresh.tensor(np.array([1, 2, 3], dtype=np.int64), torch.int32)
+    assert x.tolist() == [1, 2, 3] and x.dtype == torch.int32
+    assert fresh.tensor([4], torch.int64).dtype == torch.int64
     assert fresh.tensor([0.5], torch.float32).tolist() == [0.5]
 
 
@@ -115,5 +115,6 @@ def test_building_an_engine_imports_no_triton() -> None:
 def test_block_tables_are_written_straight_into_their_field() -> None:
     buffers = StaticBuffers(FIELDS, CPU)
     buffers.stage({}, tables={"d": ([[3], [4, 5]], 2, 4)})
-    views = buffers.stage({}, tables={"d": ([[7, 8, 9]], 2, 4)})  # the other host slot
-    assert views["d"].tolist() == [[7, 8, 9, -1], [-1, -1, -1, -1]]  # no row left over
+    buffers.stage({}, tables={"d": ([[7, 8, 9]], 2, 4)})  # the other host slot
+    assert buffers.field("d", 8).view(2, 4).tolist() == [[7, 8, 9, -1],
+                                                         [-1, -1, -1, -1]]  # no row left over

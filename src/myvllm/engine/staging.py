@@ -1,8 +1,7 @@
 """Staging: one step's host arrays become the device tensors its forward pass reads.
 
 The InputBuilder computes a step's inputs on the host as named numpy arrays (token ids,
-positions, slots, ...). A staging object sends them to the device and hands back a tensor
-per name:
+positions, slots, ...). A staging object sends them to the device:
 
     FreshTensors    a new tensor per array and step. On a CPU that is all there is (the
                     "device" is the host). On a GPU, for steps too large for a CUDA graph,
@@ -16,8 +15,9 @@ per name:
                     wait in the stream) and sends each buffer with one copy per run of
                     written fields.
 
-    arrays = {"positions": np.array([4, 5, 6]), ...}
-    tensors = staging.stage(arrays)          # tensors["positions"]: int64 [3], on the device
+    fresh.tensor(positions, torch.int64)              # one array -> one new device tensor
+    static.stage({"positions": np.array([4, 5, 6]), ...})
+    static.field("positions", 3)                       # its place on the device, int64 [3]
 """
 
 from __future__ import annotations
@@ -49,10 +49,6 @@ class FreshTensors:
         if not self.pin_memory:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
-
-    def stage(self, arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        return {name: self.tensor(array, _TORCH_DTYPES[array.dtype.type])
-                for name, array in arrays.items()}
 
 
 class StaticBuffers:
@@ -92,19 +88,18 @@ class StaticBuffers:
         return self.device_buffers[kind][self.offset[first][0]: self.offset[last][1]]
 
     def stage(self, arrays: Mapping[str, np.ndarray],
-              tables: Mapping[str, tuple[list[list[int]], int, int]] | None = None
-              ) -> dict[str, torch.Tensor]:
+              tables: Mapping[str, tuple[list[list[int]], int, int]] | None = None) -> None:
         """Write each array at the start of its field, and each entry of tables (block tables,
         rows, width) as a -1 padded rectangle straight into the host slot (no array of its
         own: at 256 rows and a long context it is megabytes a step); send what was written.
-        Returns the device views of the written parts, shaped as written. Stream-ordered: a
-        step still running on the buffers has read them before these copies land."""
+        The step reads it through field() views, the same memory at every step.
+        Stream-ordered: a step still running on the buffers has read them before these
+        copies land."""
         slot, self.slot = self.slot, 1 - self.slot
         event = self.copied[slot]
         if event is not None:
             event.synchronize()  # the copy two steps ago out of this slot (long done)
         written: dict[torch.dtype, list[tuple[int, int]]] = {torch.int64: [], torch.int32: []}
-        views = {}
         fields: list[tuple[str, tuple[int, ...], np.ndarray | list[list[int]]]] = [
             (name, array.shape, array) for name, array in arrays.items()]
         fields += [(name, (rows, width), table_rows)
@@ -124,14 +119,12 @@ class StaticBuffers:
                 block_table_array(values, shape[1], shape[0],
                                   out=host[start: start + size].reshape(shape))
             written[kind].append((start, start + size))
-            views[name] = self.field(name, size).view(shape)
         for kind, extents in written.items():
             for start, end in _merge(extents):
                 self.device_buffers[kind][start:end].copy_(
                     self.host_slots[slot][kind][start:end], non_blocking=event is not None)
         if event is not None:
             event.record()
-        return views
 
 
 def block_table_array(tables: list[list[int]], width: int, num_rows: int | None = None,
@@ -165,5 +158,3 @@ def _merge(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
             runs.append((start, end))
     return runs
 
-
-_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
