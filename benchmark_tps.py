@@ -28,8 +28,9 @@ on vLLM after the other two.
 --quick: a tiny random Qwen3 on the CPU, a handful of short sequences (CI smoke test).
 
 --bundled: the CPU comparison (docs/benchmarks.md): the bundled SmolLM2-135M-Instruct (real
-weights, GGUF), 4 chat prompts x 64 greedy tokens, myvllm against transformers loading the
-same GGUF file (batched with left padding), fp32, both timed after one warm-up run.
+weights, GGUF), 4 chat prompts x 64 greedy tokens (--bundled-max-tokens N for another count),
+myvllm against transformers loading the same GGUF file (batched with left padding), fp32, both
+timed after one warm-up run.
 
 Those two are the CPU modes: without a GPU, any other run stops at once with a hint naming them.
 """
@@ -55,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run (for CI)")
     parser.add_argument("--bundled", action="store_true",
                         help="the CPU target: bundled SmolLM2, 4 prompts x 64 tokens vs HF")
+    parser.add_argument("--bundled-max-tokens", type=int, default=64, metavar="N",
+                        help="tokens per prompt in --bundled (default 64, the recorded "
+                             "comparison; the tests run a shorter one)")
     parser.add_argument("--model",
                         help="a checkpoint, or configs/NAME (a folder with config.json only: "
                              "dummy weights of that shape)")
@@ -97,6 +101,8 @@ def parse_args() -> argparse.Namespace:
                         help="after the throughput run, profile STEPS decode steps at the full "
                              "batch with torch.profiler and print where the time goes")
     args = parser.parse_args()
+    if args.bundled_max_tokens < 1:
+        parser.error(f"--bundled-max-tokens must be >= 1, got {args.bundled_max_tokens}")
     if not 2 <= args.runs <= 15:
         # Each run XORs the prompts' token ids with its number, so the number stays small.
         parser.error(f"--runs must be between 2 and 15, got {args.runs}")
@@ -260,7 +266,7 @@ def run_bundled(max_tokens: int = 64) -> None:
 def main() -> None:
     args = parse_args()
     if args.bundled:
-        run_bundled()
+        run_bundled(args.bundled_max_tokens)
         return
 
     from transformers import AutoModelForCausalLM
