@@ -88,6 +88,11 @@ class Config:
     device: str = "auto"
     """"auto" (CUDA when available, else CPU), "cuda" or "cpu"."""
 
+    cpu_threads: int = 0
+    """torch's threads for an engine on the CPU, in each of its processes (tensor-parallel
+    ranks share them out). 0 = the engine's choice (engine/cpu_threads.py says how it was
+    measured): one thread for a small model, every core for a larger one. No effect on a GPU."""
+
     load_format: str = "auto"
     """"auto": read the weights from the checkpoint (safetensors or GGUF). "dummy": build the
     model from its config alone, with small random weights and no checkpoint read (vLLM's
@@ -145,6 +150,7 @@ class Config:
             _check_int("max_model_length", self.max_model_length, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        _check_int("cpu_threads", self.cpu_threads, minimum=0)
         if not (is_int(self.num_kvcache_blocks)
                 and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)):
             raise ValueError(f"Config.num_kvcache_blocks must be -1 (size from memory) or an "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from myvllm.config import Config
+from myvllm.engine.cpu_threads import cpu_thread_count
 from myvllm.engine.errors import EngineDeadError
 from myvllm.engine.model_runner import ModelRunner
 from myvllm.engine.tp_workers import (WorkerPool, init_distributed, nccl_abort,
@@ -67,15 +67,16 @@ class Executor:
         self._dead_reason: str | None = None  # set when a tensor-parallel step fails
         owns_group = config.tensor_parallel_size > 1
         torch_threads = None  # the caller's thread count, restored at shutdown if we change it
-        if owns_group and not use_cuda:
-            # N ranks share this machine's cores: give rank 0 its share, as the workers do,
-            # or OpenMP threads of different ranks stall each other at every barrier.
+        cpu_threads = None if use_cuda else cpu_thread_count(config, hf_config)
+        if cpu_threads is not None:
+            # Each rank (this one and every worker) runs with its share of the cores, or
+            # OpenMP threads of different ranks stall each other at every barrier.
             torch_threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+            torch.set_num_threads(cpu_threads)
         try:
             if owns_group:
                 init_method = pick_init_method()
-                self._pool = WorkerPool(config, model_path, init_method, use_cuda)
+                self._pool = WorkerPool(config, model_path, init_method, use_cuda, cpu_threads)
                 self._pool.wait_for("alive")
                 init_distributed(config, 0, init_method, use_cuda)
                 abort = nccl_abort() if use_cuda else None

@@ -100,12 +100,13 @@ def exit_when_parent_dies(parent_pid: int, check_s: float = 1.0, who: str = "") 
 
 
 def worker_main(config: Config, rank: int, init_method: str, model_path: str,
-                use_cuda: bool, conn: Connection, parent_pid: int) -> None:
-    """Entry point of a worker process (must be importable: processes are spawned)."""
+                use_cuda: bool, cpu_threads: int | None, conn: Connection,
+                parent_pid: int) -> None:
+    """Entry point of a worker process (must be importable: processes are spawned).
+    cpu_threads: this rank's share of the cores on a CPU (engine/cpu_threads.py)."""
     threading.Thread(target=exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
-    if not use_cuda:
-        # Two ranks on the same cores: give each its share instead of oversubscribing.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
     from myvllm.engine.model_runner import ModelRunner  # after the thread cap is set
 
     runner = None
@@ -138,7 +139,8 @@ def worker_main(config: Config, rank: int, init_method: str, model_path: str,
 class WorkerPool:
     """Rank 0's handle on the worker processes. Holds no reference to the engine."""
 
-    def __init__(self, config: Config, model_path: str, init_method: str, use_cuda: bool) -> None:
+    def __init__(self, config: Config, model_path: str, init_method: str, use_cuda: bool,
+                 cpu_threads: int | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.processes: list[BaseProcess] = []
         self.conns: list[Connection] = []
@@ -148,7 +150,8 @@ class WorkerPool:
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(
                 target=worker_main,
-                args=(config, rank, init_method, model_path, use_cuda, child_conn, os.getpid()),
+                args=(config, rank, init_method, model_path, use_cuda, cpu_threads, child_conn,
+                      os.getpid()),
                 daemon=True,
                 name=f"myvllm-tp-worker-{rank}",
             )

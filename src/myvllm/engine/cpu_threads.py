@@ -1,0 +1,42 @@
+"""How many torch threads an engine on the CPU runs with.
+
+torch splits each op over all the cores by default. For a small model that is a loss: an op
+on a [4, 64] activation takes microseconds, less than the threads need to meet at its end,
+and on a busy machine (other jobs, or the engine's own processes beside each other: the
+server's core process, tensor-parallel ranks) a thread that waits for a descheduled partner
+stalls the whole step. benchmark_cpu_threads.py measures it; docs/benchmarks.md has the
+figures behind the rule below.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from myvllm.config import Config
+
+# Below this hidden size one thread is the default. The tests' tiny models (hidden 32-64) ran
+# generate() 6-9x faster on one thread than on two on a busy 2-core machine; SMALL_MODEL_HIDDEN
+# is where the measured gain of more threads starts (docs/benchmarks.md, "CPU threads").
+SMALL_MODEL_HIDDEN = 512
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (fewer than the machine's under taskset or a
+    container's CPU set)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_thread_count(config: Config, hf_config: Any) -> int:
+    """Threads for each of the engine's processes: Config.cpu_threads, or the rule above,
+    shared out among the tensor-parallel ranks (which run on the same cores)."""
+    cores = usable_cores()
+    if config.cpu_threads:
+        wanted = config.cpu_threads
+    elif hf_config.hidden_size < SMALL_MODEL_HIDDEN:
+        wanted = 1
+    else:
+        wanted = cores
+    return max(1, wanted // config.tensor_parallel_size)
