@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 
 
 def fixed_order_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any,

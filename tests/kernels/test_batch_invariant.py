@@ -108,7 +108,7 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, block_size: int, num_blocks: in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_rows_are_the_same_bits_cached_chunked_decoded_or_batched(device, dtype
                                                                             ) -> None:
     """One sequence of 24 tokens: in one go (K/V contiguous, no cache), after a cached
