@@ -54,3 +54,23 @@ def test_mixture_of_experts_is_refused_before_any_work() -> None:
     with pytest.raises(ValueError, match="batch_invariant=True is not supported for "
                                          "mixture-of-experts"):
         LLM(str(tiny_checkpoint("qwen3_moe")), batch_invariant=True)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_rows_agree_alone_batched_and_chunked() -> None:
+    """tensor_parallel_size=2 over gloo: the row-parallel layers' sum is an all-gather and an
+    add in rank order (layers/linear.py, RowParallelLinear.reduce); a request alone, in a
+    batch and in chunks gets the same tokens and logprobs, and the tokens of one rank."""
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = random_prompts([11, 6, 19], seed=8)
+    settings: dict[str, Any] = dict(block_size=4, max_model_length=64, batch_invariant=True,
+                                    enable_prefix_caching=False)
+    single = outputs(LLM(path, **settings), prompts)
+    llm = LLM(path, tensor_parallel_size=2, **settings)
+    batched = outputs(llm, prompts)
+    assert [outputs(llm, [p])[0] for p in prompts] == batched
+    llm.exit()
+    chunked = LLM(path, tensor_parallel_size=2, max_num_batched_tokens=8, **settings)
+    assert outputs(chunked, prompts) == batched
+    chunked.exit()
+    assert [tokens for tokens, _ in batched] == [tokens for tokens, _ in single]
