@@ -27,6 +27,9 @@ on vLLM after the other two.
 
 --quick: a tiny random Qwen3 on the CPU, a handful of short sequences (CI smoke test).
 
+--batch-invariant: the same runs with Config.batch_invariant=True (kernels that reduce in an
+order independent of the batch), for its cost in throughput and at batch 1.
+
 --bundled: the CPU comparison (docs/benchmarks.md): the bundled SmolLM2-135M-Instruct (real
 weights, GGUF), 4 chat prompts x 64 greedy tokens (--bundled-max-tokens N for another count),
 myvllm against transformers loading the same GGUF file (batched with left padding), fp32, both
@@ -75,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true",
                         help="no transformers run (its MoE models loop over the experts: slow)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="Config.batch_invariant: every kernel reduces in a fixed order "
+                             "(its throughput cost; docs/reliability.md)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (default: Config's)")
     parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
@@ -298,6 +304,7 @@ def main() -> None:
         # 0.6 of the GPU for myvllm (weights, activations, KV cache) leaves room for the
         # transformers model loaded beside it; a dummy run frees the GPU before transformers.
         llm = LLM(str(path), load_format=load_format, enforce_eager=args.enforce_eager,
+                  batch_invariant=args.batch_invariant,
                   gpu_memory_utilization=0.9 if hf is None else 0.6,
                   tensor_parallel_size=args.tensor_parallel_size,
                   async_scheduling=(False if args.no_async_scheduling else

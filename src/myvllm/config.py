@@ -131,6 +131,13 @@ class Config:
     on the device, where the next step reads them. Greedy and seeded tokens are the same
     either way."""
 
+    batch_invariant: bool = False
+    """True = every kernel reduces in an order that does not depend on the batch: a request's
+    tokens and logprobs are the same bits alone, in any batch, with a prefix-cache hit or in
+    chunks (at a given tensor_parallel_size; kernels/batch_invariant.py). For reproducible
+    runs and RL rollouts (vLLM's VLLM_BATCH_INVARIANT); costs throughput (docs/reliability.md
+    has the numbers). Mixture-of-experts models are refused."""
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Config:
         # The dataclass writes __init__; Python calls __new__ with the same arguments first,
         # so an unknown keyword gets the closest valid name here instead of Python's bare
@@ -164,6 +171,7 @@ class Config:
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding,
                    minimum=0)
+        _check_bool("batch_invariant", self.batch_invariant)
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)
         if self.load_format not in LOAD_FORMATS:

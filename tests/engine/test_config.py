@@ -71,6 +71,7 @@ def test_from_dict_roundtrip_and_replace_are_checked() -> None:
         ("eos", (1, -1)),
         ("eos", "2"),
         ("enable_prefix_caching", "yes"),
+        ("batch_invariant", 1),
         ("model", 3),
     ],
 )

@@ -55,6 +55,7 @@ from myvllm.engine.logprobs import (LogprobRows, PromptSpan, StepLogprobs, promp
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.token_pool import SampledTokens
+from myvllm.kernels import set_batch_invariant
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
@@ -90,6 +91,9 @@ class ModelRunner:
             self.device = torch.device("cuda", rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config, self.device)
+        # Before the model is built and warmed up: the kernels read it at every call, and the
+        # CUDA graphs captured below bake in what they read (kernels/batch_invariant.py).
+        set_batch_invariant(config.batch_invariant)
         # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
         self.inputs = InputBuilder(config, self.device, rank)
@@ -212,6 +216,8 @@ class ModelRunner:
         other ranks None. Nothing here waits for the device (NCCL collectives are queued on
         the stream like any kernel).
         """
+        # Again at every step: a second engine in this process may have set its own mode.
+        set_batch_invariant(self.config.batch_invariant)
         spans = prompt_spans(seqs) if is_prefill else []
         prompt_rows = None
         if is_prefill:

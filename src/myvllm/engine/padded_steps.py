@@ -35,6 +35,7 @@ import torch
 from myvllm.engine.batch import StepInputs
 from myvllm.engine.staging import StaticBuffers
 from myvllm.engine.token_pool import TokenPool
+from myvllm.kernels.batch_invariant import is_batch_invariant
 from myvllm.kernels.tile_map import SPLIT_KEY_TILES, TileMap, build_tile_map, tile_map_slots
 from myvllm.utils.context import Context, DecodeRows
 
@@ -78,7 +79,8 @@ class PaddedSteps:
         self.decode_sizes = cuda_graph_batch_sizes(max_num_seqs)
         self.chunk_sizes = chunk_graph_sizes(max_chunk_tokens) if chunk_tiles else []
         self.block_m, self.block_n = chunk_tiles or (0, 0)
-        self.split_key_tiles = SPLIT_KEY_TILES  # see build_tile_map (tests lower it)
+        # See build_tile_map (tests lower it); batch-invariant mode splits no tile.
+        self.split_key_tiles: int | None = None if is_batch_invariant() else SPLIT_KEY_TILES
         t = max([s, *self.chunk_sizes])  # most input tokens of a padded step
         r = self.num_rows(t)
         slots = self.slots(t) if chunk_tiles is not None else 0

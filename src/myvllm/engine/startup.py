@@ -66,6 +66,18 @@ def check_tensor_parallel(config: Config, hf_config: Any) -> None:
                          "CUDA devices are visible.")
 
 
+def check_batch_invariant(config: Config, hf_config: Any) -> None:
+    """Batch-invariant mode has no invariant expert kernel yet: fused_moe groups each
+    expert's tokens from the whole batch into its tiles, so a token's tile, and the order
+    its experts' outputs are summed in, depend on the batch."""
+    if config.batch_invariant and getattr(hf_config, "num_experts", None):
+        architectures = getattr(hf_config, "architectures", None)
+        raise ValueError(f"batch_invariant=True is not supported for mixture-of-experts models "
+                         f"({architectures}, {hf_config.num_experts} experts): the expert "
+                         f"kernel's order depends on the batch; use a dense model or "
+                         f"batch_invariant=False")
+
+
 def to_config(model: Config | str | None, **kwargs: Any) -> Config:
     """LLM(Config(...)), LLM(Config(...), field=value) or LLM("path", field=value)."""
     if isinstance(model, Config):
@@ -79,6 +91,7 @@ def resolve_engine(config: Config) -> ResolvedEngine:
     hf_config = load_hf_config(model_path)
     get_model_class(getattr(hf_config, "architectures", None) or [])  # unknown -> error now
     check_tensor_parallel(config, hf_config)
+    check_batch_invariant(config, hf_config)
     tokenizer = tokenizer_if_any(model_path)
     eos = config.eos
     if eos is None:  # -1 when the checkpoint names no eos: stop on max_tokens only

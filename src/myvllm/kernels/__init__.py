@@ -26,6 +26,12 @@ prologue; references: the two references one after the other):
     rms_norm_skinny_gemm     (residual add +) RMSNorm, then x W^T  (qkv_proj, gate_up_proj)
     silu_and_mul_skinny_gemm silu(gate) * up, then x W^T           (down_proj)
 
+and the matmul of batch-invariant mode (reference in layer_ops_reference.py too):
+
+    matmul_batch_invariant   x W^T (+ b) with one fixed tiling for every row count, so a
+                             row's bits never depend on its batch
+                             (kernels/invariant_matmul_kernel.py, kernels/batch_invariant.py)
+
 and the experts of a mixture-of-experts layer (reference in layer_ops_reference.py too):
 
     fused_moe                each token through its top-k experts' gated MLPs, weighted and
@@ -41,6 +47,10 @@ MYVLLM_FORCE_TRITON overrides that choice at call time:
     MYVLLM_FORCE_TRITON=0   always the PyTorch reference (debugging on the GPU)
 
 Triton is imported lazily, on first use, so a machine without Triton runs the references.
+
+Batch-invariant mode (set_batch_invariant; kernels/batch_invariant.py says why): the
+attention kernels' Triton path then reduces every row in one fixed order, a decode row
+through the prefill kernel; the references are unchanged.
 """
 
 from __future__ import annotations
@@ -55,8 +65,10 @@ import torch
 if TYPE_CHECKING:
     from .tile_map import TileMap
 
+from .batch_invariant import is_batch_invariant, set_batch_invariant
 from .layer_ops_reference import (
     fused_moe_ref,
+    matmul_batch_invariant_ref,
     norm_rope_ref,
     rms_norm_ref,
     rms_norm_skinny_gemm_ref,
@@ -75,6 +87,9 @@ __all__ = [
     "flash_attention_varlen_ref",
     "fused_moe",
     "fused_moe_ref",
+    "is_batch_invariant",
+    "matmul_batch_invariant",
+    "matmul_batch_invariant_ref",
     "norm_rope",
     "norm_rope_ref",
     "paged_attention_decode",
@@ -83,6 +98,7 @@ __all__ = [
     "rms_norm_ref",
     "rms_norm_skinny_gemm",
     "rms_norm_skinny_gemm_ref",
+    "set_batch_invariant",
     "silu_and_mul",
     "silu_and_mul_ref",
     "silu_and_mul_skinny_gemm",
@@ -166,7 +182,8 @@ def flash_attention_varlen(
     if use_triton(q):
         from . import prefill_attention as triton_impl
 
-        return triton_impl.flash_attention_varlen_triton(*args, tile_map, out)
+        return triton_impl.flash_attention_varlen_triton(*args, tile_map, out,
+                                                         batch_invariant=is_batch_invariant())
     o = flash_attention_varlen_ref(*args)
     return o if out is None else out.copy_(o)
 
@@ -185,6 +202,11 @@ def paged_attention_decode(
     block_tables[b] (-1 padded). CUDA-graph safe on the Triton path: no host syncs, launch
     shape from tensor shapes only. Rows with context_lens 0 return zeros.
     """
+    if use_triton(q) and is_batch_invariant():
+        from . import prefill_attention
+
+        return prefill_attention.decode_with_prefill_kernel(
+            q, k_cache, v_cache, block_tables, context_lens, scale)
     if use_triton(q):
         from . import decode_attention as triton_impl
 
@@ -262,6 +284,18 @@ def prefers_skinny_gemm(num_rows: int, out_features: int, in_features: int) -> b
     if num_rows == 2:
         return out_features <= min(in_features, 2048)
     return num_rows <= 4 and out_features <= 1024 and in_features <= 2048
+
+
+def matmul_batch_invariant(x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], each row's bits independent of M
+    and of the row's place among them (kernels/invariant_matmul_kernel.py; on a CPU the
+    reference, whose invariance is measured, not designed: see matmul_batch_invariant_ref)."""
+    if use_triton(x):
+        from . import invariant_matmul_kernel as triton_impl
+
+        return triton_impl.invariant_matmul_triton(x, weight, bias)
+    return matmul_batch_invariant_ref(x, weight, bias)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ and are the oracle those kernels are tested against. Numerics follow HF transfor
 - RoPE: the rotation runs in float32 on the float32 cos/sin table, then is cast back.
 - SiLU: F.silu rounds to the model dtype before the multiply, as HF's act_fn(gate) * up does.
 
-The small-batch matmul's reference is here too (skinny_gemm_ref), and so are those of its
+The batch-invariant matmul's reference is here (matmul_batch_invariant_ref), the
+small-batch matmul's too (skinny_gemm_ref), and so are those of its
 fused forms, which are simply the two references one after the other:
 
     rms_norm_skinny_gemm       rms_norm, then x W^T       layer norms -> qkv_proj, gate_up_proj
@@ -85,6 +86,30 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]: float32 products and sums, rounded once."""
     return (x.float() @ weight.float().t()).to(x.dtype)
+
+
+# Rows a CPU matmul is padded to a multiple of, in batch-invariant mode (see below).
+INVARIANT_CPU_ROW_MULTIPLE = 8
+
+
+def matmul_batch_invariant_ref(x: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], as F.linear, on x padded with zero
+    rows to a multiple of INVARIANT_CPU_ROW_MULTIPLE rows.
+
+    Why the padding: the CPU's BLAS is batch-variant too. Measured on the 2-core AMD EPYC
+    machines we develop on (torch's MKL/oneDNN sgemm, float32): a row of F.linear gives other
+    bits at 1 row (a matrix-vector kernel), at 2-3 rows, at 4 or more, and again at 11 rows
+    (an odd tail of the row blocking); padded to a multiple of 4 or 8 rows every row was the
+    same at every M from 1 to 700 and every place in the batch (bf16 was invariant unpadded).
+    That is a property of one BLAS on one CPU, measured, not designed, and
+    tests/kernels/test_batch_invariant.py checks it where the tests run.
+    """
+    rows = x.size(0)
+    padded = -(-rows // INVARIANT_CPU_ROW_MULTIPLE) * INVARIANT_CPU_ROW_MULTIPLE
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.size(1))])
+    return F.linear(x, weight, bias)[:rows]
 
 
 @overload

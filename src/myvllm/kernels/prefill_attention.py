@@ -176,6 +176,7 @@ def _flash_attn_varlen_kernel(
     USE_TMA: tl.constexpr,  # contiguous K/V on sm_90+: tiles via tensor descriptors
     TILE_MAP: tl.constexpr,  # programs read their (sequence, query tile) from tile_map
     DOT_PRECISION: tl.constexpr,
+    BATCH_INVARIANT: tl.constexpr,  # every key tile through the masked loop (see below)
 ):
     head = tl.program_id(1)
     if TILE_MAP:
@@ -222,7 +223,16 @@ def _flash_attn_varlen_kernel(
     ctx_offset = seqlen_k - seqlen_q  # cached prefix length
     q_pos = ctx_offset + offs_m  # absolute position of each query row
     # Keys [0, full_end) are visible to every row of the tile: no mask needed there.
-    full_end = ((ctx_offset + m0 + 1) // BLOCK_N) * BLOCK_N
+    # Batch-invariant mode: none. Whether a key tile is "full" depends on where the query
+    # tile starts (a cached prefix, a chunk boundary, a decode row), and the unmasked loop
+    # rounds differently (qk * scale - m as one FMA), so a row's bits would depend on it.
+    # Through the masked loop alone, a row reduces the same key tiles [0, BLOCK_N), ...
+    # with the same arithmetic wherever it sits; tiles past its position are fully masked
+    # for it and leave its m, l and acc exactly unchanged (p = 0, alpha = 1).
+    if BATCH_INVARIANT:
+        full_end = 0
+    else:
+        full_end = ((ctx_offset + m0 + 1) // BLOCK_N) * BLOCK_N
     # The last key any row of this tile may see (rows past seqlen_q are clipped).
     hi = tl.minimum(ctx_offset + m0 + BLOCK_M, seqlen_k)
 
@@ -261,7 +271,8 @@ def _flash_attn_varlen_kernel(
         tl.store(part_ml_ptr + (base + rows_m) * 2, m_i)
         tl.store(part_ml_ptr + (base + rows_m) * 2 + 1, l_i)
     else:
-        out = acc / l_i[:, None]
+        # l_i is 0 only for a row with no keys (a padding decode row): zeros, not NaN.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_rows = (q_start + offs_m).to(tl.int64)
         o_ptrs = o_ptr + o_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty),
@@ -377,6 +388,7 @@ def flash_attention_varlen_triton(
     out: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Triton version of flash_attention_varlen (contract in kernels/__init__.py).
 
@@ -384,6 +396,9 @@ def flash_attention_varlen_triton(
     at one program per row per head whatever the batch, so a CUDA graph can replay it.
     `out` ([tokens, heads, D]) receives the output instead of a new tensor.
     `config` overrides the tile sizes (benchmarks and tuning sweeps use it).
+    `batch_invariant` (kernels/batch_invariant.py): a row's result the same bits whatever
+    its batch, cached prefix or chunk; a tile_map must then split no tile (build_tile_map
+    with split_key_tiles=None), as a split's merge would change the order.
     """
     del max_seqlen_k  # the kernel reads each sequence's K length from cu_seqlens_k
     num_tokens, num_heads, head_dim = q.shape
@@ -420,7 +435,8 @@ def flash_attention_varlen_triton(
     if not scale > 0:
         raise ValueError(f"flash_attention_varlen: scale must be > 0, got {scale}")
     cfg = config or prefill_config(q.device, head_dim, q.dtype)
-    use_tma = cfg.use_tma and not paged and _tma_ok(q, k, v)
+    # Batch-invariant: pointer loads only, as the paged path (cached keys) must use.
+    use_tma = cfg.use_tma and not paged and not batch_invariant and _tma_ok(q, k, v)
     if use_tma:
         q_desc = _row_descriptor(q, cfg.block_m)
         k_desc, v_desc = _row_descriptor(k, cfg.block_n), _row_descriptor(v, cfg.block_n)
@@ -454,6 +470,7 @@ def flash_attention_varlen_triton(
         USE_TMA=use_tma,
         TILE_MAP=tile_map is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BATCH_INVARIANT=batch_invariant,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -487,3 +504,23 @@ def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
                             block_shape=[block_rows, d])  # fmt: skip
 
 
+def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """paged_attention_decode's contract, computed by the prefill kernel in batch-invariant
+    mode: each row is a sequence of one new token whose context_lens[b] keys are all in the
+    cache. A decode row then reduces its keys exactly as the prefill or chunk row at the same
+    position did (the decode kernel's tiles, GQA sharing and splits differ). It costs a query
+    tile of BLOCK_M rows for one real row; decode reads K/V from memory either way.
+
+    CUDA-graph safe: the sequence boundaries are computed on the device, the grid is
+    (1, heads, batch). Rows with context 0 (padding) give zeros."""
+    batch = q.shape[0]
+    if batch == 0:
+        return torch.empty_like(q)
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    cu_seqlens_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    cu_seqlens_k[1:] = torch.cumsum(context_lens, 0, dtype=torch.int32)
+    return flash_attention_varlen_triton(
+        q, q, q, cu_seqlens_q, cu_seqlens_k, 1, 0, scale, block_tables, k_cache, v_cache,
+        batch_invariant=True)

@@ -24,8 +24,8 @@ SPLIT_KEY_TILES = 16
 
 
 def build_tile_map(seqlens_q: list[int], seqlens_k: list[int], block_m: int, block_n: int,
-                   num_slots: int, num_parts: int, split_key_tiles: int = SPLIT_KEY_TILES
-                   ) -> tuple[list[int], list[int]]:
+                   num_slots: int, num_parts: int,
+                   split_key_tiles: int | None = SPLIT_KEY_TILES) -> tuple[list[int], list[int]]:
     """The rows of a TileMap, flattened: (sequence, query tile, split, splits, part) per
     program, heaviest tiles first, padded to num_slots rows with sequence -1; and the
     combine rows (sequence, query tile, splits, first part), padded to num_parts // 2.
@@ -34,7 +34,8 @@ def build_tile_map(seqlens_q: list[int], seqlens_k: list[int], block_m: int, blo
     the GPU idles (a 448-token chunk after 16k cached tokens: 4 tiles per head). It is cut
     along its keys (split-K): each split gets SPLIT_KEY_TILES key tiles or more and leaves
     a partial result in `part`; the combine rows merge them. Splits go to the heaviest tiles
-    while num_parts and the free slots last.
+    while num_parts and the free slots last. split_key_tiles None: no tile is split (the
+    batch-invariant mode: how a tile's keys are cut would depend on the rest of the batch).
 
         seqlens_q = [300, 1], seqlens_k = [1324, 7], block_m = block_n = 128, no splits
         tiles (seq, tile): (0, 2) sees 1324 keys, (0, 1) 1280, (0, 0) 1152, (1, 0) 7
@@ -55,6 +56,9 @@ def build_tile_map(seqlens_q: list[int], seqlens_k: list[int], block_m: int, blo
     combine: list[int] = []
     free, parts = num_slots - len(tiles), 0
     for _, seq, tile, full_tiles in tiles:
+        if split_key_tiles is None:
+            rows += [seq, tile, 0, 1, -1]
+            continue
         splits = min(full_tiles // split_key_tiles, free + 1, num_parts - parts)
         if splits < 2:
             rows += [seq, tile, 0, 1, -1]

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from myvllm.kernels import prefers_skinny_gemm, skinny_gemm
+from myvllm.kernels import (is_batch_invariant, matmul_batch_invariant, prefers_skinny_gemm,
+                            skinny_gemm)
 from myvllm.layers.fused import DeferredInput
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
@@ -48,7 +49,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     machines we develop on, 2-3x at 4 rows (gate_up_proj of SmolLM2: 1.2 ms -> 0.5 ms), and
     decode on a CPU is bound by reading the weights; from ~512 rows F.linear wins again.
     Same math, different summation order.
+
+    Batch-invariant mode (kernels/batch_invariant.py): kernels.matmul_batch_invariant for
+    every row count, on both devices, so that no choice above depends on the batch.
     """
+    if is_batch_invariant():
+        rows = x.reshape(-1, x.size(-1))
+        return matmul_batch_invariant(rows.contiguous(), weight, bias).view(
+            *x.shape[:-1], weight.size(0))
     if x.is_cuda:
         if uses_skinny_gemm(x, weight, bias):
             return skinny_gemm(x, weight)
@@ -62,8 +70,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether linear(x, weight, bias) runs kernels.skinny_gemm (LinearBase.fuses asks too)."""
-    return (x.is_cuda and x.dim() == 2 and bias is None
+    """Whether linear(x, weight, bias) runs kernels.skinny_gemm (LinearBase.fuses asks too).
+    Never in batch-invariant mode: the skinny kernel's tiling is for 1-8 rows only."""
+    return (x.is_cuda and not is_batch_invariant() and x.dim() == 2 and bias is None
             and prefers_skinny_gemm(x.size(0), *weight.shape))
 
 
@@ -291,7 +300,20 @@ class RowParallelLinear(LinearBase):
         return self.reduce(linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' partial outputs (in place)."""
-        if self.tp_size > 1:
+        """Sum the ranks' partial outputs (in place).
+
+        Batch-invariant mode: NCCL picks its all-reduce algorithm and protocol (ring, tree;
+        how the sum is chunked) by message size, that is by the batch, and with them the
+        order of the sum. So the partials are gathered (a copy, exact) and added here in rank
+        order, the same order for every row at every batch size."""
+        if self.tp_size == 1:
+            return y
+        if not is_batch_invariant():
             dist.all_reduce(y)
-        return y
+            return y
+        parts = [torch.empty_like(y) for _ in range(self.tp_size)]
+        dist.all_gather(parts, y)
+        total = parts[0]
+        for part in parts[1:]:
+            total += part  # rank 0 + rank 1 + ... elementwise: one order whatever the shape
+        return y.copy_(total)

@@ -1,0 +1,41 @@
+"""Batch-invariant mode: every kernel reduces in an order that does not depend on the batch.
+
+Why: a floating-point sum depends on its order, and the fast kernels pick their order by
+shape. cuBLAS chooses an algorithm (and a split over K) by the row count; the decode kernel
+splits each context into a number of chunks chosen from the batch size; the prefill kernel
+treats a key tile as "full" or "on the diagonal" depending on where its query tile starts,
+which moves with a cached prefix or a chunk boundary. So one request's logits change, in
+the last bits, with what else shares its batch, and in bf16 a near tie between two tokens
+flips: on an H200 a run whose prompts hit the prefix cache agreed with a cold run on 45 of
+128 greedy sequences.
+
+With the mode on (Config.batch_invariant, set by the ModelRunner for its process):
+
+    matmuls        one Triton kernel, one fixed tiling for every row count, K summed tile
+                   by tile from 0 (no split-K); the LM head too (invariant_matmul_kernel.py)
+    attention      prefill, chunks and decode rows all run the prefill kernel: key tiles of
+                   a fixed size from position 0, every tile through the same (masked) code,
+                   one program per query tile (no split-K), whether its keys are cached or new
+    the rest       already one program per row whatever the batch: RMSNorm, q/k norm + RoPE,
+                   SiLU-and-mul, the sampling kernels (their vocabulary chunks depend on the
+                   vocabulary only), log_softmax
+
+The switch is a process-wide setting, like the step's context (utils/context.py): kernels
+read it at call time, so a CUDA graph captured with it on replays the invariant kernels.
+"""
+
+from __future__ import annotations
+
+_ENABLED = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Turn the mode on or off for this process (the ModelRunner does, from its Config)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_batch_invariant expects True or False, got {enabled!r}")
+    global _ENABLED
+    _ENABLED = enabled
+
+
+def is_batch_invariant() -> bool:
+    return _ENABLED
