@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def test_sigkill_over_nccl_fails_fast_and_a_new_engine_works(checkpoint: Path,
     assert llm.model_runner.graphs.sizes("decode")
     expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
     worker = kill_during_step(llm, step)  # rank 0 waits on the GPU for the stopped worker
-    error = returns_within(lambda: llm.generate(prompts, greedy, use_tqdm=False))
+    error = returns_within(partial(llm.generate, prompts, greedy, use_tqdm=False))
     noticed_after = time.monotonic() - worker.killed_at
     print(f"\n[{step=}] generate() raised {noticed_after:.2f} s after the SIGKILL: {error!r}")
     assert isinstance(error, EngineDeadError), repr(error)
