@@ -162,7 +162,7 @@ def test_sampler_min_p_samples_only_kept_tokens() -> None:
     torch.manual_seed(7)
     logits = torch.randn(3, VOCAB) * 3
     temperatures = torch.tensor([0.8, 0.0, 1.5])
-    min_ps = torch.tensor([0.4, 0.9, 0.0])
+    min_ps = torch.tensor([0.1, 0.9, 0.0])
     kept = ~apply_min_p(logits[:1] / 0.8, min_ps[:1]).isinf()[0]  # row 0 after temperature
     assert 1 < int(kept.sum()) < VOCAB
     seen = set()
