@@ -11,15 +11,11 @@ the graph's path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from myvllm.engine.batch import SamplingArgs
-from myvllm.engine.sampling_controls import prepare_min_ps, uses_sampling_controls
+from myvllm.engine.sampling_controls import ToDevice, prepare_min_ps, uses_sampling_controls
 from myvllm.engine.sequence import Sequence
-
-ToDevice = Callable[[list[int] | list[float], torch.dtype], torch.Tensor]
 
 
 def uses_filters_or_seeds(seq: Sequence) -> bool:

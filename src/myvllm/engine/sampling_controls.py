@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import BannedTokens, LogitBias, LogitsProcessing, Penalties
 
-ToDevice = Callable[[list[int] | list[float], torch.dtype], torch.Tensor]
+# Host values -> a device tensor, without making the host wait (FreshTensors.tensor).
+ToDevice = Callable[[list[int] | list[float] | np.ndarray, torch.dtype], torch.Tensor]
 
 
 def uses_penalties(seq: Sequence) -> bool:
@@ -128,11 +130,10 @@ def _penalties(seqs: list[Sequence], to_device: ToDevice, pool_tokens: torch.Ten
         pending = pool_tokens[to_device(pending_pool_rows, torch.int64)]
         output_token_ids = torch.cat([output_token_ids, pending])
         output_rows_t = torch.cat([output_rows_t, to_device(pending_rows, torch.int64)])
-    lengths = [ids.numel() for ids in prompt_ids]  # host metadata: no device sync
-    # output_size given: repeat_interleave would otherwise read the total from the device.
-    prompt_rows = torch.repeat_interleave(
-        torch.arange(len(penalised), device=pool_tokens.device),
-        to_device(lengths, torch.int64), output_size=sum(lengths))
+    # On the host, from the lengths (host metadata): a device repeat_interleave would read its
+    # output size from the device.
+    prompt_rows = to_device(np.repeat(np.arange(len(penalised)),
+                                      [ids.numel() for ids in prompt_ids]), torch.int64)
     return Penalties(
         rows=to_device(penalised, torch.int64),
         presence=to_device([p.presence_penalty for p in params], torch.float32),
