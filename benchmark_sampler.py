@@ -33,9 +33,26 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--iters", type=int, default=50)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad arguments answer here, before torch's import (seconds)
 
 import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
 from benchmarks.device import require_gpu  # noqa: E402
 from myvllm import SamplingParams  # noqa: E402
@@ -60,17 +77,6 @@ CASES: dict[str, dict[str, Any]] = {
                 repetition_penalty=1.2, logit_bias="16 a row", min_tokens="beyond",
                 min_p=0.1),
 }
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=151_936)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--completion-len", type=int, default=256)
-    p.add_argument("--iters", type=int, default=50)
-    return p.parse_args()
 
 
 def make_sequences(case: dict[str, Any], batch: int, vocab: int, prompt_len: int,
