@@ -24,9 +24,10 @@ What happens to one step:
                   kernels, else the LM head and the Sampler run after it
         both      rows with penalties, a logit bias or min_tokens still to reach: their
                   logits processed (layers/logits_processors.py) before the Sampler
-                  reads them; rows that asked for logprobs: gather_logprobs on their logits, beside
-                  the Sampler (engine/logprobs.py; such a row keeps a decode step out of
-                  the graph's sampling), copied back with the tokens
+                  reads them (such a row keeps a decode step out of the graph's
+                  sampling); rows that asked for logprobs: gather_logprobs on their
+                  raw logits, beside the Sampler (engine/logprobs.py; it too keeps a
+                  decode step out of the graph's sampling), copied back with the tokens
     -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
 
 On a GPU both kinds of step are padded onto fixed buffers and replayed from a CUDA graph

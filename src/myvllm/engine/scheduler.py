@@ -339,7 +339,8 @@ class Scheduler:
         """Append each sequence's new token; finish and release the ones that stop.
 
         Stops on eos (unless ignore_eos) or a stop token (is_stop_token), on max_tokens
-        completion tokens, or on reaching max_model_length tokens. Returns the sequences that finished in this step.
+        completion tokens, or on reaching max_model_length tokens. Returns the sequences
+        that finished in this step.
 
         With overlapped scheduling a sequence may have finished (on eos) after this step was
         queued: its token here is surplus and dropped.

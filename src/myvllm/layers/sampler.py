@@ -17,12 +17,12 @@ torch.Generator (SamplingParams.seed): its noise is then drawn from that generat
 its tokens do not depend on which other requests share the batch.
 
 Fast paths (the caller knows these on the host, so they cost no device sync):
-``top_ks=None`` / ``top_ps=None`` skip the sort, ``min_ps=None`` the softmax of min-p, that the filters need, and
-``all_greedy=True`` makes the whole call one argmax. On the GPU, a batch with neither
-filters, min-p nor per-request seeds is sampled by two Triton kernels (kernels/sample_kernel.py:
-the same trick in log space, applied first to vocabulary chunks and then inside the chosen
-one, reading the logits once instead of about ten times). Seeded rows always take the
-PyTorch path, so their tokens never depend on which path the batch took.
+``top_ks=None`` / ``top_ps=None`` skip the sort that the filters need, ``min_ps=None`` the
+softmax of min-p, and ``all_greedy=True`` makes the whole call one argmax. On the GPU, a
+batch with no filters, min-p or per-request seeds is sampled by two Triton kernels
+(kernels/sample_kernel.py: the same trick in log space, applied first to vocabulary chunks
+and then inside the chosen one, reading the logits once instead of about ten times). Seeded
+rows always take the PyTorch path, so their tokens never depend on which path the batch took.
 """
 
 from __future__ import annotations
