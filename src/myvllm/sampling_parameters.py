@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from myvllm.value_checks import is_int, is_real
@@ -58,6 +59,39 @@ class SamplingParams:
     request does not read the prefix cache, as in vLLM: a cached token has no logits, so its
     whole prompt is computed. None = off."""
 
+    # The sampling controls below are vLLM's. A request that keeps them all at their defaults
+    # costs nothing for them (engine/sampling_controls.py builds their tensors only for the
+    # rows that ask); the order they act in is layers/logits_processors.py's.
+
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that already appears in the completion (OpenAI's
+    definition), in [-2, 2]: > 0 favours new tokens, < 0 repetition."""
+
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it appears in the completion so far, in
+    [-2, 2]."""
+
+    repetition_penalty: float = 1.0
+    """transformers' and vLLM's multiplicative penalty on every token of the prompt or the
+    completion: a positive logit is divided by it, a negative one multiplied; > 1 discourages
+    repetition, 1 = off. Any number > 0."""
+
+    min_p: float = 0.0
+    """Drop the tokens whose probability (after temperature) is below min_p times the most
+    likely token's, in [0, 1]; 0 = off."""
+
+    logit_bias: dict[int, float] | None = None
+    """token id -> a number added to its logit before anything else (-100 or 100 in effect bans
+    or forces it). None = off."""
+
+    min_tokens: int = 0
+    """Generate at least this many tokens before eos or a stop_token_ids token may end the
+    request: until then they are masked out of sampling. At most max_tokens."""
+
+    stop_token_ids: list[int] | None = None
+    """Token ids that end the request (finish reason "stop") like eos, even with ignore_eos; the
+    token is in token_ids but not in the text. None = none."""
+
     def __post_init__(self) -> None:
         t = self.temperature
         if not (is_real(t) and math.isfinite(t) and t >= 0):
@@ -92,4 +126,43 @@ class SamplingParams:
             if k is not None and not (is_int(k) and 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"SamplingParams.{name} must be None (off) or an int in "
                                  f"[0, {MAX_LOGPROBS}], got {k!r}")
+        self._check_sampling_controls()
 
+    def _check_sampling_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (is_real(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"SamplingParams.{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not (is_real(r) and math.isfinite(r) and r > 0):
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 "
+                             f"(1 = off), got {r!r}")
+        if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"SamplingParams.min_p must be a number in [0, 1], "
+                             f"got {self.min_p!r}")
+        if not (is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"SamplingParams.min_tokens must be an int in [0, max_tokens = "
+                             f"{self.max_tokens}], got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not (isinstance(ids, (list, tuple))
+                    and all(is_int(t) and 0 <= t <= MAX_INT64 for t in ids)):
+                raise ValueError(f"SamplingParams.stop_token_ids must be None or a list of "
+                                 f"token ids (ints >= 0), got {ids!r}")
+            self.stop_token_ids = list(ids)  # a copy: the caller may reuse its list
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"SamplingParams.logit_bias must be None or a dict of token id -> "
+                         f"bias, got {type(bias).__name__}")
+    for token, value in bias.items():
+        if not (is_int(token) and 0 <= token <= MAX_INT64):
+            raise ValueError(f"SamplingParams.logit_bias must have token ids (ints >= 0) as "
+                             f"keys, got {token!r}")
+        if not (is_real(value) and math.isfinite(value)):
+            raise ValueError(f"SamplingParams.logit_bias must have finite numbers as values, "
+                             f"got {value!r} for token {token}")
+    return {token: float(value) for token, value in bias.items()}

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
     ["benchmark_prefilling.py", "--prefix", "24", "--seq-lens", "16"],
     ["benchmark_decoding.py"],
     ["benchmark_moe.py"],
-], ids=["prefilling", "prefilling-prefix", "decoding", "moe"])  # fmt: skip
+    ["benchmark_sampler.py"],
+], ids=["prefilling", "prefilling-prefix", "decoding", "moe", "sampler"])  # fmt: skip
 def test_benchmark_quick_mode_is_correct(command: list[str]) -> None:
     pytest.importorskip("triton")
     script, *extra = command

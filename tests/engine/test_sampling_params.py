@@ -63,3 +63,50 @@ def test_huge_temperature_is_lowered_to_the_largest_float32(temperature: float) 
     p = SamplingParams(temperature=temperature)
     assert p.temperature == MAX_TEMPERATURE and np.isfinite(np.float32(p.temperature))
     assert SamplingParams(temperature=1e38).temperature == 1e38
+
+
+def test_sampling_control_defaults_are_vllms() -> None:
+    p = SamplingParams()
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+            p.logit_bias, p.min_tokens, p.stop_token_ids) == (0.0, 0.0, 1.0, 0.0, None, 0, None)
+
+
+def test_sampling_controls_are_copied() -> None:
+    bias, stops = {3: 1}, [5]
+    p = SamplingParams(logit_bias=bias, stop_token_ids=stops, min_tokens=64,
+                       presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01,
+                       min_p=1.0)
+    bias[4] = 2.0
+    stops.append(6)
+    assert p.logit_bias == {3: 1.0} and isinstance(p.logit_bias[3], float)
+    assert p.stop_token_ids == [5]
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("presence_penalty", 2.5, r"\[-2, 2\]"),
+        ("presence_penalty", float("nan"), r"\[-2, 2\]"),
+        ("frequency_penalty", -2.01, r"\[-2, 2\]"),
+        ("frequency_penalty", True, r"\[-2, 2\]"),
+        ("repetition_penalty", 0.0, "> 0"),
+        ("repetition_penalty", float("inf"), "> 0"),
+        ("min_p", -0.1, r"\[0, 1\]"),
+        ("min_p", 1.5, r"\[0, 1\]"),
+        ("min_tokens", -1, r"\[0, max_tokens = 64\]"),
+        ("min_tokens", 65, r"\[0, max_tokens = 64\]"),
+        ("min_tokens", 1.0, r"\[0, max_tokens = 64\]"),
+        ("logit_bias", [1, 2], "None or a dict"),
+        ("logit_bias", {"3": 1.0}, "token ids"),
+        ("logit_bias", {-1: 1.0}, "token ids"),
+        ("logit_bias", {3: float("inf")}, "finite numbers"),
+        ("logit_bias", {3: "1"}, "finite numbers"),
+        ("stop_token_ids", 3, "None or a list of token ids"),
+        ("stop_token_ids", [3, -1], "None or a list of token ids"),
+        ("stop_token_ids", [3.0], "None or a list of token ids"),
+    ],
+)
+def test_bad_sampling_controls_raise_naming_field(field: str, value: object,
+                                                  allowed: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must .*{allowed}"):
+        SamplingParams(**{field: value})

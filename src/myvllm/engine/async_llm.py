@@ -52,7 +52,7 @@ import zmq
 import zmq.asyncio
 
 from myvllm.config import Config
-from myvllm.engine.core import check_token_ids
+from myvllm.engine.core import check_sampling_token_ids, check_token_ids
 from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreMessage,
                                          CoreOutput, CoreOutputs, Heartbeat, LogprobsLists,
                                          Shutdown)
@@ -393,6 +393,8 @@ class AsyncLLM:
         arrival = time.monotonic()
         # Checked here too (the core checks again), so that nothing malformed is ever sent.
         token_ids = check_token_ids(self.encode(prompt), self.vocab_size)
+        check_sampling_token_ids(sampling_params, self.vocab_size)
+        stop_token_ids = set(sampling_params.stop_token_ids or ())
         stop = list(stop)
         detok = None
         if self.tokenizer is not None:
@@ -439,8 +441,15 @@ class AsyncLLM:
                                                         stream.num_cached_tokens)
                 text: str | None = None
                 if detok is not None:
-                    text = detok.add_tokens(new_ids)
-                    new_ids = new_ids[:max(0, detok.num_tokens - num_tokens)]
+                    # A stop token ends the request but not the text (vLLM): it stays in
+                    # the token ids, the detokenizer never sees it.
+                    stop_token = (stream.finish_reason == "stop" and bool(new_ids)
+                                  and new_ids[-1] in stop_token_ids)
+                    text = detok.add_tokens(new_ids[:-1] if stop_token else new_ids)
+                    kept = detok.num_tokens - num_tokens
+                    if stop_token and not detok.stopped:
+                        kept += 1
+                    new_ids = new_ids[:max(0, kept)]
                     if logprobs is not None:  # none for the tokens after a stop string
                         logprobs = logprobs.slice(0, len(new_ids))
                     if core_finished or detok.stopped:

@@ -43,6 +43,7 @@ class SamplingArgs:
     top_ks: torch.Tensor | None  # [B] int64, <= 0 = off; None when no row filters
     top_ps: torch.Tensor | None  # [B] float32, 1.0 = off; None when no row filters
     generators: list[torch.Generator | None] | None  # per-row seeded generators, or None
+    min_ps: torch.Tensor | None  # [B] float32, 0 = off; None when no row uses min-p
     all_greedy: bool
 
 

@@ -86,6 +86,17 @@ def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
     return token_ids
 
 
+def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias and stop_token_ids name tokens of the vocabulary (a bias outside it would
+    index past the logits on the device)."""
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("stop_token_ids", params.stop_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the "
+                             f"vocabulary [0, {vocab_size}).")
+
+
 class EngineCore:
     def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
                  fit_length_to_cache: bool = False) -> None:
@@ -138,6 +149,7 @@ class EngineCore:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got "
                             f"{type(sampling_params).__name__}")
+        check_sampling_token_ids(sampling_params, self.vocab_size)
         seq = Sequence(check_token_ids(token_ids, self.vocab_size), self.config.block_size,
                        sampling_params)
         # An empty or too long prompt, one that can never fit the KV cache: refused here.

@@ -210,7 +210,7 @@ class LLMEngine:
             progress.close()
         return [
             {
-                "text": self._decode(outputs[seq.seq_id]["token_ids"]),
+                "text": self._decode(text_token_ids(seq, outputs[seq.seq_id]["token_ids"])),
                 "token_ids": outputs[seq.seq_id]["token_ids"],
                 "num_cached_tokens": outputs[seq.seq_id]["num_cached_tokens"],
                 "logprobs": outputs[seq.seq_id]["logprobs"],
@@ -235,3 +235,12 @@ class LLMEngine:
         for seq in seqs:
             self.abort(seq.seq_id)
         self.engine_core.executor.stop_workers_now()
+
+
+def text_token_ids(seq: Sequence, token_ids: list[int]) -> list[int]:
+    """The completion tokens its text is decoded from: all but a stop token that ended it
+    (SamplingParams.stop_token_ids: in token_ids, not in the text, as vLLM)."""
+    stops = seq.sampling_params.stop_token_ids
+    if seq.finish_reason == "stop" and stops and token_ids and token_ids[-1] in stops:
+        return token_ids[:-1]
+    return token_ids

@@ -8,6 +8,7 @@ samples; ranks 1..N-1 run in worker processes and only compute their shard of ev
     engine/token_pool.py      TokenPool: where sampled tokens land and pending ones are read
     engine/kv_cache.py        how many blocks fit, the cache tensors
     engine/sampling.py        SamplingParams -> the Sampler's per-row arguments
+    engine/sampling_controls.py  penalties, logit bias, min_tokens -> LogitsProcessing
     engine/padded_steps.py    GPU: steps padded onto fixed buffers, for CUDA graphs
     engine/cuda_graphs.py     GPU: GraphCache, the graphs of decode and chunked steps
 
@@ -21,9 +22,12 @@ What happens to one step:
         decode    InputBuilder.prepare_decode, then decode_forward; on one GPU with
                   temperature-only sampling it includes the LM head and the sampling
                   kernels, else the LM head and the Sampler run after it
-        both      rows that asked for logprobs: gather_logprobs on their logits, beside
-                  the Sampler (engine/logprobs.py; such a row keeps a decode step out of
-                  the graph's sampling), copied back with the tokens
+        both      rows with penalties, a logit bias or min_tokens still to reach: their
+                  logits processed (layers/logits_processors.py) before the Sampler
+                  reads them (such a row keeps a decode step out of the graph's
+                  sampling); rows that asked for logprobs: gather_logprobs on their
+                  raw logits, beside the Sampler (engine/logprobs.py; it too keeps a
+                  decode step out of the graph's sampling), copied back with the tokens
     -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
 
 On a GPU both kinds of step are padded onto fixed buffers and replayed from a CUDA graph
@@ -44,7 +48,7 @@ from typing import Any, Protocol
 
 import torch
 
-from myvllm.config import Config
+from myvllm.config import Config, stop_token_ids
 from myvllm.engine import warmup
 from myvllm.engine.batch import StepInputs
 from myvllm.engine.cuda_graphs import GraphCache, GraphKey
@@ -53,10 +57,12 @@ from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_block
 from myvllm.engine.logprobs import (LogprobRows, PromptSpan, StepLogprobs, prompt_logprobs,
                                     prompt_spans, sampled_logprobs)
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
+from myvllm.engine.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.token_pool import SampledTokens
 from myvllm.kernels import set_batch_invariant
 from myvllm.layers.attention import Attention
+from myvllm.layers.logits_processors import process_logits
 from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
 from myvllm.models.config import get_head_dim
@@ -123,6 +129,7 @@ class ModelRunner:
         module.eval()
         self.model: CausalLM = module  # type: ignore[assignment]  # nn.Module hides its methods
         self.sampler = Sampler()
+        self.eos_token_ids = stop_token_ids(config.eos)  # masked until min_tokens (rank 0)
         self.attention_layers = [m for m in module.modules() if isinstance(m, Attention)]
         self.kv_layout = KVCacheLayout(
             num_layers=len(self.attention_layers), block_size=config.block_size,
@@ -219,6 +226,11 @@ class ModelRunner:
         # Again at every step: a second engine in this process may have set its own mode.
         set_batch_invariant(self.config.batch_invariant)
         spans = prompt_spans(seqs) if is_prefill else []
+        # Before the forward: it reads pending tokens from the pool, which a decode graph
+        # overwrites with its own samples (engine/sampling_controls.py).
+        processing = (prepare_logits_processing(seqs, self.inputs.fresh.tensor,
+                                                self.inputs.pool.tokens, self.eos_token_ids)
+                      if self.rank == 0 else None)
         prompt_rows = None
         if is_prefill:
             logits, prompt_rows = self.forward_prefill(seqs, spans)
@@ -230,8 +242,12 @@ class ModelRunner:
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
             args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device)
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
-            tokens = self.sampler(logits[:num_seqs], args.temperatures, args.top_ks,
-                                  args.top_ps, args.generators, all_greedy=args.all_greedy)
+            # Logprobs (below) stay those of the raw logits, as vLLM's default.
+            to_sample = (logits[:num_seqs] if processing is None
+                         else process_logits(logits[:num_seqs], processing))
+            tokens = self.sampler(to_sample, args.temperatures, args.top_ks, args.top_ps,
+                                  args.generators, all_greedy=args.all_greedy,
+                                  min_ps=args.min_ps)
             pool.tokens[:num_seqs].copy_(tokens)
             asked, sampled_rows = sampled_logprobs(seqs, logits[:num_seqs], tokens,
                                                    self.inputs.fresh.tensor)

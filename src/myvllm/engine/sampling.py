@@ -1,22 +1,21 @@
 """Sampling set-up: each sequence's SamplingParams as the Sampler's per-row arguments.
 
 Rank 0 alone samples. A decode step on one GPU with temperature-only rows samples inside
-its CUDA graph (two Triton kernels, layers/sampler.py); top-k, top-p and per-request seeds
-need the PyTorch sampler on the logits, outside the graph, and logprobs need the logits
-themselves (engine/logprobs.py): such a step runs the graph without its sampling, then the
-LM head, the Sampler and the logprobs eagerly. Steps with no such row keep the graph's path.
+its CUDA graph (two Triton kernels, layers/sampler.py); top-k, top-p, min-p, per-request
+seeds and the controls on the logits (penalties, logit bias, min_tokens:
+engine/sampling_controls.py) need the PyTorch sampler on the logits, outside the graph, and
+logprobs need the logits themselves (engine/logprobs.py): such a step runs the graph, then
+the LM head, the controls, the Sampler and the logprobs eagerly. Steps with no such row keep
+the graph's path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from myvllm.engine.batch import SamplingArgs
+from myvllm.engine.sampling_controls import ToDevice, prepare_min_ps, uses_sampling_controls
 from myvllm.engine.sequence import Sequence
-
-ToDevice = Callable[[list[int] | list[float], torch.dtype], torch.Tensor]
 
 
 def uses_filters_or_seeds(seq: Sequence) -> bool:
@@ -31,9 +30,10 @@ def samples_this_step(seq: Sequence) -> bool:
 
 
 def needs_full_sampler(seqs: list[Sequence]) -> bool:
-    """A row needs the logits outside the decode graph: filters, a seed, or logprobs."""
-    return any(uses_filters_or_seeds(seq) or seq.sampling_params.logprobs is not None
-               for seq in seqs)
+    """A row needs the logits outside the decode graph: filters, a seed, a sampling control,
+    or logprobs."""
+    return any(uses_filters_or_seeds(seq) or uses_sampling_controls(seq)
+               or seq.sampling_params.logprobs is not None for seq in seqs)
 
 
 def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None:
@@ -66,5 +66,6 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
         top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
         top_ps=to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
         generators=generators,
+        min_ps=prepare_min_ps(seqs, to_device),
         all_greedy=all(p.temperature == 0 for p in params),
     )

@@ -338,8 +338,9 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append each sequence's new token; finish and release the ones that stop.
 
-        Stops on eos (unless ignore_eos), on max_tokens completion tokens, or on reaching
-        max_model_length tokens. Returns the sequences that finished in this step.
+        Stops on eos (unless ignore_eos) or a stop token (is_stop_token), on max_tokens
+        completion tokens, or on reaching max_model_length tokens. Returns the sequences
+        that finished in this step.
 
         With overlapped scheduling a sequence may have finished (on eos) after this step was
         queued: its token here is surplus and dropped.
@@ -351,7 +352,7 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.append_token(token_id)
-            if not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids:
+            if self.is_stop_token(seq, token_id):
                 self.finish(seq, "stop")
                 finished.append(seq)
             elif self.reaches_stop_length(seq, len(seq.token_ids)):
@@ -363,6 +364,17 @@ class Scheduler:
                 # by the next step, so it does not count yet.
                 self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
+
+    def is_stop_token(self, seq: Sequence, token_id: int) -> bool:
+        """eos (unless ignore_eos) or one of stop_token_ids, once min_tokens completion
+        tokens are there (before, the sampler masks them out: vLLM's rule)."""
+        params = seq.sampling_params
+        # Known tokens only (num_tokens may count one pending after token_id).
+        if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
+            return False
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return True
+        return params.stop_token_ids is not None and token_id in params.stop_token_ids
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -29,14 +29,15 @@ if TYPE_CHECKING:
     import torch
 
 
-# Why a sequence finished: eos, max_tokens or max_model_length, or aborted by its caller.
+# Why a sequence finished: eos or a stop token, max_tokens or max_model_length, or aborted by
+# its caller.
 FinishReason = Literal["stop", "length", "abort"]
 
 
 class SequenceStatus(Enum):
     WAITING = auto()   # queued for a (re-)prefill; holds no blocks
     RUNNING = auto()   # holds blocks; gets one token per decode step
-    FINISHED = auto()  # stopped (eos / max_tokens / max_model_length); blocks returned
+    FINISHED = auto()  # stopped (eos, a stop token, max_tokens, max_model_length); blocks freed
 
 
 class Sequence:
@@ -102,6 +103,9 @@ class Sequence:
             LogprobsLists([], [], []) if self.needs_prompt_logprobs else None)
         # the seeded generator of SamplingParams.seed, made at the first sampled step;
         self.generator: torch.Generator | None = None
+        # the prompt's distinct token ids on the device, for repetition_penalty, made at the
+        # first penalised step (engine/sampling_controls.py);
+        self.penalty_prompt_ids: torch.Tensor | None = None
         # the row of this sequence's token in the last step's sampled-token pool, where a
         # next step reads a token that is still pending (engine/token_pool.py);
         self.sampled_row: int | None = None
@@ -243,6 +247,7 @@ class Sequence:
         self.num_cached_prompt_tokens = None
         self.prompt_logprobs = None
         self.generator = None
+        self.penalty_prompt_ids = None
         self.finish_reason = None
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
         if self.needs_prefill:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from myvllm.engine.sequence import Sequence
+from myvllm.layers.logits_processors import LogitsProcessing, Penalties, process_logits
 
 if TYPE_CHECKING:
     from myvllm.engine.model_runner import ModelRunner
@@ -85,10 +86,10 @@ def warmup_model(runner: ModelRunner) -> None:
 @torch.inference_mode()
 def warmup_sampler(runner: ModelRunner) -> None:
     """The sampler on max_num_sequences rows of logits, with top-p (its sort makes several
-    vocabulary-sized copies) and without, then on 3 rows: up to 8 rows the sampling
-    kernels launch with programmatic dependent launch (kernels/pdl.py), a variant of
-    their own that Triton compiles now. Part of warmup_model, so that its peak counts
-    when the KV cache is sized."""
+    vocabulary-sized copies), with the sampling controls as well, and without, then on 3
+    rows: up to 8 rows the sampling kernels launch with programmatic dependent launch
+    (kernels/pdl.py), a variant of their own that Triton compiles now. Part of
+    warmup_model, so that its peak counts when the KV cache is sized."""
     rows = runner.config.max_num_sequences
     # In the model's dtype, as the LM head returns them (the sampler's float() copy of
     # bf16 logits is part of the peak).
@@ -96,6 +97,15 @@ def warmup_sampler(runner: ModelRunner) -> None:
                          dtype=runner.dtype)
     ones = torch.ones(rows, device=runner.device)
     runner.sampler(logits, ones, top_ps=ones * 0.9, all_greedy=False)
+    # Every row penalised, then min-p and top-p: the sampling controls' vocabulary-sized
+    # counts, masks and processed copy (layers/logits_processors.py) count in the peak too.
+    index = torch.arange(rows, device=runner.device)
+    penalties = Penalties(rows=index, presence=ones, frequency=ones, repetition=ones * 1.1,
+                          output_rows=index, output_token_ids=index * 0, prompt_rows=index,
+                          prompt_token_ids=index * 0)
+    processed = process_logits(logits, LogitsProcessing(penalties=penalties))
+    runner.sampler(processed, ones, top_ps=ones * 0.9, min_ps=ones * 0.1, all_greedy=False)
+    del processed
     runner.sampler(logits, ones, all_greedy=False)  # the sampling kernels, compiled now
     runner.sampler(logits[:3], ones[:3], all_greedy=False)
 

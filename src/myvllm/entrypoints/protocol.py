@@ -4,9 +4,11 @@ Strict: "max_tokens": "5" or true is an error, not a 5 or a 1, so a client's mis
 reported instead of guessed at. Every field either works or is refused with a 400 that names
 it, so that no answer looks as if it honoured a field it ignored:
 
-- fields that work: the sampling fields below, vLLM's extras top_k and ignore_eos, stop
-  strings, streaming (stream_options.include_usage), prompt batches, `echo` and `logprobs`
-  in /v1/completions, `logprobs` and `top_logprobs` in chat;
+- fields that work: the sampling fields below (OpenAI's, with its presence_penalty,
+  frequency_penalty and logit_bias, and vLLM's extras top_k, min_p, repetition_penalty,
+  min_tokens, stop_token_ids and ignore_eos), stop strings, streaming
+  (stream_options.include_usage), prompt batches, `echo` and `logprobs` in /v1/completions,
+  `logprobs` and `top_logprobs` in chat;
 - `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
@@ -54,13 +56,6 @@ NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v == 1, "1"),
     "best_of": (lambda v: v == 1, "1"),
     "suffix": (lambda v: v == "", '""'),
-    "presence_penalty": (lambda v: v == 0, "0"),
-    "frequency_penalty": (lambda v: v == 0, "0"),
-    "repetition_penalty": (lambda v: v == 1, "1"),
-    "min_p": (lambda v: v == 0, "0"),
-    "logit_bias": (lambda v: not v, "{}"),
-    "min_tokens": (lambda v: v == 0, "0"),
-    "stop_token_ids": (lambda v: not v, "[]"),
     "response_format": (lambda v: v.type == "text", '{"type": "text"}'),
     "tools": (lambda v: not v, "[]"),
     "tool_choice": (lambda v: v == "none", '"none"'),
@@ -114,15 +109,16 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # taken and ignored (see the module docstring)
-    # Not implemented yet (NOT_YET): refused unless they ask for nothing.
-    n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     min_p: float | None = Field(None, ge=0, le=1)
+    # OpenAI's shape: token ids as strings (JSON keys), each bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
+    # Not implemented yet (NOT_YET): refused unless they ask for nothing.
+    n: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -135,6 +131,17 @@ class _SamplingRequest(_Strict):
         if any(len(s) > MAX_STOP_LENGTH for s in stop):
             raise ValueError(f"a stop string of {max(len(s) for s in stop)} characters; "
                              f"at most {MAX_STOP_LENGTH} are taken")
+        return self
+
+    @model_validator(mode="after")
+    def _check_logit_bias(self) -> _SamplingRequest:
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits), "
+                                 f"got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} "
+                                 f"for token {key}")
         return self
 
     @property
@@ -156,6 +163,15 @@ class _SamplingRequest(_Strict):
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            min_p=self.min_p or 0.0,
+            logit_bias=({int(token): bias for token, bias in self.logit_bias.items()}
+                        if self.logit_bias else None),
+            min_tokens=self.min_tokens or 0,
+            stop_token_ids=self.stop_token_ids or None,
             **self.logprob_params(),
         )
 

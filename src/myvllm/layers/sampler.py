@@ -3,7 +3,10 @@
 Per row (sequence), from its own SamplingParams:
 
     temperature == 0   greedy: argmax of the raw logits (exact, no noise involved)
-    otherwise          logits / temperature -> top-k filter -> top-p filter -> sample
+    otherwise          logits / temperature -> min-p -> top-k filter -> top-p filter -> sample
+
+The controls that act before temperature (logit bias, min_tokens, penalties) are applied to
+the logits by layers/logits_processors.py before they reach the Sampler.
 
 Sampling uses the exponential ("Gumbel-max") trick instead of torch.multinomial:
 
@@ -14,12 +17,12 @@ torch.Generator (SamplingParams.seed): its noise is then drawn from that generat
 its tokens do not depend on which other requests share the batch.
 
 Fast paths (the caller knows these on the host, so they cost no device sync):
-``top_ks=None`` / ``top_ps=None`` skip the sort that the filters need, and
-``all_greedy=True`` makes the whole call one argmax. On the GPU, a batch with neither
-filters nor per-request seeds is sampled by two Triton kernels (kernels/sample_kernel.py:
-the same trick in log space, applied first to vocabulary chunks and then inside the chosen
-one, reading the logits once instead of about ten times). Seeded rows always take the
-PyTorch path, so their tokens never depend on which path the batch took.
+``top_ks=None`` / ``top_ps=None`` skip the sort that the filters need, ``min_ps=None`` the
+softmax of min-p, and ``all_greedy=True`` makes the whole call one argmax. On the GPU, a
+batch with no filters, min-p or per-request seeds is sampled by two Triton kernels
+(kernels/sample_kernel.py: the same trick in log space, applied first to vocabulary chunks
+and then inside the chosen one, reading the logits once instead of about ten times). Seeded
+rows always take the PyTorch path, so their tokens never depend on which path the batch took.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from myvllm.kernels import use_triton
+from myvllm.layers.logits_processors import apply_min_p
 
 
 class Sampler(nn.Module):
@@ -42,9 +46,11 @@ class Sampler(nn.Module):
         generators: Sequence[torch.Generator | None] | None = None,
         *,
         all_greedy: bool | None = None,
+        min_ps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] float (0 = greedy); top_ks [B] int (-1 or <= 0 = off);
-        top_ps [B] float (1.0 = off); generators: one per row or None -> token ids [B] int64.
+        top_ps [B] float (1.0 = off); generators: one per row or None; min_ps [B] float
+        (0 = off) -> token ids [B] int64.
 
         ``all_greedy`` is a host-side hint; when None it is computed from ``temperatures``,
         which syncs with the device.
@@ -54,7 +60,8 @@ class Sampler(nn.Module):
         if all_greedy:
             return logits.argmax(dim=-1)
 
-        if top_ks is None and top_ps is None and generators is None and use_triton(logits):
+        if (top_ks is None and top_ps is None and min_ps is None and generators is None
+                and use_triton(logits)):
             # The common GPU case (temperature only, no per-request seeds): the Triton
             # kernels of kernels/sample_kernel.py. Their noise is keyed by one seed per row
             # drawn here from torch's generator.
@@ -69,6 +76,8 @@ class Sampler(nn.Module):
         # Greedy rows are replaced by `greedy` at the end; dividing them by 1 keeps them finite.
         temps = torch.where(is_greedy, torch.ones_like(temperatures), temperatures).float()
         logits = logits / temps.unsqueeze(-1)
+        if min_ps is not None:
+            logits = apply_min_p(logits, min_ps.float())
         if top_ks is not None or top_ps is not None:
             logits = _top_k_top_p(logits, top_ks, top_ps)
         probs = torch.softmax(logits, dim=-1)
