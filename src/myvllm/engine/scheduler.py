@@ -241,13 +241,21 @@ class Scheduler:
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
+            source = self._fork_source(seq)
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
-                    or not self.block_manager.can_allocate(seq)):
+                    or not (self.block_manager.can_fork(seq) if source is not None
+                            else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
-            # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
-            self.block_manager.allocate(seq, num_computable=0)
+            seq.fork_source = None  # a fork at the first admission only
+            if source is not None:
+                self.block_manager.fork(source, seq)
+                # Its shared prefix is no prefix-cache hit: it reports the first's.
+                seq.num_cached_prompt_tokens = source.num_cached_prompt_tokens
+            else:
+                # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
+                self.block_manager.allocate(seq, num_computable=0)
             if seq.num_cached_prompt_tokens is None:  # first admission
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -259,6 +267,25 @@ class Scheduler:
                 self._schedule_prompt_chunk(seq, len(seq) - seq.num_cached_tokens, budget)
             self.running.append(seq)
             scheduled.append(seq)
+
+    def _fork_source(self, seq: Sequence) -> Sequence | None:
+        """The first completion of seq's request, if seq is to be forked from it now: it
+        still runs, and a step already scheduled writes the K/V of the blocks to share.
+        Otherwise None, and seq is prefilled as any prompt (its source was preempted or
+        aborted first)."""
+        source = seq.fork_source
+        if source is None or source.status != SequenceStatus.RUNNING:
+            return None
+        num_shared = self.block_manager.num_shared_prompt_blocks(seq) * self.block_size
+        return source if source.num_computed_tokens >= num_shared else None
+
+    def _release_forks(self, seq: Sequence) -> None:
+        """Queue seq's other completions at the front of waiting (in order), to be forked
+        from it (n > 1): its prompt's last chunk is scheduled, or it ended before."""
+        for fork in reversed(seq.forks):
+            if not fork.is_finished:  # aborted meanwhile
+                self.waiting.appendleft(fork)
+        seq.forks = []
 
     def _schedule_prompt_chunk(self, seq: Sequence, remaining: int, budget: _Budget) -> None:
         chunk, cost = self._chunk_size(seq.num_computed_tokens, remaining, budget.tokens,
@@ -304,6 +331,11 @@ class Scheduler:
         seq.num_new_tokens = num_tokens
         seq.num_computed_tokens += num_tokens
         self.block_manager.register_full_blocks(seq, num_written=seq.num_computed_tokens)
+        if seq.forks and seq.num_computed_tokens == seq.num_tokens:
+            # Its prompt's K/V is all written by this step (or an earlier one): its other
+            # completions can share it from this very step on (store_kvcache writes a step's
+            # K/V before attention reads any).
+            self._release_forks(seq)
 
     def _raise_no_progress(self) -> None:
         bm = self.block_manager
@@ -369,6 +401,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.drop_pending_tokens()  # a surplus step may be in flight for it
         self.block_manager.deallocate(seq)
+
         if seq in self.running:
             self.running.remove(seq)
         else:  # preempted while its last token was in flight
@@ -388,3 +421,5 @@ class Scheduler:
         seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
+        # Its other completions no longer wait for its prefill: each is prefilled itself.
+        self._release_forks(seq)

@@ -105,6 +105,15 @@ class Sequence:
         # the row of this sequence's token in the last step's sampled-token pool, where a
         # next step reads a token that is still pending (engine/token_pool.py);
         self.sampled_row: int | None = None
+        # SamplingParams.n > 1: the request this sequence is one completion of (its first
+        # completion's seq_id) and which completion it is (0..n-1). The first holds the
+        # others in `forks` until its prefill's last chunk is scheduled; then they queue,
+        # each with fork_source naming it, to share its prompt's full blocks at their first
+        # admission (Scheduler._admit_waiting: a fork instead of a prefill of the whole prompt).
+        self.request_id: int = self.seq_id
+        self.index: int = 0
+        self.forks: list[Sequence] = []
+        self.fork_source: Sequence | None = None
         # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
         self.finish_reason: FinishReason | None = None
         # whether someone reads its tokens as they come (add_request, the server's streaming
