@@ -133,7 +133,7 @@ def test_streamed_flag_reaches_the_sequence(core: EngineCore, front: Front,
 
     def spy(token_ids: Any, params: Any, *, streamed: bool = True) -> int:
         request_id = add_request(token_ids, params, streamed=streamed)
-        seen.append(core._requests[request_id].streamed)
+        seen.append(core._requests[request_id][0].streamed)
         return request_id
 
     monkeypatch.setattr(core, "add_request", spy)

@@ -301,8 +301,9 @@ class EngineCore:
                 index=seq.index))
         # A request ends with the last output of its last completion to finish.
         for out in reversed(outputs):
-            family = self._requests.get(out.request_id)
-            if out.finished and family is not None and all(s.is_finished for s in family):
+            completions = self._requests.get(out.request_id)
+            if (out.finished and completions is not None
+                    and all(s.is_finished for s in completions)):
                 del self._requests[out.request_id]
                 out.request_finished = True
         return outputs, step.num_tokens

@@ -5,8 +5,8 @@ reported instead of guessed at. Every field either works or is refused with a 40
 it, so that no answer looks as if it honoured a field it ignored:
 
 - fields that work: the sampling fields below, vLLM's extras top_k and ignore_eos, stop
-  strings, streaming (stream_options.include_usage), prompt batches, `echo` and `logprobs`
-  in /v1/completions, `logprobs` and `top_logprobs` in chat;
+  strings, streaming (stream_options.include_usage), `n` (completions per prompt), prompt
+  batches, `echo` and `logprobs` in /v1/completions, `logprobs` and `top_logprobs` in chat;
 - `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from myvllm.sampling_parameters import MAX_LOGPROBS, SamplingParams
+from myvllm.sampling_parameters import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 class RequestError(Exception):
@@ -51,7 +51,7 @@ MAX_STOP_LENGTH = 256
 # Known fields not implemented yet: field -> (does this value ask for nothing?, what is taken).
 # null is always taken. A field missing from a request body's model is simply unknown there.
 NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1, "1"),
+    # The best n of best_of completions (by their logprob): not implemented; n is.
     "best_of": (lambda v: v == 1, "1"),
     "suffix": (lambda v: v == "", '""'),
     "presence_penalty": (lambda v: v == 0, "0"),
@@ -114,8 +114,8 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # taken and ignored (see the module docstring)
+    n: int | None = Field(None, ge=1, le=MAX_N)  # completions of each prompt
     # Not implemented yet (NOT_YET): refused unless they ask for nothing.
-    n: int | None = Field(None, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -156,8 +156,15 @@ class _SamplingRequest(_Strict):
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
-            **self.logprob_params(),
+            n=self.num_completions,
+            logprobs=self.logprob_params().get("logprobs"),
+            prompt_logprobs=self.logprob_params().get("prompt_logprobs"),
         )
+
+    @property
+    def num_completions(self) -> int:
+        """n: the choices each prompt gets."""
+        return 1 if self.n is None else self.n
 
     def logprob_params(self) -> dict[str, int | None]:
         """SamplingParams' logprobs and prompt_logprobs, as each endpoint asks for them."""
