@@ -143,24 +143,11 @@ class EngineCore:
                        sampling_params)
         # An empty or too long prompt, one that can never fit the KV cache: refused here.
         self.scheduler.check_sequence(seq)
-        for index in range(1, sampling_params.n):
-            seq.forks.append(self._make_fork(seq, index))
         return seq
 
-    def _make_fork(self, seq: Sequence, index: int) -> Sequence:
-        """Completion `index` of seq's request (n > 1): the same prompt, its own sampling
-        stream. It waits in seq.forks until seq's prefill is scheduled, then shares seq's
-        prompt blocks (Scheduler._admit_waiting). The prompt's logprobs are computed once, by
-        seq, and handed to it (_read_back)."""
-        fork = Sequence(seq.token_ids, seq.block_size,
-                        seq.sampling_params.for_completion(index))
-        fork.request_id, fork.index, fork.fork_source = seq.seq_id, index, seq
-        fork.needs_prompt_logprobs, fork.prompt_logprobs = False, None
-        return fork
-
     def add_sequence(self, seq: Sequence) -> int:
-        """Queue a sequence made by make_sequence (and its other completions, n > 1);
-        returns its request id."""
+        """Queue a sequence made by make_sequence (and its other completions, n > 1: the
+        scheduler makes them); returns its request id."""
         self.scheduler.add_sequence(seq)
         self._requests[seq.seq_id] = [seq, *seq.forks]
         return seq.seq_id

@@ -126,7 +126,12 @@ class Scheduler:
                 "could never be prefilled again; raise max_num_batched_tokens or shorten it")
 
     def add_sequence(self, seq: Sequence) -> None:
+        """Queue a request. With SamplingParams.n > 1, seq is its first completion and the
+        others are made here (seq.forks): they wait until seq's prefill is scheduled and are
+        then forked from it (_admit_waiting)."""
         self.check_sequence(seq)
+        if seq.sampling_params.n > 1 and not seq.forks:
+            seq.make_forks()
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:

@@ -122,6 +122,19 @@ class Sequence:
         # requests hand their outputs back at the end: theirs are not.
         self.streamed: bool = True
 
+    def make_forks(self) -> None:
+        """SamplingParams.n > 1: make the request's other completions, into self.forks.
+        Each has the same prompt and its own sampling stream (SamplingParams.for_completion);
+        the prompt's logprobs, if asked, are computed by this sequence alone and handed to
+        them (EngineCore._read_back)."""
+        for index in range(1, self.sampling_params.n):
+            fork = Sequence(self.token_ids[:self.num_prompt_tokens], self.block_size,
+                            self.sampling_params.for_completion(index))
+            fork.request_id, fork.index, fork.fork_source = self.seq_id, index, self
+            fork.streamed = self.streamed
+            fork.needs_prompt_logprobs, fork.prompt_logprobs = False, None
+            self.forks.append(fork)
+
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
         return self.num_tokens
