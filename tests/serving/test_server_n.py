@@ -146,6 +146,22 @@ def test_a_client_leaving_an_n_stream_frees_every_choice(base_url: str) -> None:
              "the choices' blocks to be freed")
 
 
+def test_echo_and_logprobs_lead_every_choice(client: Any) -> None:
+    """lm-eval's loglikelihood request with n = 2: each choice echoes the prompt with its
+    logprobs (computed once, by the first completion), the same as n = 1."""
+    kwargs = dict(model=MODEL, prompt=[list(b"Paris is in France")], max_tokens=1,
+                  logprobs=1, echo=True, temperature=0)
+    one = client.completions.create(**kwargs).choices[0]
+    two = client.completions.create(**kwargs, n=2).choices
+    assert [c.index for c in two] == [0, 1]
+    for choice in two:
+        assert choice.text == one.text and choice.text.startswith("Paris is in France")
+        assert choice.logprobs.tokens == one.logprobs.tokens
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            one.logprobs.token_logprobs[1:], abs=1e-5)
+
+
 def test_best_of_is_refused_by_name(client: Any) -> None:
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="Hi", n=2, best_of=3, max_tokens=2)
