@@ -23,6 +23,11 @@ default replaces rules 1 and 2 by a token budget: every running sequence's decod
 first, then chunks of prompts fill what is left of max_num_batched_tokens, so a long prompt
 neither stalls the running sequences for a whole prefill nor has to fit one step. Rules 3
 and 4 stay as they are, and both policies share admission, preemption and rule 4's check.
+
+A request of SamplingParams.n > 1 completions is queued as its first; the others wait in its
+`forks` and join the front of waiting when its last prompt chunk is scheduled, to be admitted
+with its full prompt blocks shared (BlockManager.fork). After that they are sequences like
+any other (decoded, preempted and finished each on its own).
 """
 
 from __future__ import annotations
@@ -406,7 +411,6 @@ class Scheduler:
         seq.finish_reason = reason
         seq.drop_pending_tokens()  # a surplus step may be in flight for it
         self.block_manager.deallocate(seq)
-
         if seq in self.running:
             self.running.remove(seq)
         else:  # preempted while its last token was in flight

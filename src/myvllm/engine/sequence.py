@@ -105,6 +105,13 @@ class Sequence:
         # the row of this sequence's token in the last step's sampled-token pool, where a
         # next step reads a token that is still pending (engine/token_pool.py);
         self.sampled_row: int | None = None
+        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
+        self.finish_reason: FinishReason | None = None
+        # whether someone reads its tokens as they come (add_request, the server's streaming
+        # requests), so that the steps it decodes in should stay short
+        # (Config.max_prefill_tokens_while_decoding). LLM.generate() and non-streaming server
+        # requests hand their outputs back at the end: theirs are not.
+        self.streamed: bool = True
         # SamplingParams.n > 1: the request this sequence is one completion of (its first
         # completion's seq_id) and which completion it is (0..n-1). The first holds the
         # others in `forks` until its prefill's last chunk is scheduled; then they queue,
@@ -114,13 +121,6 @@ class Sequence:
         self.index: int = 0
         self.forks: list[Sequence] = []
         self.fork_source: Sequence | None = None
-        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
-        self.finish_reason: FinishReason | None = None
-        # whether someone reads its tokens as they come (add_request, the server's streaming
-        # requests), so that the steps it decodes in should stay short
-        # (Config.max_prefill_tokens_while_decoding). LLM.generate() and non-streaming server
-        # requests hand their outputs back at the end: theirs are not.
-        self.streamed: bool = True
 
     def make_forks(self) -> None:
         """SamplingParams.n > 1: make the request's other completions, into self.forks.
