@@ -384,6 +384,8 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
                 event("preemption")
             if any(s.num_cached_tokens for s in batch):
                 event("prefix cache hit")
+            if any(s.index and s.num_cached_tokens and not caching for s in batch):
+                event("a fork shares its first completion's prompt blocks")
             tokens = runner.run_chunks(batch, sch)
             # only a sequence whose chunk reached its last token samples
             done = [(s, t) for s, t in zip(batch, tokens) if s.num_computed_tokens == len(s)]
@@ -456,6 +458,11 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
      [Request(0, [3, 3, 3], SamplingParams(max_tokens=7, ignore_eos=True)),
       Request(0, [3, 3, 3], SamplingParams(max_tokens=7, ignore_eos=True)),
       Request(2, [3, 3], SamplingParams(max_tokens=7, ignore_eos=True))]))
+@example(  # n = 3 without prefix caching in a pool that forces the forks' preemption
+    (dict(block_size=2, enable_prefix_caching=False, max_model_length=20, num_kvcache_blocks=9,
+          max_num_batched_tokens=20, max_num_sequences=4, eos=EOS),
+     [Request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True, n=3)),
+      Request(1, [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, n=2))]))
 def test_random_workloads(workload: tuple[dict, list[Request]]) -> None:
     drive(*workload)
 
@@ -482,6 +489,11 @@ def test_random_workloads_overlapped(workload: tuple[dict, list[Request]]) -> No
      [Request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)),
       Request(0, [1, 2, 3, 4, 6], SamplingParams(max_tokens=6, ignore_eos=True)),
       Request(1, [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True))]), True)
+@example(  # n = 3 whose prompt runs in chunks of 3: the forks wait for its last chunk
+    (dict(block_size=2, enable_prefix_caching=False, max_model_length=24, num_kvcache_blocks=12,
+          max_num_batched_tokens=12, max_num_sequences=4, eos=EOS),
+     [Request(0, [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True, n=3))]),
+    True)
 def test_random_workloads_chunked(workload: tuple[dict, list[Request]],
                                   overlapped: bool) -> None:
     """The token-budget scheduler: no step over max_num_batched_tokens or max_num_sequences,
