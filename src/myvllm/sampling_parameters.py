@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from myvllm.value_checks import is_int, is_real
 
@@ -23,6 +23,9 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit see
 # The most top logprobs a request may ask for per token (vLLM's default max_logprobs, and
 # OpenAI's limit): each is a column of a top-k over the vocabulary, copied to the host.
 MAX_LOGPROBS = 20
+# The most completions one request may ask for (OpenAI's limit for n): each is a sequence of
+# its own in the engine, with its own blocks once it decodes.
+MAX_N = 128
 
 
 @dataclass
@@ -92,6 +95,18 @@ class SamplingParams:
     """Token ids that end the request (finish reason "stop") like eos, even with ignore_eos; the
     token is in token_ids but not in the text. None = none."""
 
+    n: int = 1
+    """Completions of the prompt to generate (vLLM's meaning), 1 to 128. The prompt is
+    prefilled once and its completions share its full KV blocks; each samples on its own
+    (with a seed, completion i draws from seed + i; see for_completion)."""
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """The params of completion `index` of an n-completion request: n=1, and with a
+        seed, seed + index (mod 2**64; vLLM's rule), so that completion 0 is what n=1 with
+        the same seed gives and the others draw distinct, reproducible streams."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return replace(self, n=1, seed=seed)
+
     def __post_init__(self) -> None:
         t = self.temperature
         if not (is_real(t) and math.isfinite(t) and t >= 0):
@@ -121,6 +136,8 @@ class SamplingParams:
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64 - 1], "
                              f"got {self.seed!r}")
+        if not (is_int(self.n) and 1 <= self.n <= MAX_N):
+            raise ValueError(f"SamplingParams.n must be an int in [1, {MAX_N}], got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not (is_int(k) and 0 <= k <= MAX_LOGPROBS):

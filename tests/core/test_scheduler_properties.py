@@ -15,6 +15,8 @@ The runner works on pickled copies of the sequences, as tensor-parallel workers 
 After every schedule() and postprocess() the bookkeeping invariants are checked: free and
 used blocks partition the pool, every ref_count equals the number of running block tables
 holding the block, cached hashes point at blocks that hold them, no sequence is lost.
+Requests of n > 1 completions (greedy here) must give n copies of what the model gives
+the prompt alone, whichever way their forks share the prompt's blocks.
 
 Examples per property: MYVLLM_HYPOTHESIS_EXAMPLES (default 100).
 """
@@ -187,7 +189,9 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
     assert len(set(waiting_ids) | set(running_ids)) == len(waiting_ids) + len(running_ids)
     assert len(sch.running) <= sch.max_num_sequences
     for s in seqs:
-        where = (s.seq_id in waiting_ids, s.seq_id in running_ids, s.is_finished)
+        # a fork not yet released by its first completion is in neither queue
+        held = s.fork_source is not None and any(f is s for f in s.fork_source.forks)
+        where = (s.seq_id in waiting_ids or held, s.seq_id in running_ids, s.is_finished)
         assert sum(where) == 1, (s, where)
         if s.status != SequenceStatus.RUNNING:
             assert s.block_table == [], s
@@ -226,8 +230,9 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
             for i, h in enumerate(chain_hashes(s.token_ids, bs, full)):
                 block = bm.blocks[s.block_table[i]]
                 assert block.hash == h and block.token_ids == s.block(i), (s, i)
-        else:
-            assert s.num_cached_tokens == 0
+        else:  # only a fork starts with K/V it did not compute: its prompt's full blocks
+            shared = bm.num_shared_prompt_blocks(s) * bs if s.index else 0
+            assert s.num_cached_tokens in (0, shared), s
 
 
 @dataclass
@@ -262,7 +267,8 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Request]]:
             if not prompt:
                 prompt = [draw(tokens)]
         params = SamplingParams(temperature=0.0, max_tokens=draw(st.integers(1, 20)),
-                                ignore_eos=draw(st.booleans()))
+                                ignore_eos=draw(st.booleans()),
+                                n=draw(st.sampled_from([1, 1, 2, 3])))
         requests.append(Request(draw(st.integers(0, 12)), prompt, params, draw(st.booleans())))
     requests.sort(key=lambda r: r.arrival)
     longest_prompt = max(len(r.prompt) for r in requests)
@@ -324,7 +330,9 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
                 event("a request was rejected up front")
                 continue
             assert fits, f"accepted a sequence that can never be prefilled: {seq}"
-            accepted.append((seq, r))
+            accepted += [(s, r) for s in (seq, *seq.forks)]
+            if seq.forks:
+                event("n > 1 completions")
         if sch.is_finished() and not in_flight:
             step = pending[0].arrival if pending else step
             continue
@@ -335,7 +343,8 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
         must_prefill = (head is not None and len(sch.running) < sch.max_num_sequences
                         and not head.num_pending_tokens
                         and len(head) <= sch.max_num_batched_tokens
-                        and sch.block_manager.can_allocate(head))
+                        and (sch.block_manager.can_fork(head) if sch._fork_source(head)
+                             else sch.block_manager.can_allocate(head)))
         num_running_before = len(sch.running)
         # the cap protects streams: sequences whose tokens someone reads as they come
         streams_decoding = any(s.streamed and s.num_tokens - s.num_computed_tokens <= 1
@@ -375,6 +384,8 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
                 event("preemption")
             if any(s.num_cached_tokens for s in batch):
                 event("prefix cache hit")
+            if any(s.index and s.num_cached_tokens and not caching for s in batch):
+                event("a fork shares its first completion's prompt blocks")
             tokens = runner.run_chunks(batch, sch)
             # only a sequence whose chunk reached its last token samples
             done = [(s, t) for s, t in zip(batch, tokens) if s.num_computed_tokens == len(s)]
@@ -407,6 +418,8 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
             event("preemption")
         if is_prefill and any(s.num_cached_tokens for s in batch):
             event("prefix cache hit")
+        if any(s.index and s.num_cached_tokens and not caching for s in batch):
+            event("a fork shares its first completion's prompt blocks")
         tokens = runner.run(batch, is_prefill, sch)
         if overlapped:
             for seq in batch:
@@ -445,6 +458,11 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
      [Request(0, [3, 3, 3], SamplingParams(max_tokens=7, ignore_eos=True)),
       Request(0, [3, 3, 3], SamplingParams(max_tokens=7, ignore_eos=True)),
       Request(2, [3, 3], SamplingParams(max_tokens=7, ignore_eos=True))]))
+@example(  # n = 3 without prefix caching in a pool that forces the forks' preemption
+    (dict(block_size=2, enable_prefix_caching=False, max_model_length=20, num_kvcache_blocks=9,
+          max_num_batched_tokens=20, max_num_sequences=4, eos=EOS),
+     [Request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True, n=3)),
+      Request(1, [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, n=2))]))
 def test_random_workloads(workload: tuple[dict, list[Request]]) -> None:
     drive(*workload)
 
@@ -471,6 +489,11 @@ def test_random_workloads_overlapped(workload: tuple[dict, list[Request]]) -> No
      [Request(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)),
       Request(0, [1, 2, 3, 4, 6], SamplingParams(max_tokens=6, ignore_eos=True)),
       Request(1, [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True))]), True)
+@example(  # n = 3 whose prompt runs in chunks of 3: the forks wait for its last chunk
+    (dict(block_size=2, enable_prefix_caching=False, max_model_length=24, num_kvcache_blocks=12,
+          max_num_batched_tokens=12, max_num_sequences=4, eos=EOS),
+     [Request(0, [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True, n=3))]),
+    True)
 def test_random_workloads_chunked(workload: tuple[dict, list[Request]],
                                   overlapped: bool) -> None:
     """The token-budget scheduler: no step over max_num_batched_tokens or max_num_sequences,

@@ -76,7 +76,7 @@ def test_abort_frees_blocks_at_once_and_silences_the_request(async_scheduling: b
     keep, drop = (llm.add_request(p, params) for p in prompts([7, 11], seed=2))
     for _ in range(3):
         llm.step_outputs()
-    dropped = llm.engine_core._requests[drop]
+    dropped = llm.engine_core._requests[drop][0]
     assert dropped.block_table, "the request to abort holds blocks by now"
     llm.abort(drop)
     assert not dropped.block_table and dropped.finish_reason == "abort"

@@ -21,8 +21,8 @@ import zmq
 from helpers_models import tiny_checkpoint
 from myvllm import Config, SamplingParams
 from myvllm.engine.core import EngineCore
-from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreMessage,
-                                         CoreOutputs, Shutdown)
+from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
+                                         CoreMessage, CoreOutputs, Shutdown)
 from myvllm.engine.core_process import EngineCoreProc
 from myvllm.engine.startup import resolve_engine
 
@@ -133,7 +133,7 @@ def test_streamed_flag_reaches_the_sequence(core: EngineCore, front: Front,
 
     def spy(token_ids: Any, params: Any, *, streamed: bool = True) -> int:
         request_id = add_request(token_ids, params, streamed=streamed)
-        seen.append(core._requests[request_id].streamed)
+        seen.append(core._requests[request_id][0].streamed)
         return request_id
 
     monkeypatch.setattr(core, "add_request", spy)
@@ -174,6 +174,31 @@ def test_abort_frees_the_blocks_and_the_stats_say_so(core: EngineCore, front: Fr
     assert message.stats.kv_cache_usage == 0.0
     stop(front, thread)
     assert core.num_requests == 0
+
+
+def test_n_completions_come_by_index_and_each_can_be_aborted(core: EngineCore,
+                                                             front: Front) -> None:
+    """n = 3: every output names its completion; aborting completion 1 (a stop string, at
+    the front end) stops it alone, and aborting the last one running ends the request."""
+    proc, thread = run_loop(core, front)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, n=3)
+    front.send(AddRequest(4, [5, 6, 7, 8, 9], params, True))
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    while len(tokens[1]) < 2:
+        for out in front.receive().outputs:
+            assert out.request_id == 4
+            tokens[out.index] += out.new_token_ids
+    front.send(AbortCompletion(4, 1))
+    while (message := front.receive()).stats.num_running != 2:
+        pass
+    front.send(AbortCompletion(4, 0))
+    front.send(AbortCompletion(4, 2))
+    while (message := front.receive()).stats.num_running:
+        pass
+    assert message.stats.kv_cache_usage == 0.0
+    stop(front, thread)
+    assert core.num_requests == 0 and proc._core_ids == proc._front_ids == {}
+    assert tokens[0][:2] == tokens[1][:2]  # greedy: the same tokens
 
 
 def test_shutdown_aborts_what_is_left(core: EngineCore, front: Front) -> None:

@@ -250,7 +250,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, 400),  # more than OpenAI's limit
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"max_tokens": 4}, 400),  # no prompt
@@ -261,7 +263,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [5] * MAX_MODEL_LENGTH}, 400),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404),
     ("/v1/chat/completions", {"messages": []}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}], "n": 3}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "n": "3"}, 400),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400),
     ("/v1/chat/completions", {"messages": "hello"}, 400),
     ("/v1/nothing", {}, 404),

@@ -122,7 +122,7 @@ BAD_SHARED: dict[str, list[Any]] = {
     "top_k": [-2, -10**30, 10**20, 2**63, 0.5, "5", True],
     "seed": [-1, 2**64, 10**30, 1.5, "1", True],
     "stop": [5, [5], [""], "", [None], {"a": 1}, ["a"] * 1000, ["a" * 1000], [["a"]]],
-    "n": [0, 2, -1, "1", 1.5, 10**30],
+    "n": [0, 129, -1, "1", 1.5, 10**30],
     "stream": ["yes", 1, None, []],
     "stream_options": [5, {"include_usage": "x"}, [], "x"],
     "ignore_eos": [1, "true", None, []],
@@ -183,7 +183,7 @@ EXTREME: dict[str, list[Any]] = {
     "logprobs": [None, 0, 20],  # chat: a 400 unless null
     "echo": [False, True],  # chat: a 400 (not one of its fields)
     "best_of": [1, None],
-    "n": [1],
+    "n": [1, 2],
     "presence_penalty": [0, 0.0, None, -2, 2],
     "frequency_penalty": [0, -2.0, 2],
     "repetition_penalty": [1, 1.0, 1e-30, 1e30],

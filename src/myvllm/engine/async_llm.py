@@ -53,9 +53,9 @@ import zmq.asyncio
 
 from myvllm.config import Config
 from myvllm.engine.core import check_sampling_token_ids, check_token_ids
-from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreMessage,
-                                         CoreOutput, CoreOutputs, Heartbeat, LogprobsLists,
-                                         Shutdown)
+from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
+                                         CoreMessage, CoreOutput, CoreOutputs, Heartbeat,
+                                         LogprobsLists, Shutdown)
 from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
@@ -102,8 +102,12 @@ class StreamOutput:
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
     # SamplingParams.logprobs: one entry per token of token_ids; None when not asked.
     logprobs: LogprobsLists | None = None
-    # SamplingParams.prompt_logprobs: prompt tokens 1, 2, ..., in the first output only.
+    # SamplingParams.prompt_logprobs: prompt tokens 1, 2, ..., in the first output only (of
+    # each completion).
     prompt_logprobs: LogprobsLists | None = None
+    # SamplingParams.n > 1: which completion this output is of; text, token_ids, finished,
+    # finish_reason, num_completion_tokens and logprobs are that completion's.
+    index: int = 0
 
 
 class StatLogger:
@@ -127,35 +131,54 @@ class StatLogger:
 
 
 @dataclasses.dataclass
-class _Stream:
-    """One request on the front end's side: what the core sent that generate() has not
-    taken yet (several steps' tokens when generate() is slow), and an event to wake it."""
+class _Completion:
+    """One completion of a request: what the core sent that generate() has not taken yet
+    (several steps' tokens when generate() is slow)."""
 
-    request_id: str
-    core_id: int
-    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: LogprobsLists | None = None  # of new_token_ids, when the request asked
     prompt_logprobs: LogprobsLists | None = None
-    finish_reason: str | None = None  # set when the core says the request finished
+    finish_reason: str | None = None  # set when the core says the completion finished
+    # The core says no more of it: it finished, or generate() aborted it (a stop string).
+    done: bool = False
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One request on the front end's side: its completions' news (one, unless
+    SamplingParams.n > 1), and an event to wake generate()."""
+
+    request_id: str
+    core_id: int
+    completions: list[_Completion]
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     aborted: bool = False  # abort() or shutdown on our side
     error: BaseException | None = None  # the core's refusal, or the engine's death
 
     def push(self, out: CoreOutput) -> None:
-        self.new_token_ids += out.new_token_ids
+        completion = self.completions[out.index]
+        if completion.done:
+            return  # aborted by generate() meanwhile
+        completion.new_token_ids += out.new_token_ids
         if out.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = out.logprobs
+            if completion.logprobs is None:
+                completion.logprobs = out.logprobs
             else:
-                self.logprobs.extend(out.logprobs)
+                completion.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        self.finish_reason = out.finish_reason
+            completion.prompt_logprobs = out.prompt_logprobs
+        completion.finish_reason = out.finish_reason
+        completion.done = out.finish_reason is not None
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.wake.set()
+
+    @property
+    def done(self) -> bool:
+        """Nothing more to come from the core."""
+        return all(c.done for c in self.completions)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -396,9 +419,11 @@ class AsyncLLM:
         check_sampling_token_ids(sampling_params, self.vocab_size)
         stop_token_ids = set(sampling_params.stop_token_ids or ())
         stop = list(stop)
-        detok = None
+        n = sampling_params.n
+        # Per completion: its detokenizer, which also matches its stop strings.
+        detoks: list[IncrementalDetokenizer | None] = [None] * n
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, stop)
+            detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, stop) for _ in range(n)]
         elif stop:
             raise ValueError("stop strings need a tokenizer; this model has none")
         if sampling_params.max_tokens > MAX_MESSAGE_INT:
@@ -407,78 +432,104 @@ class AsyncLLM:
             raise ValueError(f"SamplingParams.max_tokens={sampling_params.max_tokens} is more "
                              f"than the engine core's messages carry (2**64 - 1); a request "
                              f"ends at max_model_length={self.max_model_length} anyway")
-        stream = _Stream(request_id, next(self._next_id))
+        stream = _Stream(request_id, next(self._next_id), [_Completion() for _ in range(n)])
         self._streams[stream.core_id] = stream
         self._by_request_id[request_id] = stream
-        engine_finished = False
+        # Per completion: the tokens it has yielded, and whether it has finished (for the
+        # caller: a stop string finishes it here before the core hears of it).
+        num_tokens = [0] * n
+        finished = [False] * n
         ended = False  # its end (finished, stopped, aborted) went to the stat logger
+        refused_or_dead = False
         try:
             self._send(AddRequest(stream.core_id, token_ids, sampling_params, streamed))
             last_time = None
-            num_tokens = 0
             while True:
                 await stream.wake.wait()
                 stream.wake.clear()
                 if stream.error is not None:
-                    engine_finished = True  # refused, or the core is gone: nothing to abort
+                    refused_or_dead = True  # nothing to abort
                     ended = True  # never started, or failed: not a finished request
                     raise stream.error
                 now = time.monotonic()
-                if stream.aborted and stream.finish_reason is None:
+                if stream.aborted and not stream.done:
                     self.stat_logger.record_finished("abort", now - arrival)
                     ended = True
-                    yield StreamOutput(request_id, "" if detok else None, [], True, "abort",
-                                       len(token_ids), num_tokens, 0)
+                    for i in range(n):
+                        if not finished[i]:
+                            yield StreamOutput(request_id, "" if detoks[i] else None, [], True,
+                                               "abort", len(token_ids), num_tokens[i], 0,
+                                               index=i)
                     return
-                new_ids, stream.new_token_ids = stream.new_token_ids, []
-                logprobs, stream.logprobs = stream.logprobs, None
-                prompt_logprobs, stream.prompt_logprobs = stream.prompt_logprobs, None
-                core_finished = stream.finish_reason is not None
-                if not new_ids and not core_finished:
-                    continue
-                if last_time is None:
-                    self.stat_logger.record_first_token(now - arrival, stream.num_prompt_tokens,
-                                                        stream.num_cached_tokens)
-                text: str | None = None
-                if detok is not None:
-                    # A stop token ends the request but not the text (vLLM): it stays in
-                    # the token ids, the detokenizer never sees it.
-                    stop_token = (stream.finish_reason == "stop" and bool(new_ids)
-                                  and new_ids[-1] in stop_token_ids)
-                    text = detok.add_tokens(new_ids[:-1] if stop_token else new_ids)
-                    kept = detok.num_tokens - num_tokens
-                    if stop_token and not detok.stopped:
-                        kept += 1
-                    new_ids = new_ids[:max(0, kept)]
-                    if logprobs is not None:  # none for the tokens after a stop string
-                        logprobs = logprobs.slice(0, len(new_ids))
-                    if core_finished or detok.stopped:
-                        text += detok.finish()
-                if new_ids:
-                    self.stat_logger.record_tokens(
-                        len(new_ids), None if last_time is None else now - last_time)
-                num_tokens += len(new_ids)
-                last_time = now
-                engine_finished = core_finished
-                stopped = detok is not None and detok.stopped
-                finished = core_finished or stopped
-                reason = "stop" if stopped else stream.finish_reason
-                if finished:
-                    self.stat_logger.record_finished(reason or "stop", now - arrival)
-                    ended = True
-                yield StreamOutput(request_id, text, new_ids, finished,
-                                   reason if finished else None, stream.num_prompt_tokens,
-                                   num_tokens, stream.num_cached_tokens, logprobs,
-                                   prompt_logprobs)
-                if finished:
+                for i, completion in enumerate(stream.completions):
+                    if finished[i]:
+                        continue
+                    out = self._take_output(stream, completion, detoks[i], num_tokens[i], i,
+                                            stop_token_ids)
+                    if out is None:
+                        continue
+                    if last_time is None:
+                        self.stat_logger.record_first_token(
+                            now - arrival, stream.num_prompt_tokens, stream.num_cached_tokens)
+                    if out.token_ids:
+                        self.stat_logger.record_tokens(
+                            len(out.token_ids), None if last_time is None else now - last_time)
+                    last_time = now
+                    num_tokens[i] = out.num_completion_tokens
+                    finished[i] = out.finished
+                    if out.finished and not completion.done and not all(finished):
+                        # A stop string ended it, its siblings go on: it alone is aborted.
+                        completion.done = True
+                        self._send(AbortCompletion(stream.core_id, i))
+                    if all(finished):
+                        self.stat_logger.record_finished(out.finish_reason or "stop",
+                                                         now - arrival)
+                        ended = True
+                    yield out
+                if all(finished):
                     return
         finally:
             if not ended:  # left early: the client went away, or its task was cancelled
                 self.stat_logger.record_finished("abort", time.monotonic() - arrival)
             del self._by_request_id[request_id]
             self._streams.pop(stream.core_id, None)
-            if not engine_finished and self.is_running:
+            if not (stream.done or refused_or_dead) and self.is_running:
                 self._send(AbortRequests([stream.core_id]))
+
+    @staticmethod
+    def _take_output(stream: _Stream, completion: _Completion,
+                     detok: IncrementalDetokenizer | None, num_tokens: int, index: int,
+                     stop_token_ids: set[int]) -> StreamOutput | None:
+        """A completion's news since its last output (num_tokens yielded so far), or None
+        when there is none; a stop string finishes it."""
+        new_ids, completion.new_token_ids = completion.new_token_ids, []
+        logprobs, completion.logprobs = completion.logprobs, None
+        prompt_logprobs, completion.prompt_logprobs = completion.prompt_logprobs, None
+        core_finished = completion.finish_reason is not None
+        if not new_ids and not core_finished:
+            return None
+        text: str | None = None
+        if detok is not None:
+            # A stop token ends the request but not the text (vLLM): it stays in the token
+            # ids, the detokenizer never sees it.
+            stop_token = (completion.finish_reason == "stop" and bool(new_ids)
+                          and new_ids[-1] in stop_token_ids)
+            text = detok.add_tokens(new_ids[:-1] if stop_token else new_ids)
+            kept = detok.num_tokens - num_tokens
+            if stop_token and not detok.stopped:
+                kept += 1
+            new_ids = new_ids[:max(0, kept)]
+            if logprobs is not None:  # none for the tokens after a stop string
+                logprobs = logprobs.slice(0, len(new_ids))
+            if core_finished or detok.stopped:
+                text += detok.finish()
+        stopped = detok is not None and detok.stopped
+        finished = core_finished or stopped
+        reason = "stop" if stopped else completion.finish_reason
+        return StreamOutput(stream.request_id, text, new_ids, finished,
+                            reason if finished else None, stream.num_prompt_tokens,
+                            num_tokens + len(new_ids), stream.num_cached_tokens, logprobs,
+                            prompt_logprobs, index)
 
     def abort(self, request_id: str) -> None:
         """Abort a request by the id given to generate(): its stream ends with finish_reason
@@ -536,7 +587,7 @@ class AsyncLLM:
             if stream is None:
                 continue  # aborted meanwhile
             stream.push(out)
-            if out.finish_reason is not None:
+            if stream.done:
                 del self._streams[out.request_id]
         stats = message.stats
         self.stat_logger.record_scheduler(stats.num_running, stats.num_waiting,

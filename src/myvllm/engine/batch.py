@@ -62,5 +62,9 @@ class RequestOutput:
     # SamplingParams.logprobs: one entry per new token; None when not asked.
     logprobs: LogprobsLists | None = None
     # SamplingParams.prompt_logprobs: prompt tokens 1, 2, ... (the first has none), in the
-    # request's first output only; None otherwise.
+    # first output of each completion only; None otherwise.
     prompt_logprobs: LogprobsLists | None = None
+    # SamplingParams.n > 1: which completion these tokens are of (finished: that one), and
+    # whether all of them have finished. One completion: 0, and the same as finished.
+    index: int = 0
+    request_finished: bool = False

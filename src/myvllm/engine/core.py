@@ -131,8 +131,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.config)
         self.async_scheduling = bool(config.async_scheduling)
         self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
-        # The requests added and not yet finished or aborted, by request id (= seq_id).
-        self._requests: dict[int, Sequence] = {}
+        # The requests added and not yet finished or aborted, by request id (= the first
+        # completion's seq_id): each request's sequences, one per completion (SamplingParams.n).
+        self._requests: dict[int, list[Sequence]] = {}
 
     @property
     def model_runner(self) -> Any:
@@ -157,9 +158,10 @@ class EngineCore:
         return seq
 
     def add_sequence(self, seq: Sequence) -> int:
-        """Queue a sequence made by make_sequence; returns its request id."""
+        """Queue a sequence made by make_sequence (and its other completions, n > 1: the
+        scheduler makes them); returns its request id."""
         self.scheduler.add_sequence(seq)
-        self._requests[seq.seq_id] = seq
+        self._requests[seq.seq_id] = [seq, *seq.forks]
         return seq.seq_id
 
     def add_request(self, token_ids: Any, sampling_params: SamplingParams, *,
@@ -173,12 +175,21 @@ class EngineCore:
         seq.streamed = streamed
         return self.add_sequence(seq)
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int, index: int | None = None) -> None:
         """Drop a request wherever it is and free its blocks now; unknown or finished ids
-        are ignored (a request may finish while its client gives up on it)."""
-        seq = self._requests.pop(request_id, None)
-        if seq is not None:
+        are ignored (a request may finish while its client gives up on it). index: only that
+        completion of it (n > 1; a stop string ended it), the others go on."""
+        seqs = self._requests.get(request_id)
+        if seqs is None:
+            return
+        for seq in seqs if index is None else seqs[index:index + 1]:
             self.scheduler.abort(seq)
+        if all(seq.is_finished for seq in seqs):
+            del self._requests[request_id]
+
+    def has_request(self, request_id: int) -> bool:
+        """Added, and some completion of it not yet finished nor aborted."""
+        return request_id in self._requests
 
     def drop_in_flight(self) -> None:
         """Forget a step in flight (after an error or Ctrl-C): its sequences forget their
@@ -271,16 +282,28 @@ class EngineCore:
             new_token_ids = seq.token_ids[num_known:]
             if not new_token_ids:  # a surplus token of a sequence that had finished
                 continue
-            if seq.is_finished:
-                self._requests.pop(seq.seq_id, None)
+            prompt_logprobs = None
+            if seq.prompt_logprobs is not None:
+                prompt_logprobs = take_prompt_logprobs(seq)
+                if seq.index == 0:
+                    # The other completions' first tokens come in this step (after this
+                    # one: they were admitted after it) or later, and carry them too.
+                    for fork in self._requests.get(seq.request_id, [])[1:]:
+                        fork.prompt_logprobs = prompt_logprobs
             outputs.append(RequestOutput(
-                request_id=seq.seq_id, new_token_ids=new_token_ids,
+                request_id=seq.request_id, new_token_ids=new_token_ids,
                 token_ids=seq.completion_token_ids, finished=seq.is_finished,
                 finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
                 num_cached_tokens=seq.num_cached_prompt_tokens or 0,
-                logprobs=logprobs.get(index),
-                prompt_logprobs=(take_prompt_logprobs(seq)
-                                 if seq.prompt_logprobs is not None else None)))
+                logprobs=logprobs.get(index), prompt_logprobs=prompt_logprobs,
+                index=seq.index))
+        # A request ends with the last output of its last completion to finish.
+        for out in reversed(outputs):
+            completions = self._requests.get(out.request_id)
+            if (out.finished and completions is not None
+                    and all(s.is_finished for s in completions)):
+                del self._requests[out.request_id]
+                out.request_finished = True
         return outputs, step.num_tokens
 
     def kv_cache_usage(self) -> float:

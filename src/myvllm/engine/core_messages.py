@@ -1,6 +1,7 @@
 """What crosses the socket between the front end (AsyncLLM) and the engine core process.
 
-    front end  --- AddRequest | AbortRequests | Shutdown --->  core process    (input socket)
+    front end  --- AddRequest | AbortRequests | AbortCompletion | Shutdown -->  core process
+                                                                        (input socket)
     front end  <-- CoreOutputs | CoreDead | Heartbeat -------  core process    (output socket)
 
 Token ids only (and their logprobs, for a request that asks): the front end tokenizes,
@@ -31,11 +32,19 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[int]  # unknown or finished ids are ignored
 
 
+class AbortCompletion(msgspec.Struct, tag="abort_one", array_like=True):
+    """Abort one completion of a request of SamplingParams.n > 1 (a stop string ended it);
+    the others go on."""
+
+    request_id: int
+    index: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Abort everything, stop the workers, exit 0."""
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown
+CoreInput = AddRequest | AbortRequests | AbortCompletion | Shutdown
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -73,6 +82,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     # (one byte each on the wire): as RequestOutput's.
     logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
+    index: int = 0  # which completion of the request (SamplingParams.n > 1)
 
 
 class Refusal(msgspec.Struct, array_like=True):

@@ -50,9 +50,9 @@ import zmq
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
-from myvllm.engine.core_messages import (AbortRequests, AddRequest, CoreDead, CoreInput,
-                                         CoreOutput, CoreOutputs, Heartbeat, Refusal,
-                                         SchedulerStats, Shutdown)
+from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
+                                         CoreInput, CoreOutput, CoreOutputs, Heartbeat,
+                                         Refusal, SchedulerStats, Shutdown)
 from myvllm.engine.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
 
@@ -207,7 +207,14 @@ class EngineCoreProc:
         self._core_ids[message.request_id] = core_id
         self._front_ids[core_id] = message.request_id
 
-    def _abort(self, message: AbortRequests) -> None:
+    def _abort(self, message: AbortRequests | AbortCompletion) -> None:
+        if isinstance(message, AbortCompletion):
+            core_id = self._core_ids.get(message.request_id)
+            if core_id is not None:
+                self.core.abort(core_id, message.index)
+                if not self.core.has_request(core_id):  # it was the last one running
+                    del self._core_ids[message.request_id], self._front_ids[core_id]
+            return
         for front_id in message.request_ids:
             core_id = self._core_ids.pop(front_id, None)
             if core_id is not None:
@@ -216,12 +223,12 @@ class EngineCoreProc:
 
     def _to_output(self, out: RequestOutput) -> CoreOutput:
         front_id = self._front_ids[out.request_id]
-        if out.finished:
+        if out.request_finished:
             del self._front_ids[out.request_id]
             del self._core_ids[front_id]
         return CoreOutput(front_id, out.new_token_ids, out.finish_reason,
                           out.num_prompt_tokens, out.num_cached_tokens, out.logprobs,
-                          out.prompt_logprobs)
+                          out.prompt_logprobs, out.index)
 
     def _send(self, outputs: list[CoreOutput]) -> None:
         """One message for the step, unless it has nothing new to say."""

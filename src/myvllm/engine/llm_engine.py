@@ -4,7 +4,9 @@
       -> tokenize and validate every prompt, then queue each in the EngineCore
       -> while not is_finished(): step()            one EngineCore.step()
       -> outputs in input order: text, token_ids, num_cached_tokens, and logprobs /
-         prompt_logprobs (None unless SamplingParams asked for them)
+         prompt_logprobs (None unless SamplingParams asked for them); with
+         SamplingParams.n > 1 also "outputs", one dict per completion (vLLM's
+         RequestOutput.outputs), the top-level text and token_ids being completion 0's
 
 The LLMEngine holds the tokenizer and an EngineCore (core.py): the scheduler, the model
 runner and any tensor-parallel workers. It is the core's in-process client; the server and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -38,6 +41,14 @@ Prompt = str | list[int]
 NO_LOGPROBS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None}
 
 
+@dataclass
+class _Completions:
+    """A request of n > 1 completions (LLMEngine.step): those finished so far."""
+
+    outputs: list[dict[str, Any] | None]  # per completion, once finished
+    first: dict[str, Any] | None = None  # completion 0's own dict: the request's fields
+
+
 class LLMEngine:
     def __init__(self, model: Config | str | None = None, **kwargs: Any) -> None:
         with gguf_parsed_once():  # config, tokenizer and weights share one parse of a GGUF
@@ -54,8 +65,11 @@ class LLMEngine:
         self.max_model_length: int = core.max_model_length
         self.vocab_size: int = core.vocab_size
         self.async_scheduling: bool = core.async_scheduling
-        # The requests that asked for logprobs, gathered until they finish (step()).
-        self._logprobs: dict[int, LogprobsCollector] = {}
+        # The completions that asked for logprobs, by (request id, completion index),
+        # gathered until they finish (step()).
+        self._logprobs: dict[tuple[int, int], LogprobsCollector] = {}
+        # Requests of n > 1 completions: the finished ones' dicts, until all n are.
+        self._completions: dict[int, _Completions] = {}
 
     @property
     def scheduler(self) -> Any:
@@ -101,15 +115,21 @@ class LLMEngine:
     def _add_sequence(self, seq: Sequence) -> int:
         params = seq.sampling_params
         if params.logprobs is not None or params.prompt_logprobs is not None:
-            self._logprobs[seq.seq_id] = LogprobsCollector(
-                seq.prompt_token_ids,
-                None if params.logprobs is None else LogprobsLists([], [], []))
+            for index in range(params.n):
+                self._logprobs[seq.seq_id, index] = LogprobsCollector(
+                    seq.prompt_token_ids,
+                    None if params.logprobs is None else LogprobsLists([], [], []))
+        if params.n > 1:
+            self._completions[seq.seq_id] = _Completions([None] * params.n)
         return self.engine_core.add_sequence(seq)
 
     def abort(self, request_id: int) -> None:
-        """Drop a request wherever it is and free its blocks now; unknown or finished ids
-        are ignored (a request may finish while its client gives up on it)."""
-        self._logprobs.pop(request_id, None)
+        """Drop a request (all its completions) wherever it is and free its blocks now;
+        unknown or finished ids are ignored (a request may finish while its client gives up
+        on it)."""
+        for key in [key for key in self._logprobs if key[0] == request_id]:
+            del self._logprobs[key]
+        self._completions.pop(request_id, None)
         self.engine_core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -121,25 +141,44 @@ class LLMEngine:
     def step(self) -> tuple[list[dict[str, Any]], int]:
         """One scheduler step. Returns (outputs of the sequences that finished, tokens computed).
 
-        Each output has seq_id, token_ids (completion only), num_cached_tokens, logprobs (one
-        {token id: logprob} per completion token, the token's own and its top alternatives)
-        and prompt_logprobs (None for the first prompt token, then one such dict each), both
-        None unless the request's SamplingParams asked for them. The token
-        count is positive for a step that computes prompt tokens (with chunked prefill, the
-        decode rows beside them count too) and negative for a pure decode step (one per
-        sequence), so callers can tell them apart; it never exceeds max_num_batched_tokens.
+        Each output has seq_id, token_ids (completion only), finish_reason,
+        num_cached_tokens, logprobs (one {token id: logprob} per completion token, the
+        token's own and its top alternatives) and prompt_logprobs (None for the first prompt
+        token, then one such dict each), both None unless the request's SamplingParams asked
+        for them. A request of n > 1 completions is output once all have finished, with
+        those of completion 0 and "outputs": per completion, in order, its index, token_ids,
+        finish_reason and logprobs. The token count is positive for a step that computes
+        prompt tokens (with chunked prefill, the decode rows beside them count too) and
+        negative for a pure decode step (one per sequence), so callers can tell them apart;
+        it never exceeds max_num_batched_tokens.
         """
         outputs, num_tokens = self.step_outputs()
         finished = []
         for out in outputs:
-            collector = self._logprobs.get(out.request_id)
+            key = (out.request_id, out.index)
+            collector = self._logprobs.get(key)
             if collector is not None:
                 collector.add(out)
-            if out.finished:
-                logprobs = (NO_LOGPROBS if collector is None
-                            else self._logprobs.pop(out.request_id).result(out.token_ids))
-                finished.append({"seq_id": out.request_id, "token_ids": out.token_ids,
-                                 "num_cached_tokens": out.num_cached_tokens, **logprobs})
+            if not out.finished:
+                continue
+            logprobs = (NO_LOGPROBS if collector is None
+                        else self._logprobs.pop(key).result(out.token_ids))
+            done = {"seq_id": out.request_id, "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "num_cached_tokens": out.num_cached_tokens, **logprobs}
+            completions = self._completions.get(out.request_id)
+            if completions is None:  # one completion
+                finished.append(done)
+                continue
+            completions.outputs[out.index] = {"index": out.index, "token_ids": out.token_ids,
+                                              "finish_reason": out.finish_reason,
+                                              "logprobs": done["logprobs"]}
+            if out.index == 0:
+                completions.first = done
+            if out.request_finished:
+                del self._completions[out.request_id]
+                assert completions.first is not None  # all n have finished, 0 too
+                finished.append({**completions.first, "outputs": completions.outputs})
         return finished, num_tokens
 
     def step_outputs(self) -> tuple[list[RequestOutput], int]:
@@ -208,16 +247,30 @@ class LLMEngine:
             raise
         finally:
             progress.close()
-        return [
-            {
-                "text": self._decode(text_token_ids(seq, outputs[seq.seq_id]["token_ids"])),
-                "token_ids": outputs[seq.seq_id]["token_ids"],
-                "num_cached_tokens": outputs[seq.seq_id]["num_cached_tokens"],
-                "logprobs": outputs[seq.seq_id]["logprobs"],
-                "prompt_logprobs": outputs[seq.seq_id]["prompt_logprobs"],
-            }
-            for seq in seqs
-        ]
+        return [self._result(outputs[seq.seq_id], seq.sampling_params.stop_token_ids)
+                for seq in seqs]
+
+    def _result(self, out: dict[str, Any], stop_token_ids: list[int] | None) -> dict[str, Any]:
+        """One prompt's dict of generate(); n > 1 adds "outputs": per completion, its
+        index, text, token_ids, finish_reason and logprobs ("text" and "token_ids" above
+        them are completion 0's)."""
+        def text(token_ids: list[int], finish_reason: str | None) -> str | None:
+            return self._decode(text_token_ids(token_ids, finish_reason, stop_token_ids))
+
+        result = {
+            "text": text(out["token_ids"], out["finish_reason"]),
+            "token_ids": out["token_ids"],
+            "num_cached_tokens": out["num_cached_tokens"],
+            "logprobs": out["logprobs"],
+            "prompt_logprobs": out["prompt_logprobs"],
+        }
+        if "outputs" in out:
+            result["outputs"] = [
+                {"index": c["index"], "text": text(c["token_ids"], c["finish_reason"]),
+                 "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
+                 "logprobs": c["logprobs"]}
+                for c in out["outputs"]]
+        return result
 
     def _decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -237,10 +290,11 @@ class LLMEngine:
         self.engine_core.executor.stop_workers_now()
 
 
-def text_token_ids(seq: Sequence, token_ids: list[int]) -> list[int]:
+def text_token_ids(token_ids: list[int], finish_reason: str | None,
+                   stop_token_ids: list[int] | None) -> list[int]:
     """The completion tokens its text is decoded from: all but a stop token that ended it
     (SamplingParams.stop_token_ids: in token_ids, not in the text, as vLLM)."""
-    stops = seq.sampling_params.stop_token_ids
-    if seq.finish_reason == "stop" and stops and token_ids and token_ids[-1] in stops:
+    stops = stop_token_ids
+    if finish_reason == "stop" and stops and token_ids and token_ids[-1] in stops:
         return token_ids[:-1]
     return token_ids

@@ -23,6 +23,11 @@ default replaces rules 1 and 2 by a token budget: every running sequence's decod
 first, then chunks of prompts fill what is left of max_num_batched_tokens, so a long prompt
 neither stalls the running sequences for a whole prefill nor has to fit one step. Rules 3
 and 4 stay as they are, and both policies share admission, preemption and rule 4's check.
+
+A request of SamplingParams.n > 1 completions is queued as its first; the others wait in its
+`forks` and join the front of waiting when its last prompt chunk is scheduled, to be admitted
+with its full prompt blocks shared (BlockManager.fork). After that they are sequences like
+any other (decoded, preempted and finished each on its own).
 """
 
 from __future__ import annotations
@@ -126,7 +131,12 @@ class Scheduler:
                 "could never be prefilled again; raise max_num_batched_tokens or shorten it")
 
     def add_sequence(self, seq: Sequence) -> None:
+        """Queue a request. With SamplingParams.n > 1, seq is its first completion and the
+        others are made here (seq.forks): they wait until seq's prefill is scheduled and are
+        then forked from it (_admit_waiting)."""
         self.check_sequence(seq)
+        if seq.sampling_params.n > 1 and not seq.forks:
+            seq.make_forks()
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -241,13 +251,21 @@ class Scheduler:
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
+            source = self._fork_source(seq)
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
-                    or not self.block_manager.can_allocate(seq)):
+                    or not (self.block_manager.can_fork(seq) if source is not None
+                            else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
-            # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
-            self.block_manager.allocate(seq, num_computable=0)
+            seq.fork_source = None  # a fork at the first admission only
+            if source is not None:
+                self.block_manager.fork(source, seq)
+                # Its shared prefix is no prefix-cache hit: it reports the first's.
+                seq.num_cached_prompt_tokens = source.num_cached_prompt_tokens
+            else:
+                # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
+                self.block_manager.allocate(seq, num_computable=0)
             if seq.num_cached_prompt_tokens is None:  # first admission
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -259,6 +277,25 @@ class Scheduler:
                 self._schedule_prompt_chunk(seq, len(seq) - seq.num_cached_tokens, budget)
             self.running.append(seq)
             scheduled.append(seq)
+
+    def _fork_source(self, seq: Sequence) -> Sequence | None:
+        """The first completion of seq's request, if seq is to be forked from it now: it
+        still runs, and a step already scheduled writes the K/V of the blocks to share.
+        Otherwise None, and seq is prefilled as any prompt (its source was preempted or
+        aborted first)."""
+        source = seq.fork_source
+        if source is None or source.status != SequenceStatus.RUNNING:
+            return None
+        num_shared = self.block_manager.num_shared_prompt_blocks(seq) * self.block_size
+        return source if source.num_computed_tokens >= num_shared else None
+
+    def _release_forks(self, seq: Sequence) -> None:
+        """Queue seq's other completions at the front of waiting (in order), to be forked
+        from it (n > 1): its prompt's last chunk is scheduled, or it ended before."""
+        for fork in reversed(seq.forks):
+            if not fork.is_finished:  # aborted meanwhile
+                self.waiting.appendleft(fork)
+        seq.forks = []
 
     def _schedule_prompt_chunk(self, seq: Sequence, remaining: int, budget: _Budget) -> None:
         chunk, cost = self._chunk_size(seq.num_computed_tokens, remaining, budget.tokens,
@@ -304,6 +341,11 @@ class Scheduler:
         seq.num_new_tokens = num_tokens
         seq.num_computed_tokens += num_tokens
         self.block_manager.register_full_blocks(seq, num_written=seq.num_computed_tokens)
+        if seq.forks and seq.num_computed_tokens == seq.num_tokens:
+            # Its prompt's K/V is all written by this step (or an earlier one): its other
+            # completions can share it from this very step on (store_kvcache writes a step's
+            # K/V before attention reads any).
+            self._release_forks(seq)
 
     def _raise_no_progress(self) -> None:
         bm = self.block_manager
@@ -400,3 +442,5 @@ class Scheduler:
         seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
+        # Its other completions no longer wait for its prefill: each is prefilled itself.
+        self._release_forks(seq)

@@ -7,12 +7,12 @@ it, so that no answer looks as if it honoured a field it ignored:
 - fields that work: the sampling fields below (OpenAI's, with its presence_penalty,
   frequency_penalty and logit_bias, and vLLM's extras top_k, min_p, repetition_penalty,
   min_tokens, stop_token_ids and ignore_eos), stop strings, streaming
-  (stream_options.include_usage), prompt batches, `echo` and `logprobs` in /v1/completions,
-  `logprobs` and `top_logprobs` in chat;
+  (stream_options.include_usage), `n` (completions per prompt), prompt batches, `echo` and
+  `logprobs` in /v1/completions, `logprobs` and `top_logprobs` in chat;
 - `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
-  value that asks for nothing (null, or "n": 1, "presence_penalty": 0 ..., which clients such
+  value that asks for nothing (null, or "best_of": 1, "tools": [] ..., which clients such
   as LangChain send on every request) and refused otherwise;
 - any other field is refused as unknown, with the list of the fields taken (OpenAI's own API
   does the same).
@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from myvllm.sampling_parameters import MAX_LOGPROBS, SamplingParams
+from myvllm.sampling_parameters import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 class RequestError(Exception):
@@ -53,7 +53,7 @@ MAX_STOP_LENGTH = 256
 # Known fields not implemented yet: field -> (does this value ask for nothing?, what is taken).
 # null is always taken. A field missing from a request body's model is simply unknown there.
 NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1, "1"),
+    # The best n of best_of completions (by their logprob): not implemented; n is.
     "best_of": (lambda v: v == 1, "1"),
     "suffix": (lambda v: v == "", '""'),
     "response_format": (lambda v: v.type == "text", '{"type": "text"}'),
@@ -109,6 +109,7 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # taken and ignored (see the module docstring)
+    n: int | None = Field(None, ge=1, le=MAX_N)  # completions of each prompt
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -118,7 +119,6 @@ class _SamplingRequest(_Strict):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     # Not implemented yet (NOT_YET): refused unless they ask for nothing.
-    n: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -172,8 +172,15 @@ class _SamplingRequest(_Strict):
                         if self.logit_bias else None),
             min_tokens=self.min_tokens or 0,
             stop_token_ids=self.stop_token_ids or None,
-            **self.logprob_params(),
+            n=self.num_completions,
+            logprobs=self.logprob_params().get("logprobs"),
+            prompt_logprobs=self.logprob_params().get("prompt_logprobs"),
         )
+
+    @property
+    def num_completions(self) -> int:
+        """n: the choices each prompt gets."""
+        return 1 if self.n is None else self.n
 
     def logprob_params(self) -> dict[str, int | None]:
         """SamplingParams' logprobs and prompt_logprobs, as each endpoint asks for them."""

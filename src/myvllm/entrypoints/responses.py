@@ -11,7 +11,7 @@ from typing import Any
 class Choice:
     """One prompt's answer, or the news of one streamed event."""
 
-    index: int  # prompt index * n + i, as OpenAI numbers a batch's choices (n is 1 here)
+    index: int  # prompt index * n + i (completion i of the prompt), as OpenAI numbers them
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None  # entrypoints/logprobs.py's shape, if asked
@@ -32,21 +32,23 @@ def completion_response(request_id: str, model: str, choices: list[Choice],
             "usage": usage_}
 
 
-def chat_response(request_id: str, model: str, choice: Choice,
+def chat_response(request_id: str, model: str, choices: list[Choice],
                   usage_: dict[str, int]) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": choice.text},
-                         "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}],
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                        for c in choices],
             "usage": usage_}
 
 
 def chat_chunk(request_id: str, model: str, delta: dict[str, str] | None,
                finish_reason: str | None = None,
                usage_: dict[str, int] | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One event of a streamed chat completion; delta None = the usage-only last event."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One event of a streamed chat completion, for choice `index` (completion `index` of
+    n); delta None = the usage-only last event."""
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage_}

@@ -13,8 +13,10 @@ of that choice), and its logprobs, when asked, come in each event for that event
 (entrypoints/logprobs.py), the echoed prompt's first.
 
 A batch's prompts are separate requests to the engine (they share its batches like any
-others); its answer numbers the choices as OpenAI does: index = prompt index * n + i, and n
-is 1 here. Usage is summed over the prompts.
+others); `n` completions of a prompt are one request, whose prompt is prefilled once and
+shared (SamplingParams.n). The answer numbers the choices as OpenAI does: index = prompt
+index * n + i for completion i of a prompt. Usage counts each prompt once and every
+completion's tokens.
 """
 
 from __future__ import annotations
@@ -132,6 +134,15 @@ async def _merge(started: list[Started]) -> AsyncGenerator[tuple[int, StreamOutp
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _last_outputs(last: list[StreamOutput | None]) -> list[StreamOutput]:
+    """Each choice's last output; every choice has one once its request's outputs ended (a
+    completion ends with a finished output, aborted ones too)."""
+    missing = [i for i, out in enumerate(last) if out is None]
+    if missing:
+        raise RuntimeError(f"choice {missing[0]} got no output from the engine")
+    return [out for out in last if out is not None]
+
+
 @dataclass
 class Answer:
     """What one choice adds to its outputs: the echoed prompt (completions' echo; "" once
@@ -189,10 +200,12 @@ class Generation:
             params = [body.sampling_params(m) for m in max_tokens]
         except (ValueError, TypeError) as e:
             raise RequestError(str(e)) from e
-        answers = [Answer(echo[i] if echo else "",
+        # One per choice: completion i of prompt k is choice k * n + i.
+        n = body.num_completions
+        answers = [Answer(echo[k] if echo else "",
                           ChoiceLogprobs(self.llm.tokenizer, p.logprobs is not None, chat,
                                          ids if echo else None))
-                   for i, (ids, p) in enumerate(zip(prompts, params))]
+                   for k, (ids, p) in enumerate(zip(prompts, params)) for _ in range(n)]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         log = request_log(request)
         log.prompt_tokens = sum(map(len, prompts))
@@ -219,7 +232,7 @@ class Generation:
             raise EngineDeadError("the server shut down before the answer was complete")
         usage_ = usage(log.prompt_tokens, num_completion_tokens)
         if chat:
-            return JSONResponse(chat_response(request_id, self.model_name, choices[0], usage_))
+            return JSONResponse(chat_response(request_id, self.model_name, choices, usage_))
         return JSONResponse(completion_response(request_id, self.model_name, choices, usage_))
 
     async def start(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -246,28 +259,33 @@ class Generation:
     async def collect(self, prompts: list[list[int]], params: list[SamplingParams],
                       stop: list[str], request_id: str, answers: list[Answer]
                       ) -> tuple[list[Choice], int]:
-        """Every prompt's whole answer, in prompt order, and the completion tokens in all."""
+        """Every choice's whole answer, in choice order, and the completion tokens in all."""
         started = await self.start(prompts, params, stop, request_id, streamed=False)
+        n = len(answers) // len(prompts)
         parts: list[list[str]] = [[a.echo] for a in answers]
-        logprob_parts: list[list[dict[str, Any] | None]] = [[] for _ in started]
-        last = [first for first, _ in started]
+        logprob_parts: list[list[dict[str, Any] | None]] = [[] for _ in answers]
+        last: list[StreamOutput | None] = [None] * len(answers)
         async with contextlib.aclosing(_merge(started)) as outputs:
-            async for index, out in outputs:
+            async for prompt_index, out in outputs:
+                index = prompt_index * n + out.index
                 parts[index].append(out.text or "")
                 logprob_parts[index].append(answers[index].logprobs_of(out))
                 last[index] = out
+        ends = _last_outputs(last)
         choices = [Choice(i, "".join(p), out.finish_reason, a.logprobs.merge(lp))
-                   for i, (p, out, a, lp) in enumerate(zip(parts, last, answers,
+                   for i, (p, out, a, lp) in enumerate(zip(parts, ends, answers,
                                                            logprob_parts))]
-        return choices, sum(out.num_completion_tokens for out in last)
+        return choices, sum(out.num_completion_tokens for out in ends)
 
     async def stream_completion(self, request: Request, request_id: str,
                                 started: list[Started], answers: list[Answer],
                                 include_usage: bool) -> AsyncIterator[str]:
-        last = [first for first, _ in started]
+        n = len(answers) // len(started)
+        last: list[StreamOutput | None] = [None] * len(answers)
         try:
             async with contextlib.aclosing(self._outputs(request, started)) as outputs:
-                async for index, out in outputs:
+                async for prompt_index, out in outputs:
+                    index = prompt_index * n + out.index
                     last[index] = out
                     answer = answers[index]
                     # echo: the prompt's text leads the choice's first event.
@@ -281,29 +299,31 @@ class Generation:
         num_completion_tokens = self._finish_log(request, last)
         if include_usage:
             yield sse(completion_response(request_id, self.model_name, [], usage(
-                sum(out.num_prompt_tokens for out in last), num_completion_tokens)))
+                sum(first.num_prompt_tokens for first, _ in started), num_completion_tokens)))
         yield sse("[DONE]")
 
     async def stream_chat(self, request: Request, request_id: str, started: list[Started],
                           answers: list[Answer], include_usage: bool) -> AsyncIterator[str]:
-        yield sse(chat_chunk(request_id, self.model_name, {"role": "assistant",
-                                                           "content": ""}))
-        last = [first for first, _ in started]
+        for index in range(len(answers)):  # one chat prompt: a choice per completion
+            yield sse(chat_chunk(request_id, self.model_name,
+                                 {"role": "assistant", "content": ""}, index=index))
+        last: list[StreamOutput | None] = [None] * len(answers)
         try:
             async with contextlib.aclosing(self._outputs(request, started)) as outputs:
-                async for index, out in outputs:
-                    last[index] = out
+                async for _, out in outputs:
+                    last[out.index] = out
                     delta = {"content": out.text} if out.text else {}
                     yield sse(chat_chunk(request_id, self.model_name, delta,
                                          out.finish_reason,
-                                         logprobs=answers[index].logprobs_of(out)))
+                                         logprobs=answers[out.index].logprobs_of(out),
+                                         index=out.index))
         except EngineDeadError as e:
             request_log(request).reason = str(e)
             yield sse(error_body(str(e), 503))
         num_completion_tokens = self._finish_log(request, last)
         if include_usage:
             yield sse(chat_chunk(request_id, self.model_name, None, None, usage(
-                last[0].num_prompt_tokens, num_completion_tokens)))
+                started[0][0].num_prompt_tokens, num_completion_tokens)))
         yield sse("[DONE]")
 
     async def _outputs(self, request: Request, started: list[Started]
@@ -321,7 +341,10 @@ class Generation:
             if not done:
                 request_log(request).reason = "the client went away during the stream"
 
-    def _finish_log(self, request: Request, last: Sequence[StreamOutput]) -> int:
-        num_completion_tokens = sum(out.num_completion_tokens for out in last)
+    def _finish_log(self, request: Request, last: Sequence[StreamOutput | None]) -> int:
+        """The completion tokens of all choices (a choice's last output counts them), also
+        for the request's log line."""
+        num_completion_tokens = sum(out.num_completion_tokens for out in last
+                                    if out is not None)
         request_log(request).completion_tokens = num_completion_tokens
         return num_completion_tokens
