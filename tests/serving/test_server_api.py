@@ -162,8 +162,8 @@ def test_fields_not_supported_yet_are_400s_in_both_endpoints(base_url: str, chat
 
 
 def test_the_openai_client_sees_which_field_is_refused(client: Any) -> None:
-    with pytest.raises(openai.BadRequestError, match="not supported yet: n "):
-        client.completions.create(model=MODEL, prompt="Hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="not supported yet: best_of "):
+        client.completions.create(model=MODEL, prompt="Hi", best_of=2)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        response_format={"type": "json_object"}, stream=True)
