@@ -159,3 +159,20 @@ def test_bad_settings_are_refused(settings: dict[str, object], message: str) -> 
 
     with pytest.raises(ValueError, match=message):
         Config(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_bundled_model_copying_a_text_is_unchanged_and_mostly_accepted() -> None:
+    """The bundled SmolLM2 (real weights, fp32) asked to repeat a passage: the greedy tokens
+    equal plain decoding's, and prompt lookup's proposals are mostly accepted."""
+    prompt = ("Repeat the following text exactly.\n\nText:\nA block table maps each "
+              "sequence's logical blocks to physical ones, so memory is allocated on demand "
+              "and shared between sequences with a common prefix.\n\nRepeated text:\n")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(None, dtype="float32", max_model_length=512)
+    expected = plain.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    del plain
+    spec = LLM(None, dtype="float32", max_model_length=512, speculative_method="ngram",
+               num_speculative_tokens=4)
+    assert spec.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == expected
+    assert stats(spec).acceptance_rate > 0.5
