@@ -176,3 +176,17 @@ def test_bundled_model_copying_a_text_is_unchanged_and_mostly_accepted() -> None
                num_speculative_tokens=4)
     assert spec.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == expected
     assert stats(spec).acceptance_rate > 0.5
+
+
+@pytest.mark.slow
+def test_tensor_parallel_verification_gives_the_tokens_of_one_rank(
+        reference: list[list[int]]) -> None:
+    """Two ranks (gloo on the CPU): the proposals travel with the pickled sequences and the
+    LM head over the verification rows is collective; the tokens are one rank's."""
+    llm = LLM(str(tiny_checkpoint("qwen3")), **COMMON, tensor_parallel_size=2,
+              speculative_method="ngram")
+    try:
+        assert generate(llm, prompts(), GREEDY) == reference
+        assert stats(llm).num_accepted_tokens > 0
+    finally:
+        llm.exit()
