@@ -298,20 +298,21 @@ class BlockManager:
     # blocks holding only them are released again after the step (free_lookahead_blocks),
     # and no block is registered for their sake (register_full_blocks only registers
     # blocks of known tokens).
-    def _blocks_short(self, seq: Sequence, num_lookahead: int) -> int:
-        num_slots = seq.num_tokens + num_lookahead
-        return -(-num_slots // self.block_size) - len(seq.block_table)
+    def _lookahead_blocks(self, seq: Sequence, num_lookahead: int) -> int:
+        """Blocks past seq.num_blocks that num_lookahead more positions reach into."""
+        return -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
 
     def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
-        needed = self._blocks_short(seq, num_lookahead)  # 0 or 1 in decode
+        needed = seq.num_blocks - len(seq.block_table)  # 0 or 1 in decode
+        needed += self._lookahead_blocks(seq, num_lookahead)
         return len(self.free_block_ids) >= needed
 
     def append(self, seq: Sequence, num_lookahead: int = 0) -> None:
-        missing = self._blocks_short(seq, num_lookahead)
-        if missing > 1 + (num_lookahead + self.block_size - 1) // self.block_size:
+        missing = seq.num_blocks - len(seq.block_table)
+        if missing > 1:
             raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short; append() "
-                               "covers one new token (and its lookahead) per step")
-        for _ in range(missing):
+                               "covers one new token per step")
+        for _ in range(missing + self._lookahead_blocks(seq, num_lookahead)):
             seq.block_table.append(self._allocate_fresh_block())
         # This step writes the K/V of every position below num_tokens.
         self.register_full_blocks(seq, num_written=seq.num_tokens)
