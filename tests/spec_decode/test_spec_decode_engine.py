@@ -190,3 +190,15 @@ def test_tensor_parallel_verification_gives_the_tokens_of_one_rank(
         assert stats(llm).num_accepted_tokens > 0
     finally:
         llm.exit()
+
+
+def test_rows_asking_logprobs_decode_one_token_at_a_time(reference: list[list[int]]) -> None:
+    """Per-token logprobs come from the one-token path: such a row gets no proposals (its
+    tokens and one logprobs entry per token as without speculation); the others still do."""
+    llm = LLM(str(tiny_checkpoint("qwen3")), **COMMON, speculative_method="ngram")
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = [with_logprobs] + [GREEDY] * (len(prompts()) - 1)
+    outs = llm.generate(prompts(), params, use_tqdm=False)
+    assert [out["token_ids"] for out in outs] == reference
+    assert len(outs[0]["logprobs"]) == len(reference[0])
+    assert stats(llm).num_accepted_tokens > 0  # the other rows speculated
