@@ -28,6 +28,7 @@ from myvllm.value_checks import is_int, is_real
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class ConfigError(TypeError, ValueError):
@@ -138,6 +139,30 @@ class Config:
     runs and RL rollouts (vLLM's VLLM_BATCH_INVARIANT); costs throughput (docs/reliability.md
     has the numbers). Mixture-of-experts models are refused."""
 
+    speculative_method: str | None = None
+    """Speculative decoding (vLLM's name): None = off; "ngram" = prompt lookup, the next
+    tokens proposed by finding the sequence's last few tokens earlier in it and copying what
+    followed; "draft" = a second, small model proposes (speculative_model; not implemented
+    yet: refused). Each decode row then computes its last token and the proposals in one
+    forward pass, and rejection sampling keeps the tokens the target model would have drawn
+    itself (engine/spec_decode/). Async scheduling does not combine with it: left on its
+    default it is turned off; True raises."""
+
+    num_speculative_tokens: int = 3
+    """Tokens proposed per decode row and step (k): each step of a row computes k + 1
+    positions and emits 1 to k + 1 tokens. Read only with speculative_method."""
+
+    prompt_lookup_min: int = 2
+    """n-gram speculation: the shortest suffix of the sequence that is looked up earlier in
+    it (shorter matches are more often wrong)."""
+
+    prompt_lookup_max: int = 4
+    """n-gram speculation: the longest suffix looked up; the longest that matches wins."""
+
+    speculative_model: str | None = None
+    """speculative_method "draft": the draft model (a checkpoint or .gguf with the target's
+    vocabulary)."""
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Config:
         # The dataclass writes __init__; Python calls __new__ with the same arguments first,
         # so an unknown keyword gets the closest valid name here instead of Python's bare
@@ -182,6 +207,7 @@ class Config:
         if self.device not in DEVICES:
             raise ValueError(f"Config.device must be one of {DEVICES}, got {self.device!r}")
         self.eos = _normalize_eos(self.eos)
+        _check_speculative(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Config:
@@ -219,6 +245,38 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"Config.{name} must be True or False, got {value!r}")
+
+
+def _check_speculative(config: Config) -> None:
+    method = config.speculative_method
+    if method is not None and method not in SPECULATIVE_METHODS:
+        raise ValueError(f"Config.speculative_method must be None or one of "
+                         f"{SPECULATIVE_METHODS}, got {method!r}")
+    _check_int("num_speculative_tokens", config.num_speculative_tokens, minimum=1)
+    _check_int("prompt_lookup_min", config.prompt_lookup_min, minimum=1)
+    _check_int("prompt_lookup_max", config.prompt_lookup_max, minimum=1)
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError(f"Config.prompt_lookup_min ({config.prompt_lookup_min}) must not "
+                         f"exceed Config.prompt_lookup_max ({config.prompt_lookup_max})")
+    model = config.speculative_model
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"Config.speculative_model must be a str path/hub id or None, "
+                         f"got {type(model).__name__} {model!r}")
+    if method == "draft":
+        # Refused before any weight is read: a second model with its own KV blocks is not
+        # built yet, and silently decoding without it would hide that.
+        raise ValueError('Config.speculative_method="draft" (a draft model) is not '
+                         'implemented yet; use "ngram" (prompt lookup) or None')
+    if method is not None and config.async_scheduling is True:
+        # A verification step's accepted count decides the next step's positions and
+        # blocks, so the next step cannot be planned before this one's tokens are read.
+        raise ValueError(f"Config.async_scheduling=True does not combine with "
+                         f"Config.speculative_method={method!r}: the next step's positions "
+                         "depend on how many proposals this one accepts; leave "
+                         "async_scheduling at None (then off) or set it False")
+    if model is not None:
+        raise ValueError(f"Config.speculative_model={model!r} is only read with "
+                         f'speculative_method="draft", got speculative_method={method!r}')
 
 
 def _normalize_eos(eos: object) -> int | tuple[int, ...] | None:

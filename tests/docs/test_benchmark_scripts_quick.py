@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
     ["benchmark_decoding.py"],
     ["benchmark_moe.py"],
     ["benchmark_sampler.py"],
-], ids=["prefilling", "prefilling-prefix", "decoding", "moe", "sampler"])  # fmt: skip
+    # Greedy tokens with n-gram speculation equal plain decoding's, copy-heavy and free.
+    ["benchmark_spec_decode.py"],
+], ids=["prefilling", "prefilling-prefix", "decoding", "moe", "sampler", "spec-decode"])  # fmt: skip
 def test_benchmark_quick_mode_is_correct(command: list[str]) -> None:
     pytest.importorskip("triton")
     script, *extra = command

@@ -54,7 +54,8 @@ GPU_MARK = "# needs a GPU"
 EDITS_MARK = "# edits your checkout"
 COVERED_BY_EXERCISE_TEST = "examples/exercises.py"
 # Scripts that load a real model (the bundled SmolLM2 GGUF or a random checkpoint built on the fly).
-SLOW_SCRIPTS = ("main.py", "main_llama32.py", "examples/prefix_cache_demo.py")
+SLOW_SCRIPTS = ("main.py", "main_llama32.py", "examples/prefix_cache_demo.py",
+                "benchmark_spec_decode.py")
 TIMEOUT_S = 300
 SLOW_TIMEOUT_S = 900
 

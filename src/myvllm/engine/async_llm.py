@@ -55,7 +55,7 @@ from myvllm.config import Config
 from myvllm.engine.core import check_sampling_token_ids, check_token_ids
 from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreMessage, CoreOutput, CoreOutputs, Heartbeat,
-                                         LogprobsLists, Shutdown)
+                                         LogprobsLists, Shutdown, SpecDecodeCounts)
 from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
@@ -128,6 +128,10 @@ class StatLogger:
 
     def record_finished(self, finish_reason: str, e2e_latency: float) -> None:
         pass
+
+    def record_spec_decode(self, counts: SpecDecodeCounts) -> None:
+        """Speculative decoding's totals since the core started (with each report of the
+        queues, when it is on)."""
 
 
 @dataclasses.dataclass
@@ -592,6 +596,8 @@ class AsyncLLM:
         stats = message.stats
         self.stat_logger.record_scheduler(stats.num_running, stats.num_waiting,
                                           stats.kv_cache_usage)
+        if stats.spec_decode is not None:
+            self.stat_logger.record_spec_decode(stats.spec_decode)
 
     def _log_long_step(self, step_s: float) -> None:
         if step_s < self._long_step_logged + LONG_STEP_LOG_S:

@@ -340,19 +340,37 @@ class BlockManager:
     # the block the sequence already holds -- no new block; the block just became full, so
     # append() hashes it. The modulo form breaks for block_size == 1 (x % 1 is never 1, and
     # every token needs a new block); the table-length form is right for every block size.
-    def can_append(self, seq: Sequence) -> bool:
+    #
+    # num_lookahead (speculative decoding): the step also writes the K/V of that many
+    # proposed tokens after the last one, at positions num_tokens .. num_tokens + n - 1,
+    # which may need blocks of their own. Those tokens are not the sequence's (yet): the
+    # blocks holding only them are released again after the step (free_lookahead_blocks),
+    # and no block is registered for their sake (register_full_blocks only registers
+    # blocks of known tokens).
+    def _lookahead_blocks(self, seq: Sequence, num_lookahead: int) -> int:
+        """Blocks past seq.num_blocks that num_lookahead more positions reach into."""
+        return -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
+
+    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
         needed = seq.num_blocks - len(seq.block_table)  # 0 or 1 in decode
+        needed += self._lookahead_blocks(seq, num_lookahead)
         return len(self.free_block_ids) >= needed
 
-    def append(self, seq: Sequence) -> None:
+    def append(self, seq: Sequence, num_lookahead: int = 0) -> None:
         missing = seq.num_blocks - len(seq.block_table)
         if missing > 1:
             raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short; append() "
                                "covers one new token per step")
-        if missing == 1:
+        for _ in range(missing + self._lookahead_blocks(seq, num_lookahead)):
             seq.block_table.append(self._allocate_fresh_block())
         # This step writes the K/V of every position below num_tokens.
         self.register_full_blocks(seq, num_written=seq.num_tokens)
+
+    def free_lookahead_blocks(self, seq: Sequence) -> None:
+        """Release the blocks past the ones seq's tokens occupy: after a verification step,
+        the blocks that held only rejected proposals (never registered: fresh blocks)."""
+        while len(seq.block_table) > seq.num_blocks:
+            self._release_block(seq.block_table.pop())
 
     def unregister_after(self, seq: Sequence, num_written: int) -> None:
         """Make seq's blocks past its first num_written tokens unfindable again: the step

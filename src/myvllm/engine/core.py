@@ -276,7 +276,11 @@ class EngineCore:
         sampling = [i for i, sample in enumerate(step.samples) if sample]
         seqs = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in seqs]
-        self.scheduler.postprocess(seqs, [token_ids[i] for i in sampling])
+        verified = None
+        if step.sampled.verified is not None:  # speculative decoding: several tokens a row
+            by_row = step.sampled.verified.token_lists()
+            verified = {j: by_row[i] for j, i in enumerate(sampling) if i in by_row}
+        self.scheduler.postprocess(seqs, [token_ids[i] for i in sampling], verified)
         outputs = []
         for index, seq, num_known in zip(sampling, seqs, known, strict=True):
             new_token_ids = seq.token_ids[num_known:]

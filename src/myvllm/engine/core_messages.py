@@ -93,10 +93,20 @@ class Refusal(msgspec.Struct, array_like=True):
     message: str
 
 
+class SpecDecodeCounts(msgspec.Struct, array_like=True):
+    """Speculative decoding since the core started (engine/spec_decode/stats.py)."""
+
+    num_drafts: int  # verification rows
+    num_draft_tokens: int  # tokens proposed
+    num_accepted_tokens: int  # of those, accepted
+    accepted_per_position: list[int]  # accepted at proposal position 0, 1, ...
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # fraction of the blocks held by requests
+    spec_decode: SpecDecodeCounts | None = None  # with speculative decoding only
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):

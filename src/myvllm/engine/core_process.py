@@ -52,7 +52,7 @@ from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
 from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreInput, CoreOutput, CoreOutputs, Heartbeat,
-                                         Refusal, SchedulerStats, Shutdown)
+                                         Refusal, SchedulerStats, Shutdown, SpecDecodeCounts)
 from myvllm.engine.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
 
@@ -233,8 +233,14 @@ class EngineCoreProc:
     def _send(self, outputs: list[CoreOutput]) -> None:
         """One message for the step, unless it has nothing new to say."""
         scheduler = self.core.scheduler
+        spec = None
+        if scheduler.speculator is not None:
+            counts = scheduler.speculator.stats
+            spec = SpecDecodeCounts(counts.num_drafts, counts.num_draft_tokens,
+                                    counts.num_accepted_tokens,
+                                    list(counts.accepted_per_position))
         stats = SchedulerStats(len(scheduler.running), len(scheduler.waiting),
-                               self.core.kv_cache_usage())
+                               self.core.kv_cache_usage(), spec)
         if not outputs and not self._refused and stats == self._last_stats:
             return
         message = CoreOutputs(outputs, self._refused, stats)

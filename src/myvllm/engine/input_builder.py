@@ -101,7 +101,10 @@ class InputBuilder:
         for seq in seqs:
             end = seq.num_computed_tokens
             start = end - seq.num_new_tokens
-            if seq.num_new_tokens == 1 and end == len(seq):  # the sequence's last token
+            if seq.spec_token_ids:  # verification: the last token, then the proposals
+                input_ids.append(self.pool.last_token(seq, len(input_ids), pending))
+                input_ids.extend(seq.spec_token_ids)
+            elif seq.num_new_tokens == 1 and end == len(seq):  # the sequence's last token
                 input_ids.append(self.pool.last_token(seq, len(input_ids), pending))
             else:
                 input_ids.extend(seq.token_ids[start:end])

@@ -59,6 +59,8 @@ from myvllm.engine.logprobs import (LogprobRows, PromptSpan, StepLogprobs, promp
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTokens,
+                                                    has_proposals, verify)
 from myvllm.engine.token_pool import SampledTokens
 from myvllm.kernels import set_batch_invariant
 from myvllm.layers.attention import Attention
@@ -164,18 +166,26 @@ class ModelRunner:
         return num_blocks
 
     # ------------------------------------------------------------------ one step
-    def forward_prefill(self, seqs: list[Sequence], spans: list[PromptSpan] | None = None
+    def forward_prefill(self, seqs: list[Sequence], spans: list[PromptSpan] | None = None,
+                        verification: VerificationRows | None = None
                         ) -> tuple[torch.Tensor | None, LogprobRows | None]:
         """The model and LM head over each sequence's scheduled chunk (num_new_tokens tokens
         up to num_computed_tokens) -> (logits of each sequence's last token computed, the
-        logprobs of the prompt rows in spans) on rank 0; (None, None) on other ranks."""
+        logprobs of the prompt rows in spans) on rank 0; (None, None) on other ranks.
+        With verification rows (speculative decoding), the logits of verification.logit_rows
+        instead: every position of a row that verifies proposals."""
         step = self.inputs.prepare_prefill(seqs)
         key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
         with forward_context(step.context):
             hidden = self.run_graph_or_eager(key, step, self.body_forward)
             # The LM head reads the last row of each sequence (context.cu_seqlens_q): padding
             # rows are never read.
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden) if verification is None else None
+        if verification is not None:
+            # Outside the context the LM head keeps every row it is given (collective under
+            # tensor parallelism: every rank has the same rows).
+            rows = self.inputs.fresh.tensor(verification.logit_rows, torch.int64)
+            logits = self.model.compute_logits(hidden[rows])
         if not spans:
             return logits, None
         # Outside the context, where the LM head keeps every row it is given.
@@ -232,8 +242,11 @@ class ModelRunner:
                                                 self.inputs.pool.tokens, self.eos_token_ids)
                       if self.rank == 0 else None)
         prompt_rows = None
+        # Speculative decoding: rows that verify proposals (always in a prefill-path step).
+        verification = VerificationRows(seqs) if has_proposals(seqs) else None
+        verified = None
         if is_prefill:
-            logits, prompt_rows = self.forward_prefill(seqs, spans)
+            logits, prompt_rows = self.forward_prefill(seqs, spans, verification)
         else:
             logits = self.run_decode(seqs)
         num_seqs = len(seqs)
@@ -241,6 +254,11 @@ class ModelRunner:
         step_logprobs = None
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
             args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device)
+            if verification is not None:
+                verified = VerifiedTokens(*verify(seqs, verification, logits, args,
+                                                  self.inputs.fresh.tensor))
+                # The one-token-per-row sampling below reads each row's last logits.
+                logits = logits[self.inputs.fresh.tensor(verification.last_rows, torch.int64)]
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
             # Logprobs (below) stay those of the raw logits, as vLLM's default.
             to_sample = (logits[:num_seqs] if processing is None
@@ -260,7 +278,9 @@ class ModelRunner:
             pool.share(num_seqs)
         if self.rank != 0:
             return None
-        return pool.read_back(seqs, step_logprobs)
+        sampled = pool.read_back(seqs, step_logprobs)
+        sampled.verified = verified
+        return sampled
 
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """A decode step; returns the logits when the Sampler must still run on them, None

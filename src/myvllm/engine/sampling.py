@@ -25,8 +25,9 @@ def uses_filters_or_seeds(seq: Sequence) -> bool:
 
 
 def samples_this_step(seq: Sequence) -> bool:
-    """The step's chunk reaches the sequence's last token (a decode row always does)."""
-    return seq.num_computed_tokens == seq.num_tokens
+    """The step's chunk reaches the sequence's last token (a decode row always does, and
+    a row verifying proposals reaches past it, to the last proposal)."""
+    return seq.num_computed_tokens == seq.num_tokens + len(seq.spec_token_ids)
 
 
 def needs_full_sampler(seqs: list[Sequence]) -> bool:
@@ -57,8 +58,10 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
     params = [seq.sampling_params for seq in seqs]
     generators: list[torch.Generator | None] | None = None
     if any(p.seed is not None for p in params):
+        # A row verifying proposals draws from its generator in the rejection sampler.
         generators = [generator_for(seq, device)
-                      if samples_this_step(seq) else None for seq in seqs]
+                      if samples_this_step(seq) and not seq.spec_token_ids else None
+                      for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
     return SamplingArgs(

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from myvllm.engine.spec_decode.scheduling import make_speculator
 
 
 # Beyond this position a prompt token's attention (over every token before it) costs more
@@ -82,6 +83,8 @@ class Scheduler:
             config.num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        # Speculative decoding: proposals for decode rows (None: off).
+        self.speculator = make_speculator(config)
 
     # ------------------------------------------------------------------ admission
     def max_kv_tokens(self, seq: Sequence) -> int:
@@ -220,6 +223,10 @@ class Scheduler:
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
+                proposals = (self.speculator.propose(seq, self.max_model_length, budget.tokens)
+                             if self.speculator is not None else [])
+                if proposals and not self.block_manager.can_append(seq, len(proposals)):
+                    proposals = []  # proposals never preempt: the row decodes plainly
                 while not self.block_manager.can_append(seq):
                     preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
@@ -229,9 +236,10 @@ class Scheduler:
                     if victim is seq:
                         break
                 else:
-                    self.block_manager.append(seq)
-                    self._schedule_chunk(seq, 1)
-                    budget.tokens -= 1
+                    self.block_manager.append(seq, num_lookahead=len(proposals))
+                    seq.spec_token_ids = proposals
+                    self._schedule_chunk(seq, 1 + len(proposals))
+                    budget.tokens -= 1 + len(proposals)
                 if seq.status != SequenceStatus.RUNNING:
                     continue
             scheduled.append(seq)
@@ -377,7 +385,8 @@ class Scheduler:
         return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
                 or num_tokens >= self.max_model_length)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
+                    verified: dict[int, list[int]] | None = None) -> list[Sequence]:
         """Append each sequence's new token; finish and release the ones that stop.
 
         Stops on eos (unless ignore_eos) or a stop token (is_stop_token), on max_tokens
@@ -386,25 +395,47 @@ class Scheduler:
 
         With overlapped scheduling a sequence may have finished (on eos) after this step was
         queued: its token here is surplus and dropped.
+
+        verified (speculative decoding): for the index in seqs of each row that verified
+        proposals, the tokens it emitted (its entry in token_ids is unused); they are
+        appended one by one, each checked for a stop, and the row rolls back to what its
+        accepted tokens wrote (engine/spec_decode/scheduling.py).
         """
         if len(seqs) != len(token_ids):
             raise ValueError(f"postprocess got {len(token_ids)} tokens for {len(seqs)} sequences")
         finished: list[Sequence] = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             if seq.is_finished:
                 continue
-            seq.append_token(token_id)
-            if self.is_stop_token(seq, token_id):
-                self.finish(seq, "stop")
-                finished.append(seq)
-            elif self.reaches_stop_length(seq, len(seq.token_ids)):
-                self.finish(seq, "length")
-                finished.append(seq)
-            elif seq.block_table:
-                # The token just read may complete a block whose last slot a step already
-                # queued is writing (overlapped scheduling); the newest position is written
-                # by the next step, so it does not count yet.
-                self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
+            proposals, seq.spec_token_ids = seq.spec_token_ids, []
+            new_tokens = [token_id]
+            if proposals:
+                if verified is None or i not in verified:
+                    raise ValueError(f"sequence {seq.seq_id} verified proposals but "
+                                     "postprocess got no tokens for them")
+                new_tokens = verified[i]
+                if self.speculator is not None:
+                    self.speculator.stats.observe(len(proposals), len(new_tokens) - 1)
+            for token in new_tokens:
+                seq.append_token(token)
+                if self.is_stop_token(seq, token):
+                    self.finish(seq, "stop")
+                elif self.reaches_stop_length(seq, len(seq.token_ids)):
+                    self.finish(seq, "length")
+                if seq.is_finished:
+                    finished.append(seq)
+                    break
+            else:
+                if proposals:
+                    # Rolled back: the K/V of t_n and the accepted proposals holds, the
+                    # rejected ones' blocks go (their slots in kept blocks are rewritten).
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                    self.block_manager.free_lookahead_blocks(seq)
+                if seq.block_table:
+                    # The token just read may complete a block whose last slot a step
+                    # already queued is writing (overlapped scheduling); the newest position
+                    # is written by the next step, so it does not count yet.
+                    self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
 
     def is_stop_token(self, seq: Sequence, token_id: int) -> bool:

@@ -74,6 +74,10 @@ class Sequence:
         # step being scheduled computes for this sequence (its chunk; 1 for a decode row).
         self.num_computed_tokens: int = 0
         self.num_new_tokens: int = 0
+        # Speculative decoding: the tokens proposed after the last one for the step being
+        # scheduled (its row computes the last token and these: num_new_tokens = 1 + len).
+        # Never in token_ids: only the accepted ones are appended (engine/spec_decode/).
+        self.spec_token_ids: list[int] = []
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading full blocks, memoised by the BlockManager
         # (a full block's tokens never change, so neither does its hash). Rank 0 only: not
@@ -167,6 +171,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.needs_prefill = True
 
     # A pending token has been sampled on the device but not yet read by the host. With
@@ -238,6 +243,7 @@ class Sequence:
     #            ALL token_ids (the runner feeds token_ids[num_cached_tokens:]), and
     #            needs_prompt_logprobs (the LM head over prompt rows is collective)
     #   decode:  the same counters and block_table, but only last_token (the one new token)
+    #            and the tokens proposed after it (speculative decoding), if any
     #
     # Sending the whole token list every decode step would cost O(length) per sequence per
     # step; sending one int keeps a step's message small. "Prefill" means needs_prefill, not
@@ -258,13 +264,13 @@ class Sequence:
                 self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
                 self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
                 self.sampled_row if self.num_pending_tokens else None,
-                self.needs_prompt_logprobs)
+                self.needs_prompt_logprobs, self.spec_token_ids)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
          self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
          self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
-         self.sampled_row, self.needs_prompt_logprobs) = state
+         self.sampled_row, self.needs_prompt_logprobs, self.spec_token_ids) = state
         self.status = SequenceStatus.RUNNING
         self.num_cached_prompt_tokens = None
         self.prompt_logprobs = None

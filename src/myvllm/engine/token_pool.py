@@ -19,12 +19,17 @@ each step (share), so every rank's pool holds the same tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from myvllm.engine.logprobs import StepLogprobs
 from myvllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from myvllm.engine.spec_decode.verification import VerifiedTokens
 
 
 class TokenPool:
@@ -118,6 +123,9 @@ class SampledTokens:
         # Host tensors of their own (not the alternating slots), valid once token_ids()
         # has waited for the copy.
         self.logprobs = logprobs
+        # Speculative decoding: the tokens of the rows that verified proposals (several
+        # per row; token_ids() then holds a plain sample for them, unused).
+        self.verified: VerifiedTokens | None = None
 
     def token_ids(self) -> list[int]:
         if self._owner[self._slot] != self._step:

@@ -13,6 +13,14 @@ vLLM's metric names under our prefix, so dashboards written for vLLM read ours:
     myvllm:time_to_first_token_seconds   histogram  arrival -> first token at the server
     myvllm:inter_token_latency_seconds   histogram  between two outputs of one request
     myvllm:e2e_request_latency_seconds   histogram  arrival -> last token
+    myvllm:spec_decode_num_drafts_total             counter  speculative decoding: rows
+                                                             that verified proposals
+    myvllm:spec_decode_num_draft_tokens_total       counter  tokens proposed
+    myvllm:spec_decode_num_accepted_tokens_total    counter  of those, accepted
+    myvllm:spec_decode_num_accepted_tokens_per_pos_total  counter  by proposal position
+
+The mean accepted length is 1 + num_accepted_tokens / num_drafts (vLLM's reading of the same
+counters); the spec_decode counters appear only with speculative decoding on.
 
 "In use" counts blocks held by a request; free blocks that still hold a cached prefix count
 as free (they are handed out again when needed), as in vLLM.
@@ -22,10 +30,13 @@ Each server owns its own registry, so several servers (tests) can live in one pr
 
 from __future__ import annotations
 
+from typing import Any
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from myvllm.engine.async_llm import StatLogger
+from myvllm.engine.core_messages import SpecDecodeCounts
 
 # Without this every counter and histogram gets a second series, *_created (a timestamp),
 # that doubles the output and that nobody reads (vLLM turns it off the same way).
@@ -75,6 +86,10 @@ class PrometheusStatLogger(StatLogger):
                              "Time between two outputs of one request.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.",
                              E2E_BUCKETS)
+        # Speculative decoding: made at its first report (absent when it is off).
+        self._spec: dict[str, Any] | None = None
+        self._spec_per_pos: Counter | None = None
+        self._spec_totals: dict[str, int] = {}
 
     def record_scheduler(self, num_running: int, num_waiting: int,
                          kv_cache_usage: float) -> None:
@@ -97,6 +112,33 @@ class PrometheusStatLogger(StatLogger):
     def record_finished(self, finish_reason: str, e2e_latency: float) -> None:
         self._success.labels(self._model_name, finish_reason).inc()
         self.e2e.observe(e2e_latency)
+
+    def record_spec_decode(self, counts: SpecDecodeCounts) -> None:
+        # The core sends totals; a counter only goes up, by what is new since the last.
+        if self._spec is None:
+            r, labels = self.registry, ["model_name"]
+            self._spec = {
+                name: Counter(f"myvllm:spec_decode_{name}", doc, labels,
+                              registry=r).labels(self._model_name)
+                for name, doc in (("num_drafts", "Rows that verified proposals."),
+                                  ("num_draft_tokens", "Tokens proposed."),
+                                  ("num_accepted_tokens", "Proposed tokens accepted."))}
+            self._spec_per_pos = Counter("myvllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Proposed tokens accepted, by position.",
+                                         ["model_name", "position"], registry=r)
+        totals = {"num_drafts": counts.num_drafts,
+                  "num_draft_tokens": counts.num_draft_tokens,
+                  "num_accepted_tokens": counts.num_accepted_tokens}
+        for name, total in totals.items():
+            self._spec[name].inc(total - self._spec_totals.get(name, 0))
+            self._spec_totals[name] = total
+        per_pos = self._spec_per_pos
+        assert per_pos is not None
+        for position, total in enumerate(counts.accepted_per_position):
+            key = f"pos{position}"
+            per_pos.labels(self._model_name, str(position)).inc(
+                total - self._spec_totals.get(key, 0))
+            self._spec_totals[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

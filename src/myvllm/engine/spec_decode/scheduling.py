@@ -1,0 +1,61 @@
+"""The scheduler's side of speculative decoding: proposals for a decode row, and what the
+accepted count does to the sequence afterwards.
+
+Scheduling a decode row with proposals d_1..d_k (n = the sequence's tokens, t_n its last):
+
+    spec_token_ids      = [d_1 .. d_k]          never in token_ids until accepted
+    num_new_tokens      = 1 + k                 t_n and the proposals, one forward pass
+    num_computed_tokens = n + k                 K/V written up to position n + k - 1
+    blocks              for n + k positions     BlockManager.append(seq, num_lookahead=k)
+
+After the step (Scheduler.postprocess) the row emits a accepted proposals and one token of
+the target's (1 <= a + 1 <= k + 1); each is appended and checked for a stop as if decoded
+one by one (tokens after a stop are dropped). Then the sequence rolls back to what holds:
+
+    num_tokens          = n + a + 1
+    num_computed_tokens = n + a                 positions whose K/V came from accepted
+                                                inputs (t_n, d_1 .. d_a); the slots of the
+                                                rejected proposals are overwritten later
+    blocks              past the ones n + a + 1 tokens occupy are released (they held only
+                        rejected proposals); none was registered for prefix hits, since
+                        registration reads token_ids, where proposals never are
+
+Proposals never cost another sequence its place: a row whose lookahead blocks do not fit,
+or whose budget is spent, decodes plainly. They are cut so that even all accepted, the row
+stays within max_tokens and max_model_length (a + 1 <= what is left).
+"""
+
+from __future__ import annotations
+
+from myvllm.config import Config
+from myvllm.engine.sampling_controls import uses_sampling_controls
+from myvllm.engine.sequence import Sequence
+from myvllm.engine.spec_decode.ngram_proposer import NgramProposer
+from myvllm.engine.spec_decode.stats import SpecDecodeStats
+
+
+class Speculator:
+    def __init__(self, config: Config) -> None:
+        if config.speculative_method != "ngram":
+            raise ValueError(f"no proposer for speculative_method "
+                             f"{config.speculative_method!r}")
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecDecodeStats()
+
+    def propose(self, seq: Sequence, max_model_length: int, budget: int) -> list[int]:
+        """Proposals for seq's next decode row; budget: the step's tokens left, the row's
+        own included."""
+        if seq.sampling_params.logprobs is not None or uses_sampling_controls(seq):
+            # Per-token logprobs, and the logits processing of penalties, logit_bias,
+            # min_tokens and min_p, come from the one-token path; verification samples from
+            # the plain target distribution.
+            return []
+        left = min(seq.sampling_params.max_tokens - seq.num_completion_tokens,
+                   max_model_length - seq.num_tokens)
+        limit = min(self.num_speculative_tokens, left - 1, budget - 1)
+        return self.proposer.propose(seq.token_ids, limit) if limit > 0 else []
+
+
+def make_speculator(config: Config) -> Speculator | None:
+    return Speculator(config) if config.speculative_method is not None else None
