@@ -28,6 +28,7 @@ from myvllm.value_checks import is_int, is_real
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class ConfigError(TypeError, ValueError):
@@ -87,6 +88,12 @@ class Config:
 
     device: str = "auto"
     """"auto" (CUDA when available, else CPU), "cuda" or "cpu"."""
+
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type (vLLM's name): "auto" = the model's dtype; "fp8" = float8
+    e4m3 (torch.float8_e4m3fn), one byte per element: twice the blocks in the same memory and
+    half the bytes decode reads. K and V are divided by a per-layer scale (1.0, as vLLM without
+    checkpoint scales) and rounded when stored, multiplied back when attention loads them."""
 
     load_format: str = "auto"
     """"auto": read the weights from the checkpoint (safetensors or GGUF). "dummy": build the
@@ -167,6 +174,9 @@ class Config:
             raise ValueError(f"Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"Config.device must be one of {DEVICES}, got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Config.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         self.eos = _normalize_eos(self.eos)
 
     @classmethod
