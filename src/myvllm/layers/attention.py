@@ -17,9 +17,9 @@ prefill attends over k/v directly.
 
 An fp8 cache (Config.kv_cache_dtype="fp8") holds K / k_scale and V / v_scale; the kernels
 multiply the scales back as they read. One scale per tensor per layer, 1.0 as vLLM's
-default without checkpoint scales: measured accurate enough on our models
-(docs/fp8_kv_cache.md). A prefill with no cached prefix attends over its own k/v, unrounded,
-as before; what reads the cache (decode, later chunks, prefix hits) sees the fp8 values.
+default without checkpoint scales (why not finer: the guide's Step 4, "An fp8 cache"). A
+prefill with no cached prefix attends over its own k/v, unrounded, as before; what reads the
+cache (decode, later chunks, prefix hits) sees the fp8 values.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class Attention(nn.Module):
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
         # fp8 cache only: stored = K / k_scale (vLLM's _k_scale / _v_scale, per layer).
+        # Plain floats, passed to the kernels by value: a CUDA graph keeps the values it was
+        # captured with, so they are fixed before the runner's warm-up.
         self.k_scale = 1.0
         self.v_scale = 1.0
 
