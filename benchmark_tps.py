@@ -302,11 +302,11 @@ def compare_greedy_kv_cache_dtypes(llm, chats: list[str], kv_dtypes: list[str],
     diverge = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                for (x, _), (y, _) in zip(first, second)]
     errors = [abs(a - b) for (_, la), (_, lb), n in zip(first, second, diverge)
-              for a, b in zip(la[:n], lb[:n])]
+              for a, b in zip(la[:n], lb[:n])] or [float("nan")]  # nan: every first token differs
     print(f"kv cache {kv_dtypes[1]} vs {kv_dtypes[0]}: greedy tokens equal {equal}/"
           f"{len(chats) * max_tokens}, first difference at {diverge} (of {max_tokens}); "
-          f"|logprob difference| of the chosen tokens before it: mean {statistics.mean(errors):.4f}, "
-          f"max {max(errors):.4f}")
+          f"|logprob difference| of the chosen tokens before it: mean "
+          f"{statistics.mean(errors):.4f}, max {max(errors):.4f}")
 
 
 def main() -> None:

@@ -164,7 +164,7 @@ def test_bundled_model_fp8_cache_agrees_with_bf16_and_doubles_the_blocks() -> No
     diverge = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                for (x, _), (y, _) in zip(bf16, fp8)]
     errors = [abs(a - b) for (_, la), (_, lb), n in zip(bf16, fp8, diverge)
-              for a, b in zip(la[:n], lb[:n])]
+              for a, b in zip(la[:n], lb[:n])] or [float("inf")]  # every first token differs
     total = 64 * len(PROMPTS)
     print(f"\nSmolLM2 bf16, fp8 cache vs bf16 cache: {equal}/{total} greedy tokens equal, first "
           f"difference at {diverge}; |logprob difference| before it: mean "
@@ -172,8 +172,9 @@ def test_bundled_model_fp8_cache_agrees_with_bf16_and_doubles_the_blocks() -> No
           f"{blocks16} ({blocks8 / blocks16:.3f}x)")
     # The same budget of bytes: twice the blocks (up to the warm-up's peak, measured anew).
     assert 1.9 < blocks8 / blocks16 < 2.1
-    # On the CPU (fp32 model, fp8 against the fp32 cache) 50% of the tokens agreed position
-    # by position and the logprob difference averaged 0.036: a near tie flips a token and
-    # the two completions go separate ways. A dequantize that is wrong agrees on almost none.
-    assert equal >= 0.3 * total
+    # On the CPU (fp32 model, fp8 against the fp32 cache, benchmark_tps.py's four prompts)
+    # the first difference came 26, 3, 5 and 6 tokens in (a near tie flips a token, then the
+    # completions go separate ways, both fluent) and the logprob difference averaged 0.036
+    # while the tokens agreed. A dequantize that is wrong differs at once, by far.
+    assert sum(diverge) >= 0.05 * total
     assert statistics.mean(errors) < 0.15
