@@ -36,6 +36,12 @@ myvllm against transformers loading the same GGUF file (batched with left paddin
 timed after one warm-up run.
 
 Those two are the CPU modes: without a GPU, any other run stops at once with a hint naming them.
+
+--kv-cache-dtype auto,fp8: the KV cache's dtype (Config.kv_cache_dtype); with two, the
+workload runs on an engine of each in turn, in this one process, and the second engine's
+throughput is printed beside the first's (its block count, each run, the ratio of medians).
+With --bundled, the second engine's greedy tokens and their logprobs are compared with the
+first's instead (how far an fp8 cache moves real weights' outputs).
 """
 
 from __future__ import annotations
@@ -52,6 +58,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
+
+
+def kv_cache_dtypes(text: str) -> list[str]:
+    """--kv-cache-dtype: one or two of Config's KV_CACHE_DTYPES, comma-separated."""
+    allowed = ("auto", "fp8")  # Config's KV_CACHE_DTYPES (importing myvllm here loads torch)
+    names = text.split(",")
+    if not 1 <= len(names) <= 2 or len(set(names)) != len(names) or not set(names) <= set(allowed):
+        raise argparse.ArgumentTypeError(f"expected one or two different values of {allowed}, "
+                                         f"comma-separated, got {text!r}")
+    return names
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,6 +97,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="Config.batch_invariant: every kernel reduces in a fixed order "
                              "(its throughput cost; docs/reliability.md)")
+    parser.add_argument("--kv-cache-dtype", type=kv_cache_dtypes, default=["auto"],
+                        metavar="DTYPE[,DTYPE]",
+                        help="the KV cache's dtype, auto (the model's) or fp8; two, e.g. "
+                             "auto,fp8, run the workload on one engine of each and compare")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the engine's token budget per step (default: Config's)")
     parser.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
@@ -221,13 +241,13 @@ BUNDLED_PROMPTS = [
 ]
 
 
-def run_bundled(max_tokens: int = 64) -> None:
+def run_bundled(kv_dtypes: list[str], max_tokens: int = 64) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from myvllm import LLM, SamplingParams
     from myvllm.utils.model_path import bundled_model_path
 
-    llm = LLM(None, device="cpu")
+    llm = LLM(None, device="cpu", kv_cache_dtype=kv_dtypes[0])
     chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True)
              for p in BUNDLED_PROMPTS]
@@ -266,13 +286,45 @@ def run_bundled(max_tokens: int = 64) -> None:
     print(f"transformers: {theirs_s:.2f} s (batched, left padding)")
     if correct:
         print(f"ratio:        {theirs_s / ours_s:.2f}x (transformers time / myvllm time)")
+    if len(kv_dtypes) > 1:
+        compare_greedy_kv_cache_dtypes(llm, chats, kv_dtypes, max_tokens)
     llm.exit()
+
+
+def compare_greedy_kv_cache_dtypes(llm, chats: list[str], kv_dtypes: list[str],
+                                   max_tokens: int) -> None:
+    """Greedy tokens of an engine with the second KV-cache dtype against llm's (the first):
+    tokens equal position by position, where the first differs, and while they agree the
+    |difference| of the chosen tokens' logprobs."""
+    from myvllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=0)
+
+    def greedy(engine) -> list[tuple[list[int], list[float]]]:
+        outs = engine.generate(chats, params, use_tqdm=False)
+        return [(o["token_ids"], [lp[t] for lp, t in zip(o["logprobs"], o["token_ids"])])
+                for o in outs]
+
+    first = greedy(llm)
+    other = LLM(llm.config.model, device=llm.config.device, kv_cache_dtype=kv_dtypes[1])
+    second = greedy(other)
+    other.exit()
+    equal = sum(a == b for (x, _), (y, _) in zip(first, second) for a, b in zip(x, y))
+    diverge = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+               for (x, _), (y, _) in zip(first, second)]
+    errors = [abs(a - b) for (_, la), (_, lb), n in zip(first, second, diverge)
+              for a, b in zip(la[:n], lb[:n])] or [float("nan")]  # nan: every first token differs
+    print(f"kv cache {kv_dtypes[1]} vs {kv_dtypes[0]}: greedy tokens equal {equal}/"
+          f"{len(chats) * max_tokens}, first difference at {diverge} (of {max_tokens}); "
+          f"|logprob difference| of the chosen tokens before it: mean "
+          f"{statistics.mean(errors):.4f}, max {max(errors):.4f}")
 
 
 def main() -> None:
     args = parse_args()
     if args.bundled:
-        run_bundled(args.bundled_max_tokens)
+        run_bundled(args.kv_cache_dtype, args.bundled_max_tokens)
         return
 
     from transformers import AutoModelForCausalLM
@@ -303,21 +355,23 @@ def main() -> None:
               AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval())
         # 0.6 of the GPU for myvllm (weights, activations, KV cache) leaves room for the
         # transformers model loaded beside it; a dummy run frees the GPU before transformers.
-        llm = LLM(str(path), load_format=load_format, enforce_eager=args.enforce_eager,
-                  batch_invariant=args.batch_invariant,
-                  gpu_memory_utilization=0.9 if hf is None else 0.6,
-                  tensor_parallel_size=args.tensor_parallel_size,
-                  async_scheduling=(False if args.no_async_scheduling else
-                                    True if args.async_scheduling else None),
-                  max_model_length=args.max_input_len + args.max_output_len,
-                  max_num_sequences=256 if not args.quick else 8,
-                  enable_chunked_prefill=not args.no_chunked_prefill,
-                  **({"max_prefill_tokens_while_decoding":
-                      args.max_prefill_tokens_while_decoding}
-                     if args.max_prefill_tokens_while_decoding is not None else {}),
-                  **({"max_num_batched_tokens": args.max_num_batched_tokens}
-                     if args.max_num_batched_tokens else
-                     {"max_num_batched_tokens": 512} if args.quick else {}))
+        settings = dict(
+            load_format=load_format, enforce_eager=args.enforce_eager,
+            batch_invariant=args.batch_invariant,
+            gpu_memory_utilization=0.9 if hf is None else 0.6,
+            tensor_parallel_size=args.tensor_parallel_size,
+            async_scheduling=(False if args.no_async_scheduling else
+                              True if args.async_scheduling else None),
+            max_model_length=args.max_input_len + args.max_output_len,
+            max_num_sequences=256 if not args.quick else 8,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            **({"max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding}
+               if args.max_prefill_tokens_while_decoding is not None else {}),
+            **({"max_num_batched_tokens": args.max_num_batched_tokens}
+               if args.max_num_batched_tokens else
+               {"max_num_batched_tokens": 512} if args.quick else {}))
+        llm = LLM(str(path), kv_cache_dtype=args.kv_cache_dtype[0], **settings)
+        first_blocks = llm.config.num_kvcache_blocks
         vocab = min(llm.vocab_size, 10000)
 
         # 1. Correctness: greedy tokens against transformers on the same checkpoint.
@@ -371,11 +425,9 @@ def main() -> None:
         if reported:
             print(f"myvllm:       {second_tps:,.0f} output tok/s in a second run (fresh prompts)")
         results["myvllm_second_run_tok_s"] = second_tps if reported else None
+        all_runs = [ours_tps, second_tps]
         if args.runs > 2:
-            all_runs = [ours_tps, second_tps]
-            # Keys from 3 up: 2 is the timeline's, and each key is a workload the prefix
-            # cache has not seen.
-            for key in range(3, args.runs + 1):
+            for key in later_run_keys(args.runs):
                 start = time.perf_counter()
                 llm.generate(fresh_copy(prompts, key=key), params, use_tqdm=False)
                 all_runs.append(sum(max_tokens) / (time.perf_counter() - start))
@@ -421,6 +473,10 @@ def main() -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+        if len(args.kv_cache_dtype) > 1:
+            results["kv_cache_dtypes"] = compare_kv_cache_dtypes(
+                path, settings, args.kv_cache_dtype, first_blocks, all_runs, prompts, params,
+                sum(max_tokens), args.runs, reported)
 
         # 4. transformers on a subset of the same workload.
         hf_tps = None
@@ -454,6 +510,49 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if not args.quick:
         plot(results, Path(args.plot))
+
+
+def later_run_keys(runs: int) -> range:
+    """The workload keys (fresh_copy) of timed runs 3..N: 0 and 1 are runs 1 and 2, 2 is the
+    timeline's, so every run meets prompts the prefix cache has not seen."""
+    return range(3, runs + 1)
+
+
+def compare_kv_cache_dtypes(path: Path, settings: dict, kv_dtypes: list[str], first_blocks: int,
+                            first_runs: list[float], prompts: list[list[int]], params: list,
+                            num_tokens: int, runs: int, reported: bool) -> dict[str, object]:
+    """The throughput workload again on an engine whose KV cache has the second dtype (the
+    first engine has exited): the same runs on the same prompts, then both side by side."""
+    import torch
+
+    from myvllm import LLM
+
+    llm = LLM(str(path), kv_cache_dtype=kv_dtypes[1], **settings)
+    blocks = llm.config.num_kvcache_blocks
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    tok_s = []
+    for key in [0, 1, *later_run_keys(runs)]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(fresh_copy(prompts, key), params, use_tqdm=False)  # key 0: as given
+        tok_s.append(num_tokens / (time.perf_counter() - start))
+    llm.exit()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    ratio = statistics.median(tok_s) / statistics.median(first_runs)
+    if reported:
+        for name, n, each in ((kv_dtypes[0], first_blocks, first_runs),
+                              (kv_dtypes[1], blocks, tok_s)):
+            print(f"kv cache {name:>5}: {n} blocks, median {statistics.median(each):,.0f} "
+                  f"output tok/s over {len(each)} runs (each: "
+                  f"{', '.join(f'{t:,.0f}' for t in each)})")
+        print(f"kv cache {kv_dtypes[1]} / {kv_dtypes[0]}: {ratio:.2f}x output tok/s (medians), "
+              f"{blocks / first_blocks:.2f}x blocks")
+    return {"dtypes": kv_dtypes, "blocks": [first_blocks, blocks],
+            "runs_tok_s": [first_runs, tok_s] if reported else None, "ratio": ratio}
 
 
 def run_vllm(path: Path, load_format: str, prompts: list[list[int]], max_tokens: list[int],

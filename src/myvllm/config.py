@@ -29,6 +29,7 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("ngram", "draft")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class ConfigError(TypeError, ValueError):
@@ -93,6 +94,12 @@ class Config:
     """torch's threads for an engine on the CPU, in each of its processes (tensor-parallel
     ranks share them out). 0 = the engine's choice (engine/cpu_threads.py says how it was
     measured): one thread for a small model, every core for a larger one. No effect on a GPU."""
+
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type (vLLM's name): "auto" = the model's dtype; "fp8" = float8
+    e4m3 (torch.float8_e4m3fn), one byte per element: twice the blocks in the same memory and
+    half the bytes decode reads. K and V are divided by a per-layer scale (1.0, as vLLM without
+    checkpoint scales) and rounded when stored, multiplied back when attention loads them."""
 
     load_format: str = "auto"
     """"auto": read the weights from the checkpoint (safetensors or GGUF). "dummy": build the
@@ -206,6 +213,16 @@ class Config:
             raise ValueError(f"Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"Config.device must be one of {DEVICES}, got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Config.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.batch_invariant and self.kv_cache_dtype == "fp8":
+            # A prompt's first prefill attends to its own K/V unrounded, a cache hit or a
+            # later chunk to the fp8 copies: the same row would see different numbers.
+            raise ValueError("Config.batch_invariant=True does not combine with "
+                             "kv_cache_dtype='fp8' (a prompt computed in one go reads its "
+                             "own keys unrounded, a cached prefix reads them as fp8); use "
+                             "kv_cache_dtype='auto'")
         self.eos = _normalize_eos(self.eos)
         _check_speculative(self)
 

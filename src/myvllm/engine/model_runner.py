@@ -69,7 +69,7 @@ from myvllm.layers.sampler import Sampler
 from myvllm.models import get_model_class
 from myvllm.models.config import get_head_dim
 from myvllm.utils.context import forward_context
-from myvllm.utils.device import resolve_device, resolve_dtype
+from myvllm.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from myvllm.utils.distributed import get_tp_size
 from myvllm.utils.dummy_weights import initialize_dummy_weights
 from myvllm.utils.hf_config import load_hf_config
@@ -136,7 +136,8 @@ class ModelRunner:
         self.kv_layout = KVCacheLayout(
             num_layers=len(self.attention_layers), block_size=config.block_size,
             num_kv_heads=self.hf_config.num_key_value_heads // get_tp_size(),
-            head_dim=get_head_dim(self.hf_config), dtype=self.dtype)
+            head_dim=get_head_dim(self.hf_config),
+            dtype=resolve_kv_cache_dtype(config, self.dtype))
         self.num_kvcache_blocks = 0  # set by initialize_cache
 
     # ------------------------------------------------------------------ start-up

@@ -136,15 +136,19 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value [N, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] at
-    slot_mapping [N] (slot = block_id * block_size + offset; -1 = padding, skipped). In place."""
+    slot_mapping [N] (slot = block_id * block_size + offset; -1 = padding, skipped). In place.
+    An fp8 cache stores key / k_scale and value / v_scale (reference.quantize_kv)."""
     if use_triton(key):
         from . import store_kvcache_kernel as triton_impl
 
-        triton_impl.store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
+        triton_impl.store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping,
+                                         k_scale, v_scale)
     else:
-        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def flash_attention_varlen(
@@ -161,6 +165,8 @@ def flash_attention_varlen(
     v_cache: torch.Tensor | None = None,
     tile_map: TileMap | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal prefill attention -> o [Nq, Hq, D] (written into `out` when given).
 
@@ -169,7 +175,8 @@ def flash_attention_varlen(
     seqlen_k - seqlen_q + i). Without block_tables, k/v [Nk, Hkv, D] hold each whole context
     contiguously (rows cu_seqlens_k[b]:cu_seqlens_k[b+1]). With block_tables [B, max_blocks],
     the context is read from k_cache/v_cache (the new tokens must already be stored there)
-    and k/v are not used. max_seqlen_q/max_seqlen_k are host ints (no device sync needed).
+    and k/v are not used (an fp8 cache is dequantized with k_scale/v_scale as it is read).
+    max_seqlen_q/max_seqlen_k are host ints (no device sync needed).
 
     tile_map (Triton only; kernels/tile_map.build_tile_map) lists the query tiles to run
     (long ones cut along their keys), so that the launch has the same shape at every step
@@ -183,8 +190,9 @@ def flash_attention_varlen(
         from . import prefill_attention as triton_impl
 
         return triton_impl.flash_attention_varlen_triton(*args, tile_map, out,
-                                                         batch_invariant=is_batch_invariant())
-    o = flash_attention_varlen_ref(*args)
+                                                         batch_invariant=is_batch_invariant(),
+                                                         k_scale=k_scale, v_scale=v_scale)
+    o = flash_attention_varlen_ref(*args, k_scale, v_scale)
     return o if out is None else out.copy_(o)
 
 
@@ -195,25 +203,30 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention -> o [B, Hq, D] for q [B, Hq, D] (one new token per sequence).
 
     Sequence b attends to its first context_lens[b] cached tokens, found through
     block_tables[b] (-1 padded). CUDA-graph safe on the Triton path: no host syncs, launch
-    shape from tensor shapes only. Rows with context_lens 0 return zeros.
+    shape from tensor shapes only. Rows with context_lens 0 return zeros. An fp8 cache is
+    dequantized with k_scale/v_scale as it is read.
     """
     if use_triton(q) and is_batch_invariant():
         from . import prefill_attention
 
         return prefill_attention.decode_with_prefill_kernel(
-            q, k_cache, v_cache, block_tables, context_lens, scale)
+            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if use_triton(q):
         from . import decode_attention as triton_impl
 
         return triton_impl.paged_attention_decode_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale
+            q, k_cache, v_cache, block_tables, context_lens, scale,
+            k_scale=k_scale, v_scale=v_scale,
         )
-    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      k_scale, v_scale)
 
 
 # rms_norm and rms_norm_skinny_gemm return one tensor, or (out, residual stream) when given a

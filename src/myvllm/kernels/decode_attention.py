@@ -22,7 +22,8 @@ bandwidth, not by arithmetic. Two ideas keep the bytes moving:
 
 Keys are found through the block table one token at a time (position p -> block
 block_tables[b, p // block_size], offset p % block_size), so BLOCK_N and block_size need no
-relation: a tile may span many small blocks or sit inside one big block.
+relation: a tile may span many small blocks or sit inside one big block. An fp8 cache's
+tiles are dequantized as they are loaded (fp8_kv.dequantize_kv): half the bytes to read.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_kv import dequantize_kv
 from .pdl import pdl_args, pdl_wait
 
 LOG2E = math.log2(math.e)
@@ -52,6 +54,8 @@ def _paged_decode_split_kernel(
     l_part_ptr,
     acc_part_ptr,  # [B, Hq, NUM_SPLITS, D]
     qk_scale,  # softmax scale * log2(e)
+    k_scale,  # fp8 cache: K = stored * k_scale (unused for other caches)
+    v_scale,
     stride_qb,
     stride_qh,
     stride_cb,  # cache strides: block, slot-in-block, head (k and v caches share them)
@@ -104,6 +108,7 @@ def _paged_decode_split_kernel(
         rows = kv_base + blk * stride_cb + (pos % PAGE) * stride_cs
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = dequantize_kv(k, k_scale, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # The first tile of a split always holds a valid key, so m_new is finite.
@@ -112,6 +117,7 @@ def _paged_decode_split_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = dequantize_kv(v, v_scale, q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc += p @ v
         m_i = m_new
@@ -225,6 +231,8 @@ def paged_attention_decode_triton(
     *,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton version of paged_attention_decode (contract in kernels/__init__.py).
 
@@ -270,7 +278,7 @@ def paged_attention_decode_triton(
         m_part = l_part = acc_part = o  # unused by the kernel in this mode
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, o, m_part, l_part, acc_part,
-        scale * LOG2E,
+        scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), o.stride(0), o.stride(1),
         GROUP=group,

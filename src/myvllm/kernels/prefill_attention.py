@@ -23,7 +23,9 @@ along its keys, each leaving a partial (acc, m, l) that _combine_splits_kernel m
 
 On Hopper, contiguous Q/K/V tiles are fetched through TMA tensor descriptors (the copy engine
 moves a whole [rows, D] tile; see PrefillConfig.use_tma); elsewhere, and for the paged gather,
-through per-element pointers. Both paths compute the same thing and are tested.
+through per-element pointers. Both paths compute the same thing and are tested. An fp8 cache's
+tiles (paged K/V only: contiguous K/V are the model's dtype) are dequantized as they are loaded
+(fp8_kv.dequantize_kv).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+
+from .fp8_kv import dequantize_kv
 
 # The map of a fixed-grid launch is built on the host, in tile_map.py (no Triton needed there).
 from .tile_map import TileMap
@@ -80,6 +84,8 @@ def _attn_tile_loop(
     hi,
     seqlen_k,
     qk_scale,
+    k_scale,
+    v_scale,
     stride_kn,
     stride_vn,
     stride_cb,
@@ -115,6 +121,7 @@ def _attn_tile_loop(
             k = k_desc.load([seq_k_start + start_n, kv_col])
         else:
             k = _load_kv_tile(k_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+        k = dequantize_kv(k, k_scale, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -134,6 +141,7 @@ def _attn_tile_loop(
             v = v_desc.load([seq_k_start + start_n, kv_col])
         else:
             v = _load_kv_tile(v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+        v = dequantize_kv(v, v_scale, q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc += p @ v
         m_i = m_new
@@ -156,6 +164,8 @@ def _flash_attn_varlen_kernel(
     part_acc_ptr,  # [parts, heads, BLOCK_M, BLOCK_D] float32: a split's un-normalised output
     part_ml_ptr,  # [parts, heads, BLOCK_M, 2] float32: its running max and sum
     qk_scale,  # softmax scale * log2(e)
+    k_scale,  # fp8 cache: K = stored * k_scale (unused otherwise)
+    v_scale,
     stride_qn,
     stride_qh,
     stride_kn,  # per token (contiguous) or per slot-in-block (paged)
@@ -253,15 +263,15 @@ def _flash_attn_varlen_kernel(
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attn_tile_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
-        k_start, offs_n, offs_d, d_mask, q_pos, lo, full_hi, seqlen_k, qk_scale, stride_kn,
-        stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, False, BLOCK_D == HEAD_DIM, USE_TMA,
-        DOT_PRECISION,
+        k_start, offs_n, offs_d, d_mask, q_pos, lo, full_hi, seqlen_k, qk_scale, k_scale,
+        v_scale, stride_kn, stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, False,
+        BLOCK_D == HEAD_DIM, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_tile_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
-        k_start, offs_n, offs_d, d_mask, q_pos, diag_lo, hi, seqlen_k, qk_scale, stride_kn,
-        stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, True, BLOCK_D == HEAD_DIM, USE_TMA,
-        DOT_PRECISION,
+        k_start, offs_n, offs_d, d_mask, q_pos, diag_lo, hi, seqlen_k, qk_scale, k_scale,
+        v_scale, stride_kn, stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, True,
+        BLOCK_D == HEAD_DIM, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
 
     if part >= 0:  # one split of several: _combine_splits_kernel finishes the tile
@@ -389,6 +399,8 @@ def flash_attention_varlen_triton(
     *,
     config: PrefillConfig | None = None,
     batch_invariant: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton version of flash_attention_varlen (contract in kernels/__init__.py).
 
@@ -457,7 +469,7 @@ def flash_attention_varlen_triton(
         q, kk, vv, o, q_desc, k_desc, v_desc, cu_seqlens_q, cu_seqlens_k, bt,
         tile_map.rows if tile_map is not None else cu_seqlens_q,  # read only with TILE_MAP
         part_acc, part_ml,
-        scale * LOG2E,
+        scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), stride_kn, stride_kh, stride_vn, stride_vh,
         o.stride(0), o.stride(1), stride_cb, stride_bt,
         GROUP=num_heads // num_kv_heads,
@@ -506,7 +518,8 @@ def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     """paged_attention_decode's contract, computed by the prefill kernel in batch-invariant
     mode: each row is a sequence of one new token whose context_lens[b] keys are all in the
     cache. A decode row then reduces its keys exactly as the prefill or chunk row at the same
@@ -523,4 +536,4 @@ def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     cu_seqlens_k[1:] = torch.cumsum(context_lens, 0, dtype=torch.int32)
     return flash_attention_varlen_triton(
         q, q, q, cu_seqlens_q, cu_seqlens_k, 1, 0, scale, block_tables, k_cache, v_cache,
-        batch_invariant=True)
+        batch_invariant=True, k_scale=k_scale, v_scale=v_scale)

@@ -15,11 +15,33 @@ The paged KV cache layout used everywhere in myvllm:
     block_tables[b] = [ 7, 2, 9, -1, -1 ]        sequence b owns blocks 7, 2, 9 (in order)
     token position p of sequence b lives in block block_tables[b, p // block_size]
                                          at offset p % block_size
+
+An fp8 cache (Config.kv_cache_dtype="fp8", float8 e4m3) holds K / k_scale and V / v_scale,
+rounded to fp8 (quantize_kv); attention multiplies the scale back as it reads them
+(dequantize_kv). A cache of any other dtype holds K and V as they are; the scales are unused.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: e4m3fn has no infinity to round to
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as the cache stores it: for fp8, x / scale clamped to +-448 (a plain cast would turn
+    a larger value into NaN) and rounded to nearest; otherwise x cast to the cache's dtype."""
+    if cache_dtype == FP8_DTYPE:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x.to(cache_dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache elements back to values, in float32: fp8 ones times their scale."""
+    if stored.dtype == FP8_DTYPE:
+        return stored.float() * scale
+    return stored.float()
 
 
 def store_kvcache_ref(
@@ -28,6 +50,8 @@ def store_kvcache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key[i]/value[i] ([N, Hkv, D]) into cache slot slot_mapping[i]; -1 means skip."""
     block_size = k_cache.shape[1]
@@ -35,8 +59,8 @@ def store_kvcache_ref(
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced-index assignment writes in place whatever the cache's strides are.
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = quantize_kv(key[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize_kv(value[keep], v_cache.dtype, v_scale)
 
 
 def gather_paged_kv(
@@ -81,6 +105,8 @@ def flash_attention_varlen_ref(
     block_tables: torch.Tensor | None = None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal prefill attention over a flat batch of variable-length sequences.
 
@@ -89,9 +115,9 @@ def flash_attention_varlen_ref(
         k/v: [Nk, Hkv, D] the same for the context (used only when block_tables is None)
 
     With block_tables, the context of sequence b (cached prefix + the new tokens, which the
-    caller already stored with store_kvcache) is read from k_cache/v_cache instead.
-    max_seqlen_* are unused here; they are part of the signature because the Triton kernel
-    sizes its grid with them.
+    caller already stored with store_kvcache) is read from k_cache/v_cache instead (an fp8
+    cache dequantized with k_scale/v_scale). max_seqlen_* are unused here; they are part of
+    the signature because the Triton kernel sizes its grid with them.
     """
     del max_seqlen_q, max_seqlen_k
     out = torch.empty_like(q)
@@ -109,8 +135,8 @@ def flash_attention_varlen_ref(
         else:
             if k_cache is None or v_cache is None:
                 raise ValueError("block_tables given but k_cache/v_cache is None")
-            k_b = gather_paged_kv(k_cache, block_tables[b], seqlen_k)
-            v_b = gather_paged_kv(v_cache, block_tables[b], seqlen_k)
+            k_b = dequantize_kv(gather_paged_kv(k_cache, block_tables[b], seqlen_k), k_scale)
+            v_b = dequantize_kv(gather_paged_kv(v_cache, block_tables[b], seqlen_k), v_scale)
         out[starts_q[b] : starts_q[b + 1]] = _attend(q_b, k_b, v_b, scale).to(q.dtype)
     return out
 
@@ -122,13 +148,16 @@ def paged_attention_decode_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new query token per sequence attends to its context_lens[b] cached tokens.
 
     q [B, Hq, D], block_tables [B, max_blocks] (-1 padded), context_lens [B] -> o [B, Hq, D].
     Vectorised over the batch: every sequence gathers max_blocks * block_size positions (its
     padded table) and the positions past its context length are masked out. Rows with
-    context length 0 (CUDA-graph padding) get zeros.
+    context length 0 (CUDA-graph padding) get zeros. An fp8 cache is dequantized with
+    k_scale/v_scale.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -138,8 +167,8 @@ def paged_attention_decode_ref(
     # -1 table entries are only ever read for masked positions; clamp so the gather is legal.
     blocks = block_tables.long().clamp(min=0)[:, positions // block_size]  # [B, L]
     offsets = (positions % block_size).expand(batch, -1)
-    k = k_cache[blocks, offsets].float()  # [B, L, Hkv, D]
-    v = v_cache[blocks, offsets].float()
+    k = dequantize_kv(k_cache[blocks, offsets], k_scale)  # [B, L, Hkv, D] float32
+    v = dequantize_kv(v_cache[blocks, offsets], v_scale)
     valid = positions[None, :] < context_lens.long()[:, None]  # [B, L]
     # Slots past the context may hold anything (the cache is allocated uninitialised, even
     # NaN bit patterns): zero K and V there, since a NaN score survives the mask and

@@ -7,6 +7,7 @@ flat and stored to its slot:
 
 slot -1 marks a padding token (CUDA-graph batches are padded up to a captured size): that
 program writes nothing. The slot is read on the device, so the launch needs no host sync.
+An fp8 cache stores key / k_scale and value / v_scale, rounded to fp8 (fp8_kv.quantize_kv).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_kv import quantize_kv
 from .pdl import pdl_args, pdl_wait
 
 
@@ -25,6 +27,8 @@ def _store_kvcache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale,  # fp8 cache: stored = key / k_scale (unused for other caches)
+    v_scale,
     stride_kn,
     stride_kh,
     stride_vn,
@@ -50,8 +54,8 @@ def _store_kvcache_kernel(
     v = tl.load(value_ptr + token * stride_vn + head * stride_vh + dim, mask=mask)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cs + head * stride_ch + dim
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, quantize_kv(k, k_scale, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, quantize_kv(v, v_scale, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache_triton(
@@ -60,6 +64,8 @@ def store_kvcache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton version of store_kvcache (see kernels/__init__.py for the contract)."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -76,6 +82,8 @@ def store_kvcache_triton(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),

@@ -14,6 +14,12 @@ k_cache/v_cache are plain attributes, empty until the ModelRunner points them at
 views of its big cache tensor ([num_blocks, block_size, num_kv_heads, head_dim] each). While
 they are empty (e.g. a warm-up forward before the cache is sized) nothing is stored and
 prefill attends over k/v directly.
+
+An fp8 cache (Config.kv_cache_dtype="fp8") holds K / k_scale and V / v_scale; the kernels
+multiply the scales back as they read. One scale per tensor per layer, 1.0 as vLLM's
+default without checkpoint scales (why not finer: the guide's Step 4, "An fp8 cache"). A
+prefill with no cached prefix attends over its own k/v, unrounded, as before; what reads the
+cache (decode, later chunks, prefix hits) sees the fp8 values.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
+        # fp8 cache only: stored = K / k_scale (vLLM's _k_scale / _v_scale, per layer).
+        # Plain floats, passed to the kernels by value: a CUDA graph keeps the values it was
+        # captured with, so they are fixed before the runner's warm-up.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq*D] or [N, Hq, D]; k, v [N, Hkv*D] or [N, Hkv, D] -> o [N, Hq*D]."""
@@ -49,7 +60,8 @@ class Attention(nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         has_cache = k_cache.numel() > 0
         if has_cache and context.slot_mapping is not None:
-            store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+            store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, self.k_scale,
+                          self.v_scale)
 
         if context.is_prefill:
             if context.cu_seqlens_q is None or context.cu_seqlens_k is None:
@@ -70,11 +82,12 @@ class Attention(nn.Module):
                     context.max_seqlen_q, context.max_seqlen_k, self.scale,
                     block_tables=context.block_tables, k_cache=k_cache, v_cache=v_cache,
                     tile_map=context.q_tiles, out=o_all[:n],
+                    k_scale=self.k_scale, v_scale=self.v_scale,
                 )  # fmt: skip
                 if rows is not None:
                     o_rows = paged_attention_decode(
                         q.index_select(0, rows.gather), k_cache, v_cache, rows.block_tables,
-                        rows.context_lens, self.scale)
+                        rows.context_lens, self.scale, self.k_scale, self.v_scale)
                     o = o_all.index_copy_(0, rows.scatter, o_rows)[:n]
             else:
                 o = flash_attention_varlen(
@@ -89,7 +102,8 @@ class Attention(nn.Module):
                     "the context; run the model inside forward_context(...)"
                 )
             o = paged_attention_decode(
-                q, k_cache, v_cache, context.block_tables, context.context_lens, self.scale
+                q, k_cache, v_cache, context.block_tables, context.context_lens, self.scale,
+                self.k_scale, self.v_scale,
             )
         return o.reshape(n, self.num_heads * self.head_dim)
 

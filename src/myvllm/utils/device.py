@@ -25,3 +25,14 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
     dtype = getattr(torch, config.dtype)
     assert isinstance(dtype, torch.dtype)  # Config checked the name
     return dtype
+
+
+def resolve_kv_cache_dtype(config: Config, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's dtype ("auto") or float8 e4m3 ("fp8").
+
+    e4m3fn (4 exponent bits, 3 mantissa bits, no infinities, largest value 448) is the fp8
+    format vLLM's "fp8" means; e5m2 trades a mantissa bit for range that K and V do not need.
+    """
+    if config.kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    return model_dtype
