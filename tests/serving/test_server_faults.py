@@ -134,8 +134,14 @@ BAD_SHARED: dict[str, list[Any]] = {
     "logit_bias": [{"1": 100}, 5, "x"],
     "min_tokens": [4, -1],
     "stop_token_ids": [[1], [-1], "x"],
-    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}},
+    "response_format": [{"type": "json_schema", "json_schema": {}}, {"type": "json_schema"},
+                        {"type": "text", "json_schema": {"name": "x", "schema": {}}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}},
                         {"type": "xml"}, "json"],
+    "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}, {"choice": []},
+                           {"json": "{not json"}, {"regex": "(unclosed"}, 5],
+    "guided_choice": [[], [""], "a", [1]],
+    "guided_json": ["[1, 2]", 5, "{"],
     "unknown_field": [{"nested": [1, 2, 3]}, None, 1],
 }
 BAD_COMPLETION: dict[str, list[Any]] = {
@@ -190,7 +196,11 @@ EXTREME: dict[str, list[Any]] = {
     "logit_bias": [{}, None],
     "min_tokens": [0],
     "stop_token_ids": [[]],
-    "response_format": [{"type": "text"}],
+    "response_format": [{"type": "text"}, {"type": "json_object"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "object", "properties": {"a": {"type": "integer"}}}}}],
+    "guided_choice": [["\U0001f600", "a\"b\\c\n"]],
+    "guided_regex": ["[a-z]+", "\\d{3}"],
     "suffix": [""],
     "user": ["someone", None],
 }

@@ -44,6 +44,9 @@ class SamplingArgs:
     top_ps: torch.Tensor | None  # [B] float32, 1.0 = off; None when no row filters
     generators: list[torch.Generator | None] | None  # per-row seeded generators, or None
     all_greedy: bool
+    # [B, ceil(V / 32)] int32, bit t of row i: token t may be sampled (structured outputs,
+    # engine/structured_output.py); None when no row has a grammar.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass

@@ -222,10 +222,12 @@ class ModelRunner:
         pool = self.inputs.pool
         step_logprobs = None
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
-            args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device)
+            args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device,
+                                  self.hf_config.vocab_size)
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
             tokens = self.sampler(logits[:num_seqs], args.temperatures, args.top_ks,
-                                  args.top_ps, args.generators, all_greedy=args.all_greedy)
+                                  args.top_ps, args.generators, all_greedy=args.all_greedy,
+                                  token_bitmask=args.token_bitmask)
             pool.tokens[:num_seqs].copy_(tokens)
             asked, sampled_rows = sampled_logprobs(seqs, logits[:num_seqs], tokens,
                                                    self.inputs.fresh.tensor)

@@ -2,9 +2,11 @@
 
 Rank 0 alone samples. A decode step on one GPU with temperature-only rows samples inside
 its CUDA graph (two Triton kernels, layers/sampler.py); top-k, top-p and per-request seeds
-need the PyTorch sampler on the logits, outside the graph, and logprobs need the logits
-themselves (engine/logprobs.py): such a step runs the graph without its sampling, then the
-LM head, the Sampler and the logprobs eagerly. Steps with no such row keep the graph's path.
+need the PyTorch sampler on the logits, outside the graph, logprobs need the logits
+themselves (engine/logprobs.py), and a grammar's token bitmask is built on the host each
+step (engine/structured_output.py): such a step runs the graph without its sampling, then
+the LM head, the Sampler and the logprobs eagerly. Steps with no such row keep the graph's
+path.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from myvllm.engine.batch import SamplingArgs
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.structured_output import fill_token_bitmask
 
 ToDevice = Callable[[list[int] | list[float], torch.dtype], torch.Tensor]
 
@@ -31,9 +34,10 @@ def samples_this_step(seq: Sequence) -> bool:
 
 
 def needs_full_sampler(seqs: list[Sequence]) -> bool:
-    """A row needs the logits outside the decode graph: filters, a seed, or logprobs."""
+    """A row needs the logits outside the decode graph: filters, a seed, logprobs, or a
+    grammar."""
     return any(uses_filters_or_seeds(seq) or seq.sampling_params.logprobs is not None
-               for seq in seqs)
+               or seq.grammar_matcher is not None for seq in seqs)
 
 
 def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None:
@@ -46,13 +50,14 @@ def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None
     return seq.generator
 
 
-def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device
-                   ) -> SamplingArgs:
+def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device,
+                   vocab_size: int | None = None) -> SamplingArgs:
     """Sampling settings as device tensors, plus host-side hints for the fast paths.
 
     A sequence whose chunk stops short of its last token gets a row whose token is dropped;
     it must not draw from its seeded generator, or its later tokens would depend on how its
-    prompt was cut.
+    prompt was cut. vocab_size (the model's, the grammars' bitmask width) is needed when a
+    row has a grammar.
     """
     params = [seq.sampling_params for seq in seqs]
     generators: list[torch.Generator | None] | None = None
@@ -61,10 +66,17 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
                       if samples_this_step(seq) else None for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
+    bitmask = None
+    if any(seq.grammar_matcher is not None for seq in seqs):
+        if vocab_size is None:
+            raise ValueError("prepare_sample needs vocab_size for a row with a grammar")
+        bitmask = fill_token_bitmask(seqs, [samples_this_step(seq) for seq in seqs],
+                                     vocab_size)
     return SamplingArgs(
         temperatures=to_device([p.temperature for p in params], torch.float32),
         top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
         top_ps=to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
         generators=generators,
         all_greedy=all(p.temperature == 0 for p in params),
+        token_bitmask=bitmask.to(device) if bitmask is not None else None,
     )

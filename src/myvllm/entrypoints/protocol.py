@@ -6,7 +6,9 @@ it, so that no answer looks as if it honoured a field it ignored:
 
 - fields that work: the sampling fields below, vLLM's extras top_k and ignore_eos, stop
   strings, streaming (stream_options.include_usage), prompt batches, `echo` and `logprobs`
-  in /v1/completions, `logprobs` and `top_logprobs` in chat;
+  in /v1/completions, `logprobs` and `top_logprobs` in chat; structured outputs: OpenAI's
+  `response_format` (json_object, json_schema) and vLLM's `structured_outputs` and older
+  `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (one of them a request);
 - `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
@@ -26,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from myvllm.sampling_parameters import MAX_LOGPROBS, SamplingParams
+from myvllm.sampling_parameters import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class RequestError(Exception):
@@ -61,7 +63,6 @@ NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (lambda v: not v, "{}"),
     "min_tokens": (lambda v: v == 0, "0"),
     "stop_token_ids": (lambda v: not v, "[]"),
-    "response_format": (lambda v: v.type == "text", '{"type": "text"}'),
     "tools": (lambda v: not v, "[]"),
     "tool_choice": (lambda v: v == "none", '"none"'),
     # On a chat message: the answers this server gives never hold tool calls.
@@ -95,9 +96,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema: OpenAI's wrapper around the schema."""
+
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema here
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format: "json_schema" goes with type "json_schema", '
+                             "and only with it")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs field: StructuredOutputsParams' fields (one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingRequest(_Strict):
@@ -123,7 +152,13 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
+    # Structured outputs (at most one of these): OpenAI's, vLLM's, vLLM's older names.
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingRequest:
@@ -156,8 +191,32 @@ class _SamplingRequest(_Strict):
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
+            structured_outputs=self.structured_outputs_params(),
             **self.logprob_params(),
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint asked for, if any (ValueError for two, or a bad one)."""
+        asked: dict[str, StructuredOutputsParams] = {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked["response_format"] = StructuredOutputsParams(json_object=True)
+        elif rf is not None and rf.json_schema is not None:
+            asked["response_format"] = StructuredOutputsParams(json=rf.json_schema.json_schema)
+        so = self.structured_outputs
+        if so is not None:
+            asked["structured_outputs"] = StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked[name] = StructuredOutputsParams(**{kind: value})
+        if len(asked) > 1:
+            raise ValueError(f"at most one structured output constraint per request, got "
+                             f"{', '.join(asked)}")
+        return next(iter(asked.values()), None)
 
     def logprob_params(self) -> dict[str, int | None]:
         """SamplingParams' logprobs and prompt_logprobs, as each endpoint asks for them."""
@@ -323,6 +382,7 @@ def _taken_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[st
     """The fields of the (nested) model in which loc, an unknown field's path, ends."""
     nested: dict[int | str, type[BaseModel]] = {
         "stream_options": StreamOptions, "response_format": ResponseFormat,
+        "json_schema": JsonSchemaFormat, "structured_outputs": StructuredOutputs,
         "messages": ChatMessage, "content": ContentPart}
     for step in loc[:-1]:
         model = nested.get(step, model)
