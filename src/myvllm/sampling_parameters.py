@@ -50,8 +50,9 @@ class StructuredOutputsParams:
     """True: any JSON object (OpenAI's response_format {"type": "json_object"})."""
 
     disable_any_whitespace: bool = False
-    """For json and json_object: no free whitespace between tokens of the JSON (one fixed
-    separator style). A small model can otherwise fill max_tokens with whitespace."""
+    """For json and json_object: no free whitespace in the JSON (one fixed separator style,
+    ", " and ": "). Otherwise up to 16 whitespace characters may stand between two of its
+    tokens (enough for pretty-printing, a bound on a small model's runs of newlines)."""
 
     def __post_init__(self) -> None:
         kinds = ("json", "regex", "choice", "grammar", "json_object")

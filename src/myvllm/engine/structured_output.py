@@ -35,6 +35,10 @@ from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import tokenizer_if_any
 from myvllm.sampling_parameters import StructuredOutputsParams
 
+# Free whitespace in JSON (json, json_object without disable_any_whitespace): at most this
+# many characters between two of its tokens. Pretty-printed JSON needs a newline and its
+# indent; a small model left free can fill max_tokens with newlines instead.
+MAX_JSON_WHITESPACE = 16
 # Compiled grammars kept (least recently used dropped first); one JSON schema's is a few
 # hundred KB at most.
 MAX_CACHED_GRAMMARS = 256
@@ -87,17 +91,17 @@ class StructuredOutputManager:
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self.compiler()
-        any_whitespace = not params.disable_any_whitespace
+        whitespace: dict[str, Any] = (
+            {"any_whitespace": False} if params.disable_any_whitespace
+            else {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE})
         kind, spec, _ = params.key()
         try:
             if kind == "json":
                 schema = bounded_strings_as_patterns(json.loads(spec))
-                return compiler.compile_json_schema(json.dumps(schema),
-                                                    any_whitespace=any_whitespace)
+                return compiler.compile_json_schema(json.dumps(schema), **whitespace)
             if kind == "json_object":
                 # Any object: the schema {"type": "object"} (its values are any JSON).
-                return compiler.compile_json_schema('{"type": "object"}',
-                                                    any_whitespace=any_whitespace)
+                return compiler.compile_json_schema('{"type": "object"}', **whitespace)
             if kind == "regex":
                 return compiler.compile_regex(spec)
             if kind == "choice":
