@@ -99,7 +99,8 @@ class StructuredOutputsParams:
             if f.name != "disable_any_whitespace" and value not in (None, False):
                 if f.name == "json" and isinstance(value, str):
                     value = json.loads(value)  # a schema's text and its dict: one key
-                spec = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+                # Keys in their order: a schema's properties are generated in that order.
+                spec = value if isinstance(value, str) else json.dumps(value)
                 return f.name, spec, self.disable_any_whitespace
         raise AssertionError("__post_init__ checked that one kind is given")
 

