@@ -4,7 +4,7 @@
 
 Objects of 1-4 fields: strings (maxLength 0-6, sometimes a minLength), integers in a range,
 booleans, enums (with quotes, backslashes, accents and spaces in their words), arrays of
-0-4 items, nested objects (two levels at most). Every one bounds the JSON it accepts (no
+0-3 scalars, nested objects of 1-2 such fields (one level). Every one bounds the JSON it accepts (no
 free whitespace assumed), so a random model's output ends within a few hundred tokens.
 """
 
@@ -18,6 +18,7 @@ EOS = 0  # the tiny checkpoints' eos (helpers_models)
 
 def random_value_schema(rng: random.Random, depth: int) -> dict[str, Any]:
     kind = rng.choice(["string", "integer", "boolean", "enum", "array", "object"]
+                      if depth < 1 else ["string", "integer", "boolean", "enum", "array"]
                       if depth < 2 else ["string", "integer", "boolean", "enum"])
     if kind == "string":
         schema: dict[str, Any] = {"type": "string", "maxLength": rng.randint(0, 6)}
@@ -32,9 +33,9 @@ def random_value_schema(rng: random.Random, depth: int) -> dict[str, Any]:
     if kind == "enum":
         words = ["red", "green", "blue", "a b", 'q"uote', "\u00e9t\u00e9", "x\\y"]
         return {"enum": rng.sample(words, rng.randint(1, 4))}
-    if kind == "array":
-        items = random_value_schema(rng, depth + 1)
-        low = rng.randint(0, 2)
+    if kind == "array":  # of scalars: arrays of objects make outputs too long
+        items = random_value_schema(rng, depth=2)
+        low = rng.randint(0, 1)
         return {"type": "array", "items": items, "minItems": low,
                 "maxItems": low + rng.randint(0, 2)}
     return random_object_schema(rng, depth + 1)
@@ -44,7 +45,7 @@ def random_object_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
     """An object of 1-4 fields (string, integer, boolean, enum, array, nested object), some
     of them required, no others allowed."""
     names = rng.sample(["id", "name", "age", "tags", "ok", "kind", "size", "meta"],
-                       rng.randint(1, 4))
+                       rng.randint(1, 4 if depth == 0 else 2))
     properties = {name: random_value_schema(rng, depth) for name in names}
     required = [name for name in names if rng.random() < 0.7]
     return {"type": "object", "properties": properties, "required": required,

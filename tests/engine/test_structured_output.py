@@ -37,7 +37,7 @@ def engine(path: Any = None, **overrides: Any) -> LLM:
 def check_schema_outputs(llm: LLM, num_schemas: int, seed: int) -> None:
     rng = random.Random(seed)
     schemas = [random_object_schema(rng) for _ in range(num_schemas)]
-    params = [SamplingParams(temperature=1.0, seed=seed * 1000 + i, max_tokens=MAX_TOKENS,
+    params = [SamplingParams(temperature=1.0, seed=seed * 1000 + i, max_tokens=240,
                              structured_outputs=StructuredOutputsParams(
                                  json=schema, disable_any_whitespace=True))
               for i, schema in enumerate(schemas)]

@@ -35,7 +35,8 @@ def test_gpu_constrained_batch_gives_valid_json_beside_plain_rows() -> None:
                                       json=s, disable_any_whitespace=True)) for s in schemas]
     plain = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 16
     prompts = random_prompts([rng.randint(1, 30) for _ in range(64)], seed=1)
-    kw = dict(max_model_length=256, max_num_sequences=64)
+    # A fixed KV cache: several engines live in one process here.
+    kw = dict(max_model_length=256, max_num_sequences=64, num_kvcache_blocks=1024)
     alone = LLM(str(tiny_checkpoint("qwen3")), **kw).generate(prompts[48:], plain,
                                                                use_tqdm=False)
     for async_scheduling in (True, False):
@@ -55,15 +56,16 @@ def test_gpu_greedy_constrained_tokens_do_not_depend_on_async_scheduling() -> No
                                  json=random_object_schema(rng), disable_any_whitespace=True))
               for _ in range(16)]
     prompts = random_prompts([rng.randint(1, 30) for _ in params], seed=2)
-    runs = [LLM(str(tiny_checkpoint("qwen3")), async_scheduling=a, max_model_length=256
-                ).generate(prompts, params, use_tqdm=False) for a in (False, True)]
+    runs = [LLM(str(tiny_checkpoint("qwen3")), async_scheduling=a, max_model_length=256,
+                num_kvcache_blocks=1024).generate(prompts, params, use_tqdm=False)
+            for a in (False, True)]
     assert [o["token_ids"] for o in runs[0]] == [o["token_ids"] for o in runs[1]]
 
 
 def test_gpu_bundled_model_writes_json_that_validates() -> None:
     rng = random.Random(3)
     schemas = [random_object_schema(rng) for _ in range(32)]
-    llm = LLM(max_model_length=1024)  # the bundled SmolLM2 GGUF
+    llm = LLM(max_model_length=1024, num_kvcache_blocks=2048)  # the bundled SmolLM2 GGUF
     tokenizer = llm.tokenizer
     prompts = [tokenizer.apply_chat_template(
         [{"role": "user", "content": "Reply with a JSON object that follows this schema: "
