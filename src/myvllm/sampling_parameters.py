@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from myvllm.value_checks import is_int, is_real
 
@@ -26,6 +28,85 @@ MAX_LOGPROBS = 20
 # The most completions one request may ask for (OpenAI's limit for n): each is a sequence of
 # its own in the engine, with its own blocks once it decodes.
 MAX_N = 128
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's name and fields): exactly one of
+    json, regex, choice, grammar, json_object. The engine compiles it into a grammar
+    (xgrammar) and lets the sampler pick only tokens that keep the output inside it
+    (engine/structured_output.py). The output ends with eos once the grammar is complete;
+    max_tokens, max_model_length or a stop string can still cut it short."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (as a dict or its JSON text): the output is one JSON value it accepts."""
+
+    regex: str | None = None
+    """The output matches this regular expression, whole."""
+
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's dialect, GBNF-like, with a `root` rule)."""
+
+    json_object: bool | None = None
+    """True: any JSON object (OpenAI's response_format {"type": "json_object"})."""
+
+    disable_any_whitespace: bool = False
+    """For json and json_object: no free whitespace in the JSON (one fixed separator style,
+    ", " and ": "). Otherwise up to 16 whitespace characters may stand between two of its
+    tokens (enough for pretty-printing, a bound on a small model's runs of newlines)."""
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [name for name in kinds if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}"
+                                     ) from None
+            else:
+                schema = self.json
+                try:
+                    json.dumps(schema)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("StructuredOutputsParams.json must be a JSON schema: an "
+                                 f"object (or true/false), got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty str, "
+                                 f"got {value!r}")
+        if self.choice is not None and not (
+                isinstance(self.choice, list) and self.choice
+                and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of "
+                             f"non-empty strings, got {self.choice!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"StructuredOutputsParams.{name} must be True or False, "
+                                 f"got {value!r}")
+
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar: (kind, spec as text, whitespace setting)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "disable_any_whitespace" and value not in (None, False):
+                if f.name == "json" and isinstance(value, str):
+                    value = json.loads(value)  # a schema's text and its dict: one key
+                # Keys in their order: a schema's properties are generated in that order.
+                spec = value if isinstance(value, str) else json.dumps(value)
+                return f.name, spec, self.disable_any_whitespace
+        raise AssertionError("__post_init__ checked that one kind is given")
 
 
 @dataclass
@@ -107,6 +188,11 @@ class SamplingParams:
         seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
         return replace(self, n=1, seed=seed)
 
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's field).
+    It costs a grammar step on the host per token, a bitmask applied to the logits, and, with
+    async scheduling, the overlap of the steps it takes part in. None = off."""
+
     def __post_init__(self) -> None:
         t = self.temperature
         if not (is_real(t) and math.isfinite(t) and t >= 0):
@@ -143,6 +229,15 @@ class SamplingParams:
             if k is not None and not (is_int(k) and 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"SamplingParams.{name} must be None (off) or an int in "
                                  f"[0, {MAX_LOGPROBS}], got {k!r}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise ValueError("SamplingParams.structured_outputs must be None or "
+                                 f"StructuredOutputsParams, got {type(so).__name__}")
+            if self.ignore_eos:
+                raise ValueError("SamplingParams.ignore_eos cannot be combined with "
+                                 "structured_outputs: once the output is complete, eos is "
+                                 "the only token the grammar allows")
         self._check_sampling_controls()
 
     def _check_sampling_controls(self) -> None:

@@ -135,9 +135,15 @@ BAD_SHARED: dict[str, list[Any]] = {
                    {"256": 1}, {"1": "1"}, {"١": 1}],
     "min_tokens": [-1, "1", 1.5, 3],  # 3: more than max_tokens (2)
     "stop_token_ids": [[-1], "x", [256], [1.5], 5],
-    # Not supported yet: refused unless they ask for nothing.
-    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}},
+    # Structured outputs: malformed or contradictory constraints.
+    "response_format": [{"type": "json_schema", "json_schema": {}}, {"type": "json_schema"},
+                        {"type": "text", "json_schema": {"name": "x", "schema": {}}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}},
                         {"type": "xml"}, "json"],
+    "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}, {"choice": []},
+                           {"json": "{not json"}, {"regex": "(unclosed"}, 5],
+    "guided_choice": [[], [""], "a", [1]],
+    "guided_json": ["[1, 2]", 5, "{"],
     "unknown_field": [{"nested": [1, 2, 3]}, None, 1],
 }
 BAD_COMPLETION: dict[str, list[Any]] = {
@@ -191,8 +197,12 @@ EXTREME: dict[str, list[Any]] = {
     "logit_bias": [{}, None, {"0": 100, "255": -100}, {str(t): 1e-300 for t in range(256)}],
     "min_tokens": [0, 1],  # at most max_tokens, which may be 1 here
     "stop_token_ids": [[], [0, 255], [5] * 100],
+    "response_format": [{"type": "text"}, {"type": "json_object"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "object", "properties": {"a": {"type": "integer"}}}}}],
+    "guided_choice": [["\U0001f600", "a\"b\\c\n"]],
+    "guided_regex": ["[a-z]+", "\\d{3}"],
     # Not supported yet, at the values that ask for nothing (clients send them).
-    "response_format": [{"type": "text"}],
     "suffix": [""],
     "user": ["someone", None],
 }

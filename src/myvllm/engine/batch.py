@@ -45,6 +45,9 @@ class SamplingArgs:
     generators: list[torch.Generator | None] | None  # per-row seeded generators, or None
     min_ps: torch.Tensor | None  # [B] float32, 0 = off; None when no row uses min-p
     all_greedy: bool
+    # [B, ceil(V / 32)] int32, bit t of row i: token t may be sampled (structured outputs,
+    # engine/structured_output.py); None when no row has a grammar.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass

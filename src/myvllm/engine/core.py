@@ -45,6 +45,7 @@ from myvllm.engine.model_runner import SampledTokens
 from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.structured_output import StructuredOutputManager
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
@@ -61,6 +62,8 @@ class _QueuedStep:
     sampled: SampledTokens  # rank 0's run() result
     # Which of seqs get their token (chunked prefill: not those whose prompt goes on).
     samples: list[bool]
+    # A row that got its token has a grammar: its next bitmask needs that token on the host.
+    constrained: bool = False
 
 
 def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
@@ -129,6 +132,9 @@ class EngineCore:
                                           max_model_length=max_len)
         self.max_model_length: int = max_len
         self.scheduler = Scheduler(self.config)
+        # Grammars of SamplingParams.structured_outputs (the tokenizer is read at the first).
+        self.structured_outputs = StructuredOutputManager(
+            model_path, hf_config.vocab_size, sorted(self.scheduler.eos_token_ids))
         self.async_scheduling = bool(config.async_scheduling)
         self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
         # The requests added and not yet finished or aborted, by request id (= the first
@@ -155,6 +161,9 @@ class EngineCore:
                        sampling_params)
         # An empty or too long prompt, one that can never fit the KV cache: refused here.
         self.scheduler.check_sequence(seq)
+        if sampling_params.structured_outputs is not None:  # a bad schema raises here
+            seq.grammar_matcher = self.structured_outputs.matcher_for(
+                sampling_params.structured_outputs)
         return seq
 
     def add_sequence(self, seq: Sequence) -> int:
@@ -227,8 +236,18 @@ class EngineCore:
         Step N+1 is planned before step N's tokens are known: each sequence counts its token
         as pending (Sequence.add_pending_token), the runner feeds it from the device, and a
         sequence that ends on eos has one surplus step computed, whose token is dropped.
+
+        Structured outputs break that overlap: a row's next token bitmask follows from its
+        grammar's state after its previous token. So when step N gave a constrained row its
+        token, step N is read back first (the device idles meanwhile) and step N+1 is
+        planned with every token known; this call then reports step N, and N+1 stays in
+        flight.
         """
         self.executor.check_alive()
+        waited = None
+        if self._in_flight is not None and self._in_flight.constrained:
+            in_flight, self._in_flight = self._in_flight, None
+            waited = self._read_back(in_flight)
         seqs, is_prefill = self.scheduler.schedule()
         queued = None
         if seqs:
@@ -243,9 +262,14 @@ class EngineCore:
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
                     seq.add_pending_token()
-            queued = _QueuedStep(seqs, num_tokens, sampled, samples)
+            constrained = any(sample and seq.grammar_matcher is not None
+                              for seq, sample in zip(seqs, samples, strict=True))
+            queued = _QueuedStep(seqs, num_tokens, sampled, samples, constrained)
         if self.async_scheduling:
             queued, self._in_flight = self._in_flight, queued
+        if waited is not None:  # the step read back above (the one before is in flight)
+            assert queued is None
+            return waited
         if queued is None:  # nothing queued (or the first step of a run, still in flight)
             return [], 0
         return self._read_back(queued)

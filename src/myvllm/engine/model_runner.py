@@ -254,7 +254,8 @@ class ModelRunner:
         pool = self.inputs.pool
         step_logprobs = None
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
-            args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device)
+            args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device,
+                                  self.hf_config.vocab_size)
             if verification is not None:
                 verified = VerifiedTokens(*verify(seqs, verification, logits, args,
                                                   self.inputs.fresh.tensor))
@@ -266,7 +267,7 @@ class ModelRunner:
                          else process_logits(logits[:num_seqs], processing))
             tokens = self.sampler(to_sample, args.temperatures, args.top_ks, args.top_ps,
                                   args.generators, all_greedy=args.all_greedy,
-                                  min_ps=args.min_ps)
+                                  min_ps=args.min_ps, token_bitmask=args.token_bitmask)
             pool.tokens[:num_seqs].copy_(tokens)
             asked, sampled_rows = sampled_logprobs(seqs, logits[:num_seqs], tokens,
                                                    self.inputs.fresh.tensor)

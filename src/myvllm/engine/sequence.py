@@ -110,6 +110,10 @@ class Sequence:
         # the prompt's distinct token ids on the device, for repetition_penalty, made at the
         # first penalised step (engine/sampling_controls.py);
         self.penalty_prompt_ids: torch.Tensor | None = None
+        # SamplingParams.structured_outputs: the xgrammar GrammarMatcher of this sequence's
+        # output so far (set by EngineCore.make_sequence, advanced by append_token; see
+        # engine/structured_output.py), None without a constraint;
+        self.grammar_matcher: Any = None
         # the row of this sequence's token in the last step's sampled-token pool, where a
         # next step reads a token that is still pending (engine/token_pool.py);
         self.sampled_row: int | None = None
@@ -141,6 +145,8 @@ class Sequence:
             fork.request_id, fork.index, fork.fork_source = self.seq_id, index, self
             fork.streamed = self.streamed
             fork.needs_prompt_logprobs, fork.prompt_logprobs = False, None
+            if self.grammar_matcher is not None:  # its own matcher, at the grammar's start
+                fork.grammar_matcher = self.grammar_matcher.fork()
             self.forks.append(fork)
 
     # ------------------------------------------------------------------ token access
@@ -156,6 +162,10 @@ class Sequence:
         If a slot was reserved for it (add_pending_token), the token fills the oldest
         reserved slot; otherwise the sequence grows by one.
         """
+        if self.grammar_matcher is not None and not self.grammar_matcher.accept_token(token_id):
+            # The sampler only picks tokens the matcher's bitmask allowed, so this is a bug.
+            raise RuntimeError(f"sequence {self.seq_id}: token {token_id} was sampled but its "
+                               "grammar does not accept it")
         self.token_ids.append(token_id)
         self.last_token = token_id
         if self.num_pending_tokens:
@@ -276,6 +286,7 @@ class Sequence:
         self.prompt_logprobs = None
         self.generator = None
         self.penalty_prompt_ids = None
+        self.grammar_matcher = None
         self.finish_reason = None
         self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
         if self.needs_prefill:

@@ -8,7 +8,10 @@ it, so that no answer looks as if it honoured a field it ignored:
   frequency_penalty and logit_bias, and vLLM's extras top_k, min_p, repetition_penalty,
   min_tokens, stop_token_ids and ignore_eos), stop strings, streaming
   (stream_options.include_usage), `n` (completions per prompt), prompt batches, `echo` and
-  `logprobs` in /v1/completions, `logprobs` and `top_logprobs` in chat;
+  `logprobs` in /v1/completions, `logprobs` and `top_logprobs` in chat; structured outputs:
+  OpenAI's `response_format` (json_object, json_schema) and vLLM's `structured_outputs` and
+  older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (one of them a
+  request);
 - `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
@@ -28,7 +31,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from myvllm.sampling_parameters import MAX_LOGPROBS, MAX_N, SamplingParams
+from myvllm.sampling_parameters import (MAX_LOGPROBS, MAX_N, SamplingParams,
+                                          StructuredOutputsParams)
 
 
 class RequestError(Exception):
@@ -56,7 +60,6 @@ NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     # The best n of best_of completions (by their logprob): not implemented; n is.
     "best_of": (lambda v: v == 1, "1"),
     "suffix": (lambda v: v == "", '""'),
-    "response_format": (lambda v: v.type == "text", '{"type": "text"}'),
     "tools": (lambda v: not v, "[]"),
     "tool_choice": (lambda v: v == "none", '"none"'),
     # On a chat message: the answers this server gives never hold tool calls.
@@ -90,9 +93,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema: OpenAI's wrapper around the schema."""
+
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema here
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format: "json_schema" goes with type "json_schema", '
+                             "and only with it")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs field: StructuredOutputsParams' fields (one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingRequest(_Strict):
@@ -118,8 +149,13 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
-    # Not implemented yet (NOT_YET): refused unless they ask for nothing.
+    # Structured outputs (at most one of these): OpenAI's, vLLM's, vLLM's older names.
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingRequest:
@@ -173,6 +209,7 @@ class _SamplingRequest(_Strict):
             min_tokens=self.min_tokens or 0,
             stop_token_ids=self.stop_token_ids or None,
             n=self.num_completions,
+            structured_outputs=self.structured_outputs_params(),
             logprobs=self.logprob_params().get("logprobs"),
             prompt_logprobs=self.logprob_params().get("prompt_logprobs"),
         )
@@ -181,6 +218,29 @@ class _SamplingRequest(_Strict):
     def num_completions(self) -> int:
         """n: the choices each prompt gets."""
         return 1 if self.n is None else self.n
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint asked for, if any (ValueError for two, or a bad one)."""
+        asked: dict[str, StructuredOutputsParams] = {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked["response_format"] = StructuredOutputsParams(json_object=True)
+        elif rf is not None and rf.json_schema is not None:
+            asked["response_format"] = StructuredOutputsParams(json=rf.json_schema.json_schema)
+        so = self.structured_outputs
+        if so is not None:
+            asked["structured_outputs"] = StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked[name] = StructuredOutputsParams(**{kind: value})
+        if len(asked) > 1:
+            raise ValueError(f"at most one structured output constraint per request, got "
+                             f"{', '.join(asked)}")
+        return next(iter(asked.values()), None)
 
     def logprob_params(self) -> dict[str, int | None]:
         """SamplingParams' logprobs and prompt_logprobs, as each endpoint asks for them."""
@@ -346,6 +406,7 @@ def _taken_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[st
     """The fields of the (nested) model in which loc, an unknown field's path, ends."""
     nested: dict[int | str, type[BaseModel]] = {
         "stream_options": StreamOptions, "response_format": ResponseFormat,
+        "json_schema": JsonSchemaFormat, "structured_outputs": StructuredOutputs,
         "messages": ChatMessage, "content": ContentPart}
     for step in loc[:-1]:
         model = nested.get(step, model)

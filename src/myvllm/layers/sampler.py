@@ -34,6 +34,7 @@ from torch import nn
 
 from myvllm.kernels import use_triton
 from myvllm.layers.logits_processors import apply_min_p
+from myvllm.layers.token_bitmask import apply_token_bitmask
 
 
 class Sampler(nn.Module):
@@ -47,14 +48,18 @@ class Sampler(nn.Module):
         *,
         all_greedy: bool | None = None,
         min_ps: torch.Tensor | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] float (0 = greedy); top_ks [B] int (-1 or <= 0 = off);
         top_ps [B] float (1.0 = off); generators: one per row or None; min_ps [B] float
         (0 = off) -> token ids [B] int64.
 
         ``all_greedy`` is a host-side hint; when None it is computed from ``temperatures``,
-        which syncs with the device.
+        which syncs with the device. ``token_bitmask`` [B, ceil(V / 32)] int32: only the
+        tokens whose bit is set may be picked (structured outputs, layers/token_bitmask.py).
         """
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask)
         if all_greedy is None:
             all_greedy = bool((temperatures == 0).all())
         if all_greedy:

@@ -46,10 +46,11 @@ class Speculator:
     def propose(self, seq: Sequence, max_model_length: int, budget: int) -> list[int]:
         """Proposals for seq's next decode row; budget: the step's tokens left, the row's
         own included."""
-        if seq.sampling_params.logprobs is not None or uses_sampling_controls(seq):
-            # Per-token logprobs, and the logits processing of penalties, logit_bias,
-            # min_tokens and min_p, come from the one-token path; verification samples from
-            # the plain target distribution.
+        if (seq.sampling_params.logprobs is not None or uses_sampling_controls(seq)
+                or seq.grammar_matcher is not None):
+            # Per-token logprobs, the logits processing of penalties, logit_bias, min_tokens
+            # and min_p, and a grammar's bitmask come from the one-token path; verification
+            # samples from the plain target distribution.
             return []
         left = min(seq.sampling_params.max_tokens - seq.num_completion_tokens,
                    max_model_length - seq.num_tokens)
