@@ -70,8 +70,12 @@ def outputs(llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
 def engine(batch_invariant: bool, **settings: Any) -> Any:
     from myvllm import LLM
 
+    # A fixed cache (256 sequences of up to 1,024 tokens), not one sized to the GPU's
+    # memory: the engines of one run come one after another, and the memory an exited
+    # engine held is not always back in time for the next one's sizing.
     return LLM(str(QWEN3_06B), load_format="dummy", max_model_length=1024,
-               max_num_sequences=256, batch_invariant=batch_invariant, **settings)
+               max_num_sequences=256, batch_invariant=batch_invariant,
+               num_kvcache_blocks=256 * 1024 // 16, **settings)
 
 
 def close(llm: Any) -> None:
