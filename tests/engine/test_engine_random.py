@@ -139,10 +139,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# Llama's run is in the slow tests (the quick suite is at its 5-minute line); Qwen3 with
-# biases keeps the property in the quick ones.
-@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.slow) if kind == "llama"
-                                  else kind for kind in KINDS])
+# In the slow tests (~18 s a model here; the quick suite is at its 5-minute line): the
+# scheduler's property tests (tests/core/test_scheduler_properties.py) keep random workloads
+# in the quick ones.
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
 def test_random_batches_match_one_at_a_time_generation(kind: str) -> None:
     path = str(tiny_checkpoint(kind))
     rng = random.Random(f"engine-random-{kind}")

@@ -251,6 +251,7 @@ def test_a_failing_step_sends_core_dead_and_ends_the_loop(core: EngineCore, fron
     core.abort_all()
 
 
+@pytest.mark.slow  # ~10 s here: a core process that loads torch and fails
 def test_a_core_that_fails_to_start_is_a_clear_error(tmp_path: Path) -> None:
     """The front end checks the settings itself; what only the core finds (here a tensor
     missing from the checkpoint) comes back from AsyncLLM(...) with the core's own error,

@@ -108,6 +108,7 @@ def rest_of_stream(response: Any) -> list[dict[str, Any]]:
     raise AssertionError("the stream closed without [DONE]")
 
 
+@pytest.mark.slow  # ~11 s here
 def test_engine_core_killed_mid_request(checkpoint: Path) -> None:
     with serving(Config(model=str(checkpoint), **ENGINE_KW)) as (base_url, llm):
         assert fetch("GET", f"{base_url}/health")[0] == 200
