@@ -24,8 +24,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("chunked", [True, False])
 def test_gpu_greedy_forks_equal_n1(dtype: str, chunked: bool) -> None:
     # Chunked: a budget of 64, so the 150-token prompt runs in padded chunk steps.
+    # A fixed cache: several engines run in this process, and one sized to the GPU's memory
+    # can find none left (on the H200 an exited engine's memory was not back in time).
     llm = LLM(str(tiny_checkpoint("llama")), dtype=dtype, max_model_length=256,
-              enable_chunked_prefill=chunked, max_num_batched_tokens=64 if chunked else 1024,
+              num_kvcache_blocks=512, enable_chunked_prefill=chunked, max_num_batched_tokens=64 if chunked else 1024,
               enable_prefix_caching=False)
     prompts = random_prompts([150, 9, 33], seed=7)
     greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -48,10 +50,11 @@ def test_gpu_greedy_forks_equal_n1(dtype: str, chunked: bool) -> None:
         block = llm.config.block_size
         forked = sum(len(p) - (len(p) - 1) // block * block for p in prompts)
         assert sum(c for c in counted if c > 0) == sum(map(len, prompts)) + 3 * forked
+    llm.exit()
 
 
 def test_gpu_seeded_forks_are_reproducible() -> None:
-    llm = LLM(str(tiny_checkpoint("llama")), max_model_length=256)
+    llm = LLM(str(tiny_checkpoint("llama")), max_model_length=256, num_kvcache_blocks=512)
     prompts = random_prompts([40, 70], seed=8)
     params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=3, n=3)
     first = llm.generate(prompts, params, use_tqdm=False)
@@ -59,3 +62,4 @@ def test_gpu_seeded_forks_are_reproducible() -> None:
     for a, b in zip(first, again, strict=True):
         assert [c["token_ids"] for c in a["outputs"]] == [c["token_ids"] for c in b["outputs"]]
         assert len({tuple(c["token_ids"]) for c in a["outputs"]}) > 1
+    llm.exit()
