@@ -22,6 +22,7 @@ import pytest
 from helpers_models import build_tiny_checkpoint, random_prompts, tiny_checkpoint
 from helpers_schemas import (EOS, assert_declared_order, finished_on_eos,
                              random_object_schema)
+from test_async_scheduling import record_overlap
 
 from myvllm import LLM, SamplingParams
 from myvllm.sampling_parameters import StructuredOutputsParams
@@ -161,19 +162,7 @@ def test_the_async_step_waits_only_after_a_constrained_row() -> None:
     """With a constrained row in flight, the next step is planned only after its tokens
     were read (run, post, run, ...); plain requests keep the overlap (run, run)."""
     llm = engine(async_scheduling=True)
-    calls: list[str] = []
-    run, postprocess = llm.model_runner.run, llm.scheduler.postprocess
-
-    def logged_run(*args: Any) -> Any:
-        calls.append("run")
-        return run(*args)
-
-    def logged_postprocess(*args: Any) -> Any:
-        calls.append("post")
-        return postprocess(*args)
-
-    llm.model_runner.run = logged_run  # type: ignore[method-assign]
-    llm.scheduler.postprocess = logged_postprocess  # type: ignore[method-assign]
+    calls = record_overlap(llm)
     llm.generate([[5, 6, 7]], SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS,
         structured_outputs=StructuredOutputsParams(regex="[a-z]{6}")), use_tqdm=False)

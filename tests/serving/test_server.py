@@ -213,9 +213,10 @@ def test_the_engine_core_runs_in_a_process_of_its_own(base_url: str) -> None:
     assert Path(f"/proc/{llm.core_pid}").is_dir() or not Path("/proc").is_dir()
 
 
-def test_aborted_stream_frees_its_blocks(base_url: str) -> None:
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 224,
-            "ignore_eos": True, "stream": True}
+def stream_until(base_url: str, body: dict[str, Any], events: int
+                 ) -> http.client.HTTPConnection:
+    """A streamed /v1/completions request, read until `events` data events have arrived;
+    the connection is left open (closing it is the client going away)."""
     host, port = base_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     connection.request("POST", "/v1/completions", json.dumps(body),
@@ -223,9 +224,16 @@ def test_aborted_stream_frees_its_blocks(base_url: str) -> None:
     response = connection.getresponse()
     assert response.status == 200
     received = 0
-    while received < 3:
+    while received < events:
         if response.readline().startswith(b"data: "):
             received += 1
+    return connection
+
+
+def test_aborted_stream_frees_its_blocks(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 224,
+            "ignore_eos": True, "stream": True}
+    connection = stream_until(base_url, body, 3)
     now = metrics(base_url)
     assert now["myvllm:num_requests_running"] == 1
     assert now["myvllm:kv_cache_usage_perc"] > 0

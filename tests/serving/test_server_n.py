@@ -8,15 +8,13 @@ their choice index, give the non-streamed choices; the KV cache is empty afterwa
 
 from __future__ import annotations
 
-import http.client
-import json
 from typing import Any
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from test_server import MODEL, metrics, wait_for  # noqa: E402
+from test_server import MODEL, metrics, stream_until, wait_for  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 # The tiny model mostly repeats its last token; this hot, its samples differ.
@@ -128,16 +126,7 @@ def test_a_stop_string_ends_one_choice_and_the_others_go_on(base_url: str,
 def test_a_client_leaving_an_n_stream_frees_every_choice(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 200, "n": 3,
             "ignore_eos": True, "stream": True}
-    host, port = base_url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/v1/completions", json.dumps(body),
-                       {"content-type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200
-    received = 0
-    while received < 6:
-        if response.readline().startswith(b"data: "):
-            received += 1
+    connection = stream_until(base_url, body, 6)
     assert metrics(base_url)["myvllm:num_requests_running"] == 3
     connection.close()
     wait_for(lambda: metrics(base_url)["myvllm:num_requests_running"] == 0,
