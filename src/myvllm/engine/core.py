@@ -259,11 +259,11 @@ class EngineCore:
             except BaseException:
                 self._undo_step(seqs)
                 raise
+            constrained = False  # a row with a grammar sampled: the next step waits for it
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
                     seq.add_pending_token()
-            constrained = any(sample and seq.grammar_matcher is not None
-                              for seq, sample in zip(seqs, samples, strict=True))
+                    constrained = constrained or seq.grammar_matcher is not None
             queued = _QueuedStep(seqs, num_tokens, sampled, samples, constrained)
         if self.async_scheduling:
             queued, self._in_flight = self._in_flight, queued
