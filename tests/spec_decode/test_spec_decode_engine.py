@@ -65,6 +65,38 @@ def test_greedy_tokens_equal_plain_decoding(reference: list[list[int]],
     check_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("settings, through_prefill", [
+    (dict(), False),  # only decode and verification rows: all of them as decode rows
+    (dict(max_num_batched_tokens=8), True),  # prompt chunks beside verification rows
+], ids=["decode-rows", "beside-chunks"])
+def test_verification_runs_as_decode_rows_without_a_prompt_chunk_beside_it(
+        reference: list[list[int]], settings: dict[str, int], through_prefill: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import myvllm.engine.model_runner as runner_module
+
+    llm = LLM(str(tiny_checkpoint("qwen3")), **{**COMMON, **settings},
+              speculative_method="ngram")
+    runner = llm.engine_core.model_runner
+    paths: list[str] = []
+    as_decode, prefill = runner_module.verification_decode_step, runner.forward_prefill
+
+    def recording_decode_step(*args: object) -> object:
+        paths.append("decode")
+        return as_decode(*args)  # type: ignore[arg-type]
+
+    def recording_prefill(seqs: object, spans: object = None, verification: object = None
+                          ) -> object:
+        if verification is not None:
+            paths.append("prefill")
+        return prefill(seqs, spans, verification)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner_module, "verification_decode_step", recording_decode_step)
+    monkeypatch.setattr(runner, "forward_prefill", recording_prefill)
+    assert generate(llm, prompts(), GREEDY) == reference
+    assert "decode" in paths
+    assert ("prefill" in paths) == through_prefill
+
+
 class CorruptingOracle:
     """Proposes the known greedy continuation, each token replaced by a wrong one with
     probability 1/3: rows accept all, a prefix, or none of their proposals."""

@@ -164,6 +164,14 @@ class InputBuilder:
         temperatures = [seq.sampling_params.temperature if self.rank == 0 else 0.0
                         for seq in seqs]
         tables = [seq.block_table for seq in seqs]
+        return self.decode_rows(input_ids, pending, positions, slot_mapping, context_lens,
+                                temperatures, tables)
+
+    def decode_rows(self, input_ids: list[int], pending: list[tuple[int, int]],
+                    positions: list[int], slot_mapping: list[int], context_lens: list[int],
+                    temperatures: list[float], tables: list[list[int]]) -> StepInputs:
+        """A decode step's host arrays, one entry per row, on the device (padded on a GPU).
+        Speculative decoding's verification rows come here too (spec_decode/verification.py)."""
         if self.padded is not None:
             return self.padded.decode(input_ids, pending, positions, slot_mapping,
                                       context_lens, temperatures, tables)
@@ -175,4 +183,4 @@ class InputBuilder:
         return StepInputs(self.input_ids(input_ids, pending),
                           self.fresh.tensor(positions, torch.int64), context,
                           temperatures=self.fresh.tensor(temperatures, torch.float32),
-                          sampled=self.pool.tokens[:len(seqs)])
+                          sampled=self.pool.tokens[:len(input_ids)])

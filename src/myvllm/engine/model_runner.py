@@ -60,7 +60,8 @@ from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTokens,
-                                                    has_proposals, verify)
+                                                    has_proposals, verification_decode_step,
+                                                    verifies_as_decode, verify)
 from myvllm.engine.token_pool import SampledTokens
 from myvllm.kernels import set_batch_invariant
 from myvllm.layers.attention import Attention
@@ -246,10 +247,11 @@ class ModelRunner:
         # Speculative decoding: rows that verify proposals (always in a prefill-path step).
         verification = VerificationRows(seqs) if has_proposals(seqs) else None
         verified = None
-        if is_prefill:
+        if is_prefill and not (verification is not None and not spans and verifies_as_decode(
+                seqs, self.config.max_num_sequences)):
             logits, prompt_rows = self.forward_prefill(seqs, spans, verification)
         else:
-            logits = self.run_decode(seqs)
+            logits = self.run_decode(seqs, verification is not None)
         num_seqs = len(seqs)
         pool = self.inputs.pool
         step_logprobs = None
@@ -284,11 +286,14 @@ class ModelRunner:
         sampled.verified = verified
         return sampled
 
-    def run_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def run_decode(self, seqs: list[Sequence], verifies: bool = False) -> torch.Tensor | None:
         """A decode step; returns the logits when the Sampler must still run on them, None
-        when the step sampled into the pool itself (one GPU, temperature-only rows)."""
-        step = self.inputs.prepare_decode(seqs)
-        full_sampler = not self.sample_in_graph or needs_full_sampler(seqs)
+        when the step sampled into the pool itself (one GPU, temperature-only rows).
+        verifies: the step's verification rows run as decode rows (verify reads the logits
+        of every row)."""
+        step = (verification_decode_step(self.inputs, seqs) if verifies
+                else self.inputs.prepare_decode(seqs))
+        full_sampler = verifies or not self.sample_in_graph or needs_full_sampler(seqs)
         sample = not full_sampler
         all_greedy = sample and all(seq.sampling_params.temperature == 0 for seq in seqs)
         # A graph samples with all_greedy=False (see decode_forward): the same tokens.

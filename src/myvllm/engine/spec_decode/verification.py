@@ -12,13 +12,27 @@ A plain row needs the logits of its last token only; a verification row those of
 k + 1 tokens. The LM head then runs outside the forward context (where it keeps every row
 it is given) on exactly those rows (logit_rows); the step's usual one-token-per-row
 sampling reads the last of each row's (last_rows), and rejection_sample reads the rest.
+
+When every row of the step is a decode row or a verification row (no prompt chunk beside
+them, the usual case while generating), the step runs as a decode step instead:
+a verification row becomes k + 1 decode rows that share its block table, row j attending
+to the context up to its own position (its K/V and those before it are stored first):
+
+    decode rows   t_last   d_1      d_2      d_3
+    position      n-1      n        n+1      n+2
+    context_len   n        n+1      n+2      n+3
+
+That is the decode path's kernels and CUDA graphs (padded to a decode graph batch size),
+which on a GPU cost a few decode rows more than plain decoding, where the prefill path's
+chunk graph costs several times that. The logits of all rows are then exactly logit_rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from myvllm.engine.batch import SamplingArgs
+from myvllm.engine.batch import SamplingArgs, StepInputs
+from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.sampling import ToDevice, generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
@@ -26,6 +40,43 @@ from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_s
 
 def has_proposals(seqs: list[Sequence]) -> bool:
     return any(seq.spec_token_ids for seq in seqs)
+
+
+def verifies_as_decode(seqs: list[Sequence], max_rows: int) -> bool:
+    """Whether the step's rows are all decode or verification rows (no prompt chunk), and
+    their k + 1 decode rows each fit in max_rows (the largest decode step)."""
+    rows = 0
+    for seq in seqs:
+        new = 1 + len(seq.spec_token_ids)
+        if seq.num_new_tokens != new or seq.num_computed_tokens != seq.num_tokens - 1 + new:
+            return False
+        rows += new
+    return rows <= max_rows
+
+
+def verification_decode_step(inputs: InputBuilder, seqs: list[Sequence]) -> StepInputs:
+    """The step's rows as decode rows: a verification row's last token and its proposals
+    each a row of its own (see the module docstring)."""
+    block_size = inputs.block_size
+    pending: list[tuple[int, int]] = []
+    input_ids: list[int] = []
+    positions: list[int] = []
+    tables: list[list[int]] = []
+    temperatures: list[float] = []
+    for seq in seqs:
+        input_ids.append(inputs.pool.last_token(seq, len(input_ids), pending))
+        input_ids.extend(seq.spec_token_ids)
+        first = seq.num_tokens - 1
+        positions.extend(range(first, first + 1 + len(seq.spec_token_ids)))
+        tables.extend([seq.block_table] * (1 + len(seq.spec_token_ids)))
+        # Only rank 0 samples (a worker's copy of a Sequence carries no sampling_params).
+        temperature = seq.sampling_params.temperature if inputs.rank == 0 else 0.0
+        temperatures.extend([temperature] * (1 + len(seq.spec_token_ids)))
+    slot_mapping = [table[pos // block_size] * block_size + pos % block_size
+                    for table, pos in zip(tables, positions, strict=True)]
+    context_lens = [pos + 1 for pos in positions]
+    return inputs.decode_rows(input_ids, pending, positions, slot_mapping, context_lens,
+                              temperatures, tables)
 
 
 class VerificationRows:
