@@ -23,7 +23,8 @@ bandwidth, not by arithmetic. Two ideas keep the bytes moving:
 Keys are found through the block table one token at a time (position p -> block
 block_tables[b, p // block_size], offset p % block_size), so BLOCK_N and block_size need no
 relation: a tile may span many small blocks or sit inside one big block. An fp8 cache's
-tiles are dequantized as they are loaded (fp8_kv.dequantize_kv): half the bytes to read.
+tiles are cast as they are loaded and their scales applied to the scores and probabilities
+(fp8_kv.py): half the bytes to read.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_kv import dequantize_kv
+from .fp8_kv import cache_scale, dequantize_kv, scale_probs
 from .pdl import pdl_args, pdl_wait
 
 LOG2E = math.log2(math.e)
@@ -101,6 +102,7 @@ def _paged_decode_split_kernel(
 
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_base = kv_head * stride_ch
+    qk_scale = qk_scale * cache_scale(k_scale, k_cache_ptr.dtype.element_ty)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < hi
@@ -108,7 +110,7 @@ def _paged_decode_split_kernel(
         rows = kv_base + blk * stride_cb + (pos % PAGE) * stride_cs
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        k = dequantize_kv(k, k_scale, q.dtype)
+        k = dequantize_kv(k, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # The first tile of a split always holds a valid key, so m_new is finite.
@@ -117,7 +119,8 @@ def _paged_decode_split_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = dequantize_kv(v, v_scale, q.dtype)
+        p = scale_probs(p, v_scale, v.dtype)
+        v = dequantize_kv(v, q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc += p @ v
         m_i = m_new

@@ -4,8 +4,15 @@ quantizes, the attention kernels dequantize each K/V tile as they load it.
     stored = fp8(clamp(x / scale, -448, 448))        store_kvcache
     x     ~= fp32(stored) * scale                    prefill / decode attention
 
-Both are no-ops for a cache of the model's dtype (decided at compile time from the cache's
-element type), so that path compiles to exactly the code it had before. The PyTorch
+The attention kernels do the multiplication where it is cheapest, not on each [keys, D]
+tile: a loaded tile is only cast (exactly: bf16 and fp16 hold every e4m3 value), k_scale
+multiplies the scores (folded into the softmax scale once per program, since
+q . (s k) = s (q . k)) and v_scale the probabilities before they weigh V (sum p (s v) =
+s sum p v; the softmax's denominator sums the unscaled p). That leaves one conversion per
+element of the cache, the least an fp8 cache can cost.
+
+All of it is a no-op for a cache of the model's dtype (decided at compile time from the
+cache's element type), so that path compiles to exactly the code it had before. The PyTorch
 references (reference.quantize_kv / dequantize_kv) are the same formulas.
 """
 
@@ -28,9 +35,25 @@ def quantize_kv(x, scale, CACHE_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def dequantize_kv(tile, scale, COMPUTE_DTYPE: tl.constexpr):
-    """A loaded cache tile as values in the dtype of the queries (tl.dot needs both operands
-    in one dtype, and bf16/fp16 keep the tensor cores' fast path): fp8 times its scale."""
-    if tile.dtype.is_fp8():
-        tile = (tile.to(tl.float32) * scale).to(COMPUTE_DTYPE)
-    return tile
+def dequantize_kv(tile, COMPUTE_DTYPE: tl.constexpr):
+    """A loaded cache tile in the dtype of the queries (tl.dot needs both operands in one
+    dtype, and bf16/fp16 keep the tensor cores' fast path); its scale is applied elsewhere
+    (cache_scale, scale_probs)."""
+    return tile.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def cache_scale(scale, CACHE_DTYPE: tl.constexpr):
+    """What a cache of this dtype's values are multiplied by: scale for fp8, else 1."""
+    factor = 1.0
+    if CACHE_DTYPE.is_fp8():
+        factor = scale
+    return factor
+
+
+@triton.jit
+def scale_probs(p, v_scale, CACHE_DTYPE: tl.constexpr):
+    """The probabilities that weigh an fp8 V tile, times v_scale; unchanged otherwise."""
+    if CACHE_DTYPE.is_fp8():
+        p = p * v_scale
+    return p

@@ -24,8 +24,8 @@ along its keys, each leaving a partial (acc, m, l) that _combine_splits_kernel m
 On Hopper, contiguous Q/K/V tiles are fetched through TMA tensor descriptors (the copy engine
 moves a whole [rows, D] tile; see PrefillConfig.use_tma); elsewhere, and for the paged gather,
 through per-element pointers. Both paths compute the same thing and are tested. An fp8 cache's
-tiles (paged K/V only: contiguous K/V are the model's dtype) are dequantized as they are loaded
-(fp8_kv.dequantize_kv).
+tiles (paged K/V only: contiguous K/V are the model's dtype) are cast as they are loaded, their
+scales applied to the scores and probabilities (fp8_kv.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_kv import dequantize_kv
+from .fp8_kv import cache_scale, dequantize_kv, scale_probs
 
 # The map of a fixed-grid launch is built on the host, in tile_map.py (no Triton needed there).
 from .tile_map import TileMap
@@ -84,7 +84,6 @@ def _attn_tile_loop(
     hi,
     seqlen_k,
     qk_scale,
-    k_scale,
     v_scale,
     stride_kn,
     stride_vn,
@@ -121,7 +120,7 @@ def _attn_tile_loop(
             k = k_desc.load([seq_k_start + start_n, kv_col])
         else:
             k = _load_kv_tile(k_ptrs, n_mask, d_mask, MASKED, EVEN_D)
-        k = dequantize_kv(k, k_scale, q.dtype)
+        k = dequantize_kv(k, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -141,7 +140,8 @@ def _attn_tile_loop(
             v = v_desc.load([seq_k_start + start_n, kv_col])
         else:
             v = _load_kv_tile(v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
-        v = dequantize_kv(v, v_scale, q.dtype)
+        p = scale_probs(p, v_scale, v.dtype)
+        v = dequantize_kv(v, q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc += p @ v
         m_i = m_new
@@ -164,7 +164,7 @@ def _flash_attn_varlen_kernel(
     part_acc_ptr,  # [parts, heads, BLOCK_M, BLOCK_D] float32: a split's un-normalised output
     part_ml_ptr,  # [parts, heads, BLOCK_M, 2] float32: its running max and sum
     qk_scale,  # softmax scale * log2(e)
-    k_scale,  # fp8 cache: K = stored * k_scale (unused otherwise)
+    k_scale,  # fp8 cache: K = stored * k_scale (folded into qk_scale; unused otherwise)
     v_scale,
     stride_qn,
     stride_qh,
@@ -261,15 +261,16 @@ def _flash_attn_varlen_kernel(
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    qk_scale = qk_scale * cache_scale(k_scale, k_ptr.dtype.element_ty)
     acc, l_i, m_i = _attn_tile_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
-        k_start, offs_n, offs_d, d_mask, q_pos, lo, full_hi, seqlen_k, qk_scale, k_scale,
+        k_start, offs_n, offs_d, d_mask, q_pos, lo, full_hi, seqlen_k, qk_scale,
         v_scale, stride_kn, stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, False,
         BLOCK_D == HEAD_DIM, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_tile_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_head * HEAD_DIM, bt_row_ptr,
-        k_start, offs_n, offs_d, d_mask, q_pos, diag_lo, hi, seqlen_k, qk_scale, k_scale,
+        k_start, offs_n, offs_d, d_mask, q_pos, diag_lo, hi, seqlen_k, qk_scale,
         v_scale, stride_kn, stride_vn, stride_cb, BLOCK_N, PAGED, PAGE, True,
         BLOCK_D == HEAD_DIM, USE_TMA, DOT_PRECISION,
     )  # fmt: skip
