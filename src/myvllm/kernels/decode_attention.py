@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_kv import cache_scale, dequantize_kv, scale_probs
+from .fp8_kv import cache_scale, dequantize_kv, queries_for_cache, scale_probs
 from .pdl import pdl_args, pdl_wait
 
 LOG2E = math.log2(math.e)
@@ -95,6 +95,7 @@ def _paged_decode_split_kernel(
     heads = kv_head * GROUP + offs_g  # the query heads of this kv head's group
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = queries_for_cache(q, k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)

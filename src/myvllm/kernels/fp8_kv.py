@@ -9,7 +9,10 @@ tile: a loaded tile is only cast (exactly: bf16 and fp16 hold every e4m3 value),
 multiplies the scores (folded into the softmax scale once per program, since
 q . (s k) = s (q . k)) and v_scale the probabilities before they weigh V (sum p (s v) =
 s sum p v; the softmax's denominator sums the unscaled p). That leaves one conversion per
-element of the cache, the least an fp8 cache can cost.
+element of the cache, the least an fp8 cache can cost. For a bf16 model the conversion is to
+fp16, not bf16: e4m3 -> fp16 is a single instruction on the GPU, and the queries are cast to
+fp16 once per program for the dot products (queries_for_cache; fp16 holds them more finely
+than bf16, clamped to its range).
 
 All of it is a no-op for a cache of the model's dtype (decided at compile time from the
 cache's element type), so that path compiles to exactly the code it had before. The PyTorch
@@ -32,6 +35,19 @@ def quantize_kv(x, scale, CACHE_DTYPE: tl.constexpr):
     if CACHE_DTYPE.is_fp8():
         x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
     return x.to(CACHE_DTYPE)
+
+
+FP16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def queries_for_cache(q, CACHE_DTYPE: tl.constexpr):
+    """The queries in the dtype the dot products run in: fp16 for bf16 queries over an fp8
+    cache (see the module docstring), else unchanged (fp16 already; fp32 stays exact)."""
+    if CACHE_DTYPE.is_fp8():
+        if q.dtype.is_bf16():
+            q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    return q
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_kv import cache_scale, dequantize_kv, scale_probs
+from .fp8_kv import cache_scale, dequantize_kv, queries_for_cache, scale_probs
 
 # The map of a fixed-grid launch is built on the host, in tile_map.py (no Triton needed there).
 from .tile_map import TileMap
@@ -229,6 +229,7 @@ def _flash_attn_varlen_kernel(
         q = q_desc.load([q_start + m0, head * HEAD_DIM])  # extra rows are never stored
     else:
         q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = queries_for_cache(q, k_ptr.dtype.element_ty)
 
     ctx_offset = seqlen_k - seqlen_q  # cached prefix length
     q_pos = ctx_offset + offs_m  # absolute position of each query row
