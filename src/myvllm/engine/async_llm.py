@@ -270,6 +270,8 @@ class AsyncLLM:
         self._closing = False
         self._ready = False  # the core said "ready" and its sockets are connected
         self._shutdown_requested = False
+        self._shutdown_began = 0.0  # when begin_shutdown() ran (time.monotonic())
+        self._stopped = False  # shutdown() has ended the core and closed the sockets
         self.dead_error: BaseException | None = None  # why the core stopped, if it did
         self._death_callbacks: list[Callable[[BaseException], None]] = []
 
@@ -375,21 +377,32 @@ class AsyncLLM:
         else:
             callback()
 
-    def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
-        """Abort everything and end the core process (and with it any tensor-parallel
-        workers) within about timeout_s + TERMINATE_WAIT_S, whatever it is doing; idempotent.
-        Call it after the event loop stopped serving."""
+    def begin_shutdown(self) -> None:
+        """shutdown()'s first half, which does not wait: abort everything and tell the core
+        to stop (DPAsyncLLM tells every replica before it waits for any); idempotent."""
         self._closing = True
         if self._shutdown_requested:
             return
         self._shutdown_requested = True
+        self._shutdown_began = time.monotonic()
         loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
         if loop is not None:
             self._on_loop(self._abort_streams)
             self._on_loop(lambda: loop.remove_reader(self._process.sentinel))
         if self._process.is_alive() and self._ready:
             self._send(Shutdown())
-            self._process.join(timeout_s)
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Abort everything and end the core process (and with it any tensor-parallel
+        workers) within about timeout_s + TERMINATE_WAIT_S of begin_shutdown(), whatever it
+        is doing; idempotent. Call it after the event loop stopped serving."""
+        self.begin_shutdown()
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
+        if self._process.is_alive() and self._ready:
+            self._process.join(max(0.0, self._shutdown_began + timeout_s - time.monotonic()))
         if self._process.is_alive():
             if self._ready:
                 logger.warning(f"the engine core did not stop within {timeout_s:g} s (a step "
@@ -692,7 +705,11 @@ class AsyncLLM:
 
     def fail_requests(self, error: BaseException) -> None:
         """End every request in flight with error and take no more, though this core lives:
-        the engine it is a part of died (DPAsyncLLM, when another replica's core died)."""
+        the engine it is a part of died (DPAsyncLLM, when another replica's core died). The
+        core aborts them, so that it is idle, and quick to stop, when the shutdown comes."""
+        core_ids = [stream.core_id for stream in self._by_request_id.values()]
+        if core_ids and self._process.is_alive() and not self._input.closed:
+            self._send(AbortRequests(core_ids))
         self._fail(error)
 
     def _fail(self, error: BaseException) -> None:

@@ -238,8 +238,10 @@ class DPAsyncLLM:
             replica.abort_all()
 
     def shutdown(self) -> None:
-        """Every replica's shutdown, one after another (each ends its core within seconds,
-        whatever it is doing); idempotent."""
+        """Every replica's shutdown: each core told to stop first, then each waited for, so
+        that they stop together (within seconds, whatever they are doing); idempotent."""
+        for replica in self.replicas:
+            replica.begin_shutdown()
         for replica in self.replicas:
             replica.shutdown()
 
