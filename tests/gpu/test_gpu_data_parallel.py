@@ -42,7 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_more_replicas_than_gpus_is_refused(checkpoint: Path) -> None:
     count = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=f"needs {count + 1} GPUs, but {count} are visible"):
+    with pytest.raises(ValueError, match=f"needs {count + 1} GPUs, but only {count} visible"):
         DPAsyncLLM(Config(model=str(checkpoint), data_parallel_size=count + 1, **ENGINE_ARGS))
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from myvllm.config import Config
-from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.dp_async_llm import DPAsyncLLM, replica_devices
 from myvllm.engine.dp_router import MAX_ROUTED_BLOCKS, PrefixRouter
 from myvllm.entrypoints import cli
@@ -22,12 +21,17 @@ def prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(1000) for _ in range(length)]
 
 
-def test_block_hashes_are_the_prefix_caches_own() -> None:
+def test_a_block_hash_stands_for_its_whole_prefix() -> None:
     router = PrefixRouter(2, BLOCK)
     ids = list(range(11))  # two full blocks and a partial one
-    expected = [BlockManager.compute_hash(ids[0:4])]
-    expected.append(BlockManager.compute_hash(ids[4:8], expected[0]))
-    assert router.block_hashes(ids) == expected
+    hashes = router.block_hashes(ids)
+    assert len(hashes) == 2 and hashes[0] != hashes[1]
+    assert router.block_hashes(ids[:8] + [99]) == hashes  # the partial block does not count
+    assert router.block_hashes([0, 1, 2, 3, 40, 5, 6, 7])[0] == hashes[0]
+    assert router.block_hashes([0, 1, 2, 3, 40, 5, 6, 7])[1] != hashes[1]
+    # The same second block after another first block is another prefix.
+    assert router.block_hashes([9, 1, 2, 3, 4, 5, 6, 7])[1] != hashes[1]
+    assert router.block_hashes([]) == [] and router.block_hashes([1, 2, 3]) == []
     assert len(router.block_hashes(list(range(BLOCK * (MAX_ROUTED_BLOCKS + 5))))) == \
         MAX_ROUTED_BLOCKS
 
@@ -175,7 +179,7 @@ def test_replicas_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
     assert replica_devices(Config(device="cuda", data_parallel_size=3)) == ["4", "6", "7"]
     with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 "
-                                         r"needs 4 GPUs, but 3 are visible"):
+                                         r"needs 4 GPUs, but only 3 visible"):
         replica_devices(config)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
@@ -184,3 +188,17 @@ def test_replicas_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
         replica_devices(config)
     # On a CPU every replica shares it.
     assert replica_devices(Config(device="cpu", data_parallel_size=2)) == [None, None]
+
+
+def test_serve_with_more_replicas_than_gpus_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert cli.main(["serve", "some/model", "--data-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("myvllm serve: data_parallel_size=2 x tensor_parallel_size=1 needs "
+                           "2 GPUs, but only 1 visible")

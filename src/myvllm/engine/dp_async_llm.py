@@ -69,7 +69,7 @@ def replica_devices(config: Config) -> list[str | None]:
                else [str(i) for i in range(torch.cuda.device_count())])
     if dp * tp > len(visible):
         raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} "
-                         f"GPUs, but {len(visible)} are visible"
+                         f"GPUs, but only {len(visible)} visible"
                          + (f" (CUDA_VISIBLE_DEVICES={listed!r})" if listed is not None else ""))
     if tp > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         # Each replica's tensor-parallel group would rendezvous on the same address.

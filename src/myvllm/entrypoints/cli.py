@@ -225,6 +225,9 @@ def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
             llm = DPAsyncLLM(config, routing=data_parallel_routing)
         else:
             llm = AsyncLLM(config)
+    except ValueError as e:  # settings that cannot work here (e.g. more GPUs than visible)
+        print(f"myvllm serve: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:  # the core's own error (its traceback included), not ours
         print(f"myvllm serve: {e}", file=sys.stderr)
         return 1
