@@ -8,7 +8,13 @@
 Workload: benchmark_tps.py's (nano-vllm's): prompts of random token ids in [0, 10000) with
 lengths uniform in 100..1024, max_tokens uniform in 100..1024, ignore_eos, temperature 0.6.
 --shared-prefix-len N starts every prompt with the same N tokens (a system prompt), so the
-prefix cache has something to find.
+prefix cache has something to find; with --num-shared-prefixes K there are K such prefixes
+and each prompt starts with one of them, drawn at random (a few system prompts, or
+conversations: the case for routing by prefix across data-parallel replicas).
+
+Data-parallel replicas: the flags that are not this script's go to `myvllm serve`, so
+`--data-parallel-size 2 --data-parallel-routing round_robin` runs two replicas routed in
+turn (docs/benchmarks.md has the commands that compare one replica, two, and the routings).
 
 Arrivals: at rate r requests/s the gaps between requests are exponential with mean 1/r (a
 Poisson process); "inf" sends everything at once. A rate written "0.8x" is 0.8 times the
@@ -22,6 +28,9 @@ Reported per rate, as vLLM's benchmark_serving does:
   TPOT                 time per output token after the first: (e2e - TTFT) / (tokens - 1)
   ITL                  inter-token latency: every gap between two streamed chunks, pooled
 Each as p50 / p90 / p99 (ms). A chunk carries one engine step's tokens of that request.
+  prefix hits          prompt tokens found in the prefix cache / prompt tokens, over the
+                       rate's requests (the server's /metrics counters before and after;
+                       summed over the replicas)
 
 The server runs in its own process (started here unless --base-url is given), so the
 client's Python does not slow the server's. The client is plain asyncio over HTTP/1.1 (no
@@ -185,6 +194,18 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
     }
 
 
+def prefix_cache_counts(url: str) -> tuple[float, float]:
+    """(hit tokens, queried tokens) of the server's prefix cache, from /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {"myvllm:prefix_cache_hits_total": 0.0, "myvllm:prefix_cache_queries_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values["myvllm:prefix_cache_hits_total"], values["myvllm:prefix_cache_queries_total"]
+
+
 def print_row(s: dict[str, Any]) -> None:
     rate = "inf" if s["request_rate"] == math.inf else f"{s['request_rate']:.2f}"
     lat = "  ".join(f"{name} {s[key]['p50']:.1f}/{s[key]['p90']:.1f}/{s[key]['p99']:.1f}"
@@ -193,7 +214,8 @@ def print_row(s: dict[str, Any]) -> None:
     print(f"rate {rate:>6} req/s: {s['completed']} done, {s['failed']} failed, "
           f"{s['request_throughput']:.2f} req/s, {s['output_tok_s']:.0f} output tok/s"
           + ("" if math.isnan(s.get("vs_offline", math.nan)) else
-             f" ({s['vs_offline']:.2f}x offline)") + " | "
+             f" ({s['vs_offline']:.2f}x offline)")
+          + f", prefix hits {100 * s.get('prefix_hit_rate', math.nan):.1f}% | "
           f"ms p50/p90/p99: {lat}", flush=True)
 
 
@@ -333,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="tokens every prompt starts with (the prefix cache's case)")
+    p.add_argument("--num-shared-prefixes", type=int, default=1,
+                   help="with --shared-prefix-len: this many different prefixes, each prompt "
+                        "starting with one drawn at random (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--request-rates", type=parse_rates, default=parse_rates("inf,0.5x,0.8x,1.0x"),
                    help="comma-separated: req/s, 'inf' (all at once), or '0.8x' of the "
@@ -367,10 +392,13 @@ def main(argv: list[str] | None = None) -> int:
                                             Path(tmp.name), device, args.quick))
     prompts, max_tokens = make_workload(args.num_prompts, args.min_len, args.max_input_len,
                                         args.max_output_len, vocab)
+    if args.num_shared_prefixes < 1:
+        raise SystemExit(f"--num-shared-prefixes must be >= 1, got {args.num_shared_prefixes}")
     if args.shared_prefix_len:
         rng = random.Random(args.seed + 1)
-        prefix = [rng.randrange(vocab) for _ in range(args.shared_prefix_len)]
-        prompts = [prefix + p for p in prompts]
+        prefixes = [[rng.randrange(vocab) for _ in range(args.shared_prefix_len)]
+                    for _ in range(args.num_shared_prefixes)]
+        prompts = [rng.choice(prefixes) + p for p in prompts]
 
     if args.offline_only:
         assert model is not None
@@ -403,10 +431,14 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.request_rates:
             rate = (math.inf if spec == "inf" else
                     float(spec[:-1]) * peak if spec.endswith("x") else float(spec))
+            hits_before, queries_before = prefix_cache_counts(url)
             results, duration = asyncio.run(run_at_rate(
                 host, int(port_text), None, prompts, max_tokens, rate, args.temperature,
                 args.seed))
+            hits, queries = prefix_cache_counts(url)
             summary = summarize(results, duration, rate)
+            summary["prefix_hit_rate"] = ((hits - hits_before) / (queries - queries_before)
+                                          if queries > queries_before else math.nan)
             summary["rate_spec"] = spec
             summary["offline_output_tok_s"] = offline
             summary["vs_offline"] = summary["output_tok_s"] / offline

@@ -79,6 +79,13 @@ class Config:
     tensor_parallel_size: int = 1
     """GPUs (processes) one model is split over. Must divide the number of attention heads."""
 
+    data_parallel_size: int = 1
+    """Replicas of the whole engine behind one server (`myvllm serve`): each its own engine
+    core process on its own tensor_parallel_size GPUs (replica r on GPUs r*tp .. r*tp+tp-1; on
+    a CPU all share it), and the front end sends each request to one of them, by prompt prefix
+    so that prefix-cache hits stay on one replica, else to the least loaded. 1 = one engine
+    core. LLM (offline) and `myvllm chat` run one engine: they refuse more."""
+
     enforce_eager: bool = False
     """True = never capture/replay CUDA graphs (slower decode, easier debugging). CPU runs are
     always eager."""
@@ -189,6 +196,7 @@ class Config:
             _check_int("max_model_length", self.max_model_length, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        _check_int("data_parallel_size", self.data_parallel_size, minimum=1)
         _check_int("cpu_threads", self.cpu_threads, minimum=0)
         if not (is_int(self.num_kvcache_blocks)
                 and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)):

@@ -1,6 +1,7 @@
 """benchmark_serving.py --quick: a tiny model served in its own process, requests at once and
 then as a Poisson process at 0.8x the measured peak; every request must complete with the
-number of tokens it asked for before any figure is reported."""
+number of tokens it asked for before any figure is reported; the prefix-cache hit rate of each
+rate comes from the server's /metrics."""
 
 from __future__ import annotations
 
@@ -32,3 +33,6 @@ def test_benchmark_serving_quick(tmp_path: Path) -> None:
         assert row["request_throughput"] > 0 and row["output_tok_s"] > 0
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], (key, row)
+        assert 0.0 <= row["prefix_hit_rate"] <= 1.0
+    # The second rate sends the first's prompts again: their full blocks are in the cache.
+    assert rows[1]["prefix_hit_rate"] > rows[0]["prefix_hit_rate"]

@@ -33,6 +33,7 @@ and nothing at all for hang_timeout_s is taken for a hang (_watch_core).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -43,7 +44,7 @@ import signal
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from multiprocessing.connection import wait
 from typing import Any, cast
 
@@ -59,7 +60,7 @@ from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequ
 from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
-from myvllm.engine.startup import resolve_engine
+from myvllm.engine.startup import ResolvedEngine, resolve_engine
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.hf_config import gguf_parsed_once
 
@@ -189,6 +190,21 @@ class _Stream:
         self.wake.set()
 
 
+@contextlib.contextmanager
+def _environ(variables: Mapping[str, str]) -> Iterator[None]:
+    """os.environ with variables set, restored afterwards."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -202,13 +218,27 @@ def _describe_exit(code: int | None) -> str:
 
 class AsyncLLM:
     def __init__(self, config: Config, stat_logger: StatLogger | None = None,
-                 hang_timeout_s: float | None = HANG_TIMEOUT_S) -> None:
+                 hang_timeout_s: float | None = HANG_TIMEOUT_S, *,
+                 resolved: ResolvedEngine | None = None,
+                 core_environ: Mapping[str, str] | None = None,
+                 wait_until_ready: bool = True) -> None:
         """Resolve the model here, start the core process, and return once it is ready
         (bad settings, a missing checkpoint or a failed start raise from here).
         hang_timeout_s: nothing heard from the core for this long fails every request and
-        counts as the core's death (None: never)."""
-        with gguf_parsed_once():
-            resolved = resolve_engine(config)
+        counts as the core's death (None: never).
+
+        For DPAsyncLLM, which runs several of these, one per replica: resolved, the engine
+        it resolved once for all of them; core_environ, variables set for the core process
+        (CUDA_VISIBLE_DEVICES: the replica's GPUs); wait_until_ready False returns once the
+        core process is started, so that every replica loads at the same time, and
+        wait_until_ready() then finishes the start."""
+        if config.data_parallel_size != 1:
+            raise ValueError(f"AsyncLLM runs one engine core; data_parallel_size="
+                             f"{config.data_parallel_size} replicas are DPAsyncLLM's "
+                             "(myvllm.engine.dp_async_llm; `myvllm serve` picks it)")
+        if resolved is None:
+            with gguf_parsed_once():
+                resolved = resolve_engine(config)
         self.tokenizer = resolved.tokenizer
         self.model_path = resolved.model_path
         self.stat_logger = stat_logger or StatLogger()
@@ -240,19 +270,29 @@ class AsyncLLM:
         self._closing = False
         self._ready = False  # the core said "ready" and its sockets are connected
         self._shutdown_requested = False
+        self._shutdown_began = 0.0  # when begin_shutdown() ran (time.monotonic())
+        self._stopped = False  # shutdown() has ended the core and closed the sockets
         self.dead_error: BaseException | None = None  # why the core stopped, if it did
         self._death_callbacks: list[Callable[[BaseException], None]] = []
 
         ctx = mp.get_context("spawn")
         ready_receiver, ready_sender = ctx.Pipe(duplex=False)
+        self._ready_receiver = ready_receiver
         self._process = ctx.Process(
             target=run_engine_core, name="myvllm-engine-core",
             args=(resolved.config, resolved.model_path, resolved.fit_length_to_cache,
                   input_address, output_address, ready_sender, os.getpid()))
-        self._process.start()
+        with _environ(core_environ or {}):  # a spawned child copies ours as it starts
+            self._process.start()
         ready_sender.close()
+        if wait_until_ready:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Wait for the core started by __init__ to say "ready" (done by __init__ unless it
+        was told not to); a failed start shuts it down and raises."""
         try:
-            settings = self._wait_until_ready(ready_receiver)
+            settings = self._wait_until_ready(self._ready_receiver)
         except BaseException:
             self.shutdown()
             raise
@@ -337,21 +377,32 @@ class AsyncLLM:
         else:
             callback()
 
-    def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
-        """Abort everything and end the core process (and with it any tensor-parallel
-        workers) within about timeout_s + TERMINATE_WAIT_S, whatever it is doing; idempotent.
-        Call it after the event loop stopped serving."""
+    def begin_shutdown(self) -> None:
+        """shutdown()'s first half, which does not wait: abort everything and tell the core
+        to stop (DPAsyncLLM tells every replica before it waits for any); idempotent."""
         self._closing = True
         if self._shutdown_requested:
             return
         self._shutdown_requested = True
+        self._shutdown_began = time.monotonic()
         loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
         if loop is not None:
             self._on_loop(self._abort_streams)
             self._on_loop(lambda: loop.remove_reader(self._process.sentinel))
         if self._process.is_alive() and self._ready:
             self._send(Shutdown())
-            self._process.join(timeout_s)
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Abort everything and end the core process (and with it any tensor-parallel
+        workers) within about timeout_s + TERMINATE_WAIT_S of begin_shutdown(), whatever it
+        is doing; idempotent. Call it after the event loop stopped serving."""
+        self.begin_shutdown()
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
+        if self._process.is_alive() and self._ready:
+            self._process.join(max(0.0, self._shutdown_began + timeout_s - time.monotonic()))
         if self._process.is_alive():
             if self._ready:
                 logger.warning(f"the engine core did not stop within {timeout_s:g} s (a step "
@@ -651,6 +702,15 @@ class AsyncLLM:
         logger.error(f"{self.dead_error}; requests in flight were failed")
         for callback in self._death_callbacks:
             callback(self.dead_error or error)
+
+    def fail_requests(self, error: BaseException) -> None:
+        """End every request in flight with error and take no more, though this core lives:
+        the engine it is a part of died (DPAsyncLLM, when another replica's core died). The
+        core aborts them, so that it is idle, and quick to stop, when the shutdown comes."""
+        core_ids = [stream.core_id for stream in self._by_request_id.values()]
+        if core_ids and self._process.is_alive() and not self._input.closed:
+            self._send(AbortRequests(core_ids))
+        self._fail(error)
 
     def _fail(self, error: BaseException) -> None:
         """The core stopped: every request ends with the error."""

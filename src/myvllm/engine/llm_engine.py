@@ -51,8 +51,13 @@ class _Completions:
 
 class LLMEngine:
     def __init__(self, model: Config | str | None = None, **kwargs: Any) -> None:
+        config = to_config(model, **kwargs)
+        if config.data_parallel_size != 1:
+            raise ValueError(f"LLM runs one engine in this process; data_parallel_size="
+                             f"{config.data_parallel_size} is for `myvllm serve` (one LLM per "
+                             "GPU, each in its own process, is the offline equivalent)")
         with gguf_parsed_once():  # config, tokenizer and weights share one parse of a GGUF
-            resolved = resolve_engine(to_config(model, **kwargs))
+            resolved = resolve_engine(config)
             self.model_path = resolved.model_path
             self.tokenizer = resolved.tokenizer
             self.engine_core = EngineCore(resolved.config, resolved.model_path,

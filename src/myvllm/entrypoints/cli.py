@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the name clients put in 'model' (default: MODEL as given)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--data-parallel-routing", default="prefix",
+                       choices=["prefix", "least_loaded", "round_robin"],
+                       help="with --data-parallel-size > 1, how a request picks its replica: "
+                            "by prompt prefix (prefix-cache hits stay on one replica), else "
+                            "the least loaded; or by load alone; or in turn (default: "
+                            "%(default)s)")
     add_config_flags(serve)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal",
@@ -168,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             return export_tokenizer(args.model, args.out_dir)
         if args.command == "serve":
             return serve(config, args.served_model_name or name, args.host, args.port,
-                         args.log_level)
+                         args.log_level, args.data_parallel_routing)
+        if config.data_parallel_size != 1:
+            print(f"myvllm chat: one conversation runs on one engine; --data-parallel-size "
+                  f"{config.data_parallel_size} is for `myvllm serve`", file=sys.stderr)
+            return 2
         from myvllm.entrypoints.chat import run_chat
 
         return run_chat(config, args)
@@ -200,13 +210,24 @@ def export_tokenizer(model: str | None, out_dir: str) -> int:
     return 0
 
 
-def serve(config: Config, model_name: str, host: str, port: int, log_level: str) -> int:
-    """Run the server until a signal (exit 0) or the engine core's death (exit 1)."""
+def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
+          data_parallel_routing: str = "prefix") -> int:
+    """Run the server until a signal (exit 0) or an engine core's death (exit 1)."""
     from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.engine.dp_async_llm import DPAsyncLLM
+    from myvllm.engine.engine_client import EngineClient
     from myvllm.entrypoints.openai_server import make_server
 
+    llm: EngineClient
     try:
-        llm = AsyncLLM(config)  # the engine core process starts here, and is ready on return
+        # The engine core process(es) start here, and are ready on return.
+        if config.data_parallel_size > 1:
+            llm = DPAsyncLLM(config, routing=data_parallel_routing)
+        else:
+            llm = AsyncLLM(config)
+    except ValueError as e:  # settings that cannot work here (e.g. more GPUs than visible)
+        print(f"myvllm serve: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:  # the core's own error (its traceback included), not ours
         print(f"myvllm serve: {e}", file=sys.stderr)
         return 1
@@ -214,7 +235,7 @@ def serve(config: Config, model_name: str, host: str, port: int, log_level: str)
     try:
         server.run()
     finally:
-        llm.shutdown()  # the core process, and with it any tensor-parallel workers
+        llm.shutdown()  # the core process(es), and with them any tensor-parallel workers
     return 0 if server.started and not server.core_died else 1
 
 

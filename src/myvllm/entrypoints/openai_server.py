@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLM.
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLM (or a DPAsyncLLM:
+data-parallel replicas behind one router; both are EngineClients).
 
     GET  /health               200 while the engine accepts requests, else 503 (text/plain)
     GET  /v1/models            the one model served
@@ -41,7 +42,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from myvllm.engine.async_llm import AsyncLLM, EngineDeadError
+from myvllm.engine.async_llm import EngineDeadError
+from myvllm.engine.engine_client import EngineClient
 from myvllm.engine.core import check_token_ids
 from myvllm.entrypoints import protocol
 from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
@@ -120,7 +122,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(llm: AsyncLLM, model_name: str, stat_logger: PrometheusStatLogger,
+def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLogger,
               max_body_bytes: int | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -244,13 +246,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def need_tokenizer(llm: AsyncLLM) -> Any:
+def need_tokenizer(llm: EngineClient) -> Any:
     if llm.tokenizer is None:
         raise RequestError("this model has no tokenizer: prompts are token ids")
     return llm.tokenizer
 
 
-def apply_chat_template(llm: AsyncLLM, body: protocol.ChatCompletionRequest
+def apply_chat_template(llm: EngineClient, body: protocol.ChatCompletionRequest
                         | protocol.TokenizeChatRequest) -> list[int]:
     """The conversation as the model was trained to read it (by default ending with the
     assistant's turn opened); tokenized without adding special tokens (the template writes
@@ -277,7 +279,7 @@ class Server(uvicorn.Server):
     re-raising the signal. If the engine core process dies, the server stops too
     (core_died), so that its caller can exit non-zero and a supervisor start a new one."""
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM,
+    def __init__(self, config: uvicorn.Config, llm: EngineClient,
                  exit_on_core_death: bool = True) -> None:
         super().__init__(config)
         self.llm = llm
@@ -309,7 +311,7 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def make_server(llm: AsyncLLM, model_name: str, host: str, port: int,
+def make_server(llm: EngineClient, model_name: str, host: str, port: int,
                 log_level: str = "info", max_body_bytes: int | None = None,
                 exit_on_core_death: bool = True,
                 timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S) -> Server:

@@ -32,7 +32,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from myvllm.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput
+from myvllm.engine.async_llm import EngineDeadError, StreamOutput
+from myvllm.engine.engine_client import EngineClient
 from myvllm.engine.core import check_token_ids
 from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -156,9 +157,10 @@ class Answer:
 
 
 class Generation:
-    """The routes that generate text, over one AsyncLLM serving one model name."""
+    """The routes that generate text, over one engine (an AsyncLLM, or a DPAsyncLLM's
+    replicas) serving one model name."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: EngineClient, model_name: str) -> None:
         self.llm = llm
         self.model_name = model_name
 
