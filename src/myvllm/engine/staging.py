@@ -18,6 +18,10 @@ positions, slots, ...). A staging object sends them to the device:
     fresh.tensor(positions, torch.int64)              # one array -> one new device tensor
     static.stage({"positions": np.array([4, 5, 6]), ...})
     static.field("positions", 3)                       # its place on the device, int64 [3]
+
+The two alternating pinned slots are PinnedSlots, used both ways: StaticBuffers stages each
+step through them, and the sampled-token pool (engine/token_pool.py) reads each step's tokens
+back through them.
 """
 
 from __future__ import annotations
@@ -66,11 +70,8 @@ class StaticBuffers:
             ends[kind] += size
         self.device_buffers = {kind: torch.zeros(max(end, 1), dtype=kind, device=device)
                                for kind, end in ends.items()}
-        pin = device.type == "cuda"
-        self.host_slots = [{kind: torch.zeros_like(buffer, device="cpu", pin_memory=pin)
-                            for kind, buffer in self.device_buffers.items()} for _ in range(2)]
-        self.copied = [torch.cuda.Event() if pin else None for _ in range(2)]
-        self.slot = 0  # the host slot the next stage() fills
+        self.host_slots = PinnedSlots({kind: max(end, 1) for kind, end in ends.items()},
+                                      on_gpu=device.type == "cuda")
 
     def field(self, name: str, n: int | None = None) -> torch.Tensor:
         """The device view of a field's first n elements (all of it when n is None)."""
@@ -95,8 +96,8 @@ class StaticBuffers:
         The step reads it through field() views, the same memory at every step.
         Stream-ordered: a step still running on the buffers has read them before these
         copies land."""
-        slot, self.slot = self.slot, 1 - self.slot
-        event = self.copied[slot]
+        slot = self.host_slots.next_slot()
+        event = self.host_slots.events[slot]
         if event is not None:
             event.synchronize()  # the copy two steps ago out of this slot (long done)
         written: dict[torch.dtype, list[tuple[int, int]]] = {torch.int64: [], torch.int32: []}
@@ -110,7 +111,7 @@ class StaticBuffers:
             if size > end - start:
                 raise ValueError(f"{name}: {size} values, the field holds {end - start}")
             kind = _buffer_kind(self.dtypes[name])
-            host = self.host_slots[slot][kind].numpy()
+            host = self.host_slots.buffers[slot][kind].numpy()
             if self.dtypes[name] == torch.float32:
                 host = host.view(np.float32)
             if isinstance(values, np.ndarray):
@@ -122,9 +123,49 @@ class StaticBuffers:
         for kind, extents in written.items():
             for start, end in _merge(extents):
                 self.device_buffers[kind][start:end].copy_(
-                    self.host_slots[slot][kind][start:end], non_blocking=event is not None)
+                    self.host_slots.buffers[slot][kind][start:end], non_blocking=event is not None)
         if event is not None:
             event.record()
+
+
+class PinnedSlots:
+    """Two host copies of the same buffers, used in turn. On a GPU they are pinned and each
+    has an event, recorded after the device's copy into or out of it: the host fills (or
+    reads) one slot while the copy of the other may still wait in the stream."""
+
+    def __init__(self, sizes: Mapping[torch.dtype, int], on_gpu: bool) -> None:
+        self.buffers = [{dtype: torch.zeros(size, dtype=dtype, pin_memory=on_gpu)
+                         for dtype, size in sizes.items()} for _ in range(2)]
+        self.events = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
+        self.turns = 0  # slots handed out so far
+        self.owner = [0, 0]  # the turn whose data each slot holds
+
+    def next_slot(self) -> int:
+        """The slot for the next use (they alternate); the last but one use's is gone."""
+        slot = self.turns % 2
+        self.turns += 1
+        self.owner[slot] = self.turns
+        return slot
+
+    def copy_to_host(self, source: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Queue the copy of a 1-D int64 device tensor into the next slot; returns (its host
+        view, the slot, the turn) at once. wait_for(slot, turn) before reading the view."""
+        slot = self.next_slot()
+        host = self.buffers[slot][torch.int64][:source.numel()]
+        event = self.events[slot]
+        host.copy_(source, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        return host, slot, self.turns
+
+    def wait_for(self, slot: int, turn: int) -> None:
+        """Wait until the copy of that turn has landed; raise if a later one took its slot."""
+        if self.owner[slot] != turn:
+            raise RuntimeError("these sampled tokens were overwritten: read a step's tokens "
+                               "before running two more steps")
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()
 
 
 def block_table_array(tables: list[list[int]], width: int, num_rows: int | None = None,
