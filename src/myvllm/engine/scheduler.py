@@ -33,34 +33,12 @@ any other (decoded, preempted and finished each on its own).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
+from myvllm.engine.chunk_budget import StepBudget
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.engine.spec_decode.scheduling import make_speculator
-
-
-# Beyond this position a prompt token's attention (over every token before it) costs more
-# than its matmuls: 4 * layers * heads * head_dim FLOPs per token of context against
-# 2 * parameters per token, ~3,800 tokens for Qwen3-0.6B (more for larger models). Beside
-# decode rows, a chunk this far into its prompt is charged in proportion (see _chunk_size).
-ATTENTION_BOUND_CONTEXT = 4096
-# The prefill kernel's query tile on GPUs (prefill_config: 128 rows, 64 for fp32 or wide
-# heads). Its attention costs a whole tile per started tile: a chunk of 131 tokens at 16k
-# costs two, nearly twice one of 128. Beside decode rows, a chunk of more than one tile that
-# is not its prompt's last is cut to whole tiles (_chunk_size).
-CHUNK_TILE = 128
-
-
-@dataclass
-class _Budget:
-    """What is left of one step's tokens: all of them (decode rows and chunks), the share
-    prompt chunks may take, and whether that share is capped (streams decoding beside)."""
-
-    tokens: int
-    prompt: int
-    capped: bool
 
 
 class Scheduler:
@@ -161,8 +139,8 @@ class Scheduler:
            blocks last, each admitted with a first chunk after its cached prefix.
 
         While any running sequence whose tokens stream (Sequence.streamed) decodes, prompt
-        chunks together get at most max_prefill_tokens_while_decoding tokens, a token past
-        ATTENTION_BOUND_CONTEXT counting for more: the decode rows' wait stays short.
+        chunks together get at most max_prefill_tokens_while_decoding tokens (StepBudget,
+        engine/chunk_budget.py): the decode rows' wait stays short.
 
         Each scheduled sequence gets num_new_tokens (its chunk; 1 for a decode row) and its
         num_computed_tokens is advanced past it; it samples a token only when the chunk
@@ -171,7 +149,9 @@ class Scheduler:
         """
         if self.is_finished():
             return [], False
-        budget = self._step_budget()
+        budget = StepBudget.for_step(self.max_num_batched_tokens,
+                                     self.max_prefill_tokens_while_decoding,
+                                     self.enable_chunked_prefill, self.running)
         scheduled: list[Sequence] = []
         preempted = False
         if not self.enable_chunked_prefill:
@@ -196,16 +176,7 @@ class Scheduler:
         # Its blocks are free now, so try again: the next call prefills it or raises above.
         return self.schedule()
 
-    def _step_budget(self) -> _Budget:
-        """This step's token budget, and the share prompt chunks may take of it."""
-        cap = self.max_prefill_tokens_while_decoding
-        capped = (self.enable_chunked_prefill and bool(cap)
-                  and any(seq.streamed and seq.num_tokens - seq.num_computed_tokens <= 1
-                          for seq in self.running))
-        tokens = self.max_num_batched_tokens
-        return _Budget(tokens, min(tokens, cap) if capped else tokens, capped)
-
-    def _schedule_running(self, budget: _Budget, scheduled: list[Sequence]) -> bool:
+    def _schedule_running(self, budget: StepBudget, scheduled: list[Sequence]) -> bool:
         """Step 2 of schedule(): the running sequences' decode rows and next chunks, in
         order; returns whether any was preempted."""
         preempted = False
@@ -219,7 +190,7 @@ class Scheduler:
             if remaining > 1:  # a prompt part-way through its prefill
                 if budget.prompt == 0:
                     continue  # its next chunk waits; it keeps its place in running
-                self._schedule_prompt_chunk(seq, remaining, budget)
+                self._schedule_chunk(seq, budget.take_chunk(seq.num_computed_tokens, remaining))
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
@@ -248,7 +219,7 @@ class Scheduler:
         self.running.extendleft(reversed(visited))
         return preempted
 
-    def _admit_waiting(self, budget: _Budget, scheduled: list[Sequence],
+    def _admit_waiting(self, budget: StepBudget, scheduled: list[Sequence],
                        whole_prompts: bool) -> None:
         """Admit from the head of waiting while budget, sequence slots and blocks last. FIFO:
         when the head does not fit, nobody behind it jumps the queue (the head is kept).
@@ -282,7 +253,8 @@ class Scheduler:
                 self._schedule_chunk(seq, len(seq) - seq.num_cached_tokens)
                 budget.tokens -= len(seq)
             else:
-                self._schedule_prompt_chunk(seq, len(seq) - seq.num_cached_tokens, budget)
+                self._schedule_chunk(seq, budget.take_chunk(seq.num_computed_tokens,
+                                                            len(seq) - seq.num_computed_tokens))
             self.running.append(seq)
             scheduled.append(seq)
 
@@ -304,44 +276,6 @@ class Scheduler:
             if not fork.is_finished:  # aborted meanwhile
                 self.waiting.appendleft(fork)
         seq.forks = []
-
-    def _schedule_prompt_chunk(self, seq: Sequence, remaining: int, budget: _Budget) -> None:
-        chunk, cost = self._chunk_size(seq.num_computed_tokens, remaining, budget.tokens,
-                                       budget.prompt, budget.capped)
-        self._schedule_chunk(seq, chunk)
-        budget.tokens -= chunk
-        budget.prompt -= cost
-
-    @staticmethod
-    def _chunk_size(start: int, remaining: int, budget: int, prompt_budget: int,
-                    capped: bool) -> tuple[int, int]:
-        """(tokens, cost) of the next chunk of a prompt at position `start`.
-
-        Capped (decode rows beside it), a chunk of n tokens ending past
-        ATTENTION_BOUND_CONTEXT costs n * (start + n) / ATTENTION_BOUND_CONTEXT of
-        prompt_budget, since its attention grows with its position, and a chunk that is not
-        the prompt's last is cut to whole CHUNK_TILEs where it holds more than one: a
-        16k-token prompt goes in chunks of 768 tokens at first (the default cap) and of 128
-        near its end, each step about as long.
-        """
-        if not capped:
-            n = min(remaining, budget, prompt_budget)
-            return n, n
-        long = ATTENTION_BOUND_CONTEXT
-
-        def cost(n: int) -> int:
-            return -(-n * max(long, start + n) // long)
-
-        # The largest n with n * max(long, start + n) / long <= prompt_budget, nearly.
-        n = min(remaining, budget,
-                max(1, prompt_budget * long // max(long, start + prompt_budget)))
-        if CHUNK_TILE < n < remaining:
-            tiles = n // CHUNK_TILE + 1  # the formula above can be one tile short
-            while tiles > 1 and (tiles * CHUNK_TILE > min(budget, remaining)
-                                 or cost(tiles * CHUNK_TILE) > prompt_budget):
-                tiles -= 1
-            n = tiles * CHUNK_TILE
-        return n, min(cost(n), prompt_budget)
 
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
         """seq computes its next num_tokens tokens in this step. The blocks those fill are
