@@ -38,6 +38,7 @@ from collections.abc import Sequence as SequenceOf
 import numpy as np
 import xxhash
 
+from myvllm.engine.forks import num_shared_prompt_blocks
 from myvllm.engine.sequence import Sequence
 
 
@@ -265,26 +266,10 @@ class BlockManager:
         del seq.block_hashes[max(len(hits), limit // self.block_size):]
 
     # ------------------------------------------------------------------ forking (n > 1)
-    # The completions of one prompt share its K/V. The first is prefilled as any prompt; each
-    # other one is forked from it: its table starts with the first's full prompt blocks (one
-    # more reference each) and goes on in fresh blocks, from the block that holds the last
-    # prompt token. That block is recomputed by every completion in a block of its own (at
-    # most block_size tokens each), because every completion writes its own tokens after it:
-    #
-    #     prompt of 10 tokens, block_size 4, n = 2
-    #     completion 0   [7][2][9: t8 t9 a0 a1]      blocks 7 and 2: ref_count 2
-    #     completion 1   [7][2][5: t8 t9 b0 b1]      t8 t9 computed again, in block 5
-    #
-    # So a block is never written by two sequences, and no K/V is copied (vLLM's
-    # copy-on-write needs a device copy of the partial block; this costs a few tokens'
-    # compute instead).
-    def num_shared_prompt_blocks(self, seq: Sequence) -> int:
-        """Full blocks of seq's prompt before the one holding its last token: what a fork
-        shares."""
-        return (seq.num_prompt_tokens - 1) // self.block_size
-
+    # The completions of one prompt share its full prompt blocks (engine/forks.py): a block
+    # is never written by two sequences, and no K/V is copied.
     def can_fork(self, seq: Sequence) -> bool:
-        return len(self.free_block_ids) >= seq.num_blocks - self.num_shared_prompt_blocks(seq)
+        return len(self.free_block_ids) >= seq.num_blocks - num_shared_prompt_blocks(seq)
 
     def fork(self, source: Sequence, seq: Sequence) -> None:
         """Give seq, another completion of source's prompt, source's shared prompt blocks
@@ -295,7 +280,7 @@ class BlockManager:
         if seq.token_ids[:seq.num_prompt_tokens] != source.token_ids[:source.num_prompt_tokens]:
             raise ValueError(f"sequence {seq.seq_id} is no completion of sequence "
                              f"{source.seq_id}'s prompt")
-        num_shared = self.num_shared_prompt_blocks(seq)
+        num_shared = num_shared_prompt_blocks(seq)
         if len(source.block_table) < num_shared:
             raise ValueError(f"sequence {source.seq_id} holds {len(source.block_table)} "
                              f"blocks, fewer than the {num_shared} to share")

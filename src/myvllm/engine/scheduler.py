@@ -37,6 +37,7 @@ from collections import deque
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
+from myvllm.engine.forks import fork_source, make_forks, release_forks
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.engine.spec_decode.scheduling import make_speculator
 
@@ -114,10 +115,10 @@ class Scheduler:
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request. With SamplingParams.n > 1, seq is its first completion and the
         others are made here (seq.forks): they wait until seq's prefill is scheduled and are
-        then forked from it (_admit_waiting)."""
+        then forked from it (engine/forks.py)."""
         self.check_sequence(seq)
         if seq.sampling_params.n > 1 and not seq.forks:
-            seq.make_forks()
+            make_forks(seq)
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -230,7 +231,7 @@ class Scheduler:
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
-            source = self._fork_source(seq)
+            source = fork_source(seq)  # n > 1: share the first completion's prompt
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
                     or not (self.block_manager.can_fork(seq) if source is not None
@@ -258,25 +259,6 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(seq)
 
-    def _fork_source(self, seq: Sequence) -> Sequence | None:
-        """The first completion of seq's request, if seq is to be forked from it now: it
-        still runs, and a step already scheduled writes the K/V of the blocks to share.
-        Otherwise None, and seq is prefilled as any prompt (its source was preempted or
-        aborted first)."""
-        source = seq.fork_source
-        if source is None or source.status != SequenceStatus.RUNNING:
-            return None
-        num_shared = self.block_manager.num_shared_prompt_blocks(seq) * self.block_size
-        return source if source.num_computed_tokens >= num_shared else None
-
-    def _release_forks(self, seq: Sequence) -> None:
-        """Queue seq's other completions at the front of waiting (in order), to be forked
-        from it (n > 1): its prompt's last chunk is scheduled, or it ended before."""
-        for fork in reversed(seq.forks):
-            if not fork.is_finished:  # aborted meanwhile
-                self.waiting.appendleft(fork)
-        seq.forks = []
-
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
         """seq computes its next num_tokens tokens in this step. The blocks those fill are
         registered now: no later step can read them before this one writes them."""
@@ -287,7 +269,7 @@ class Scheduler:
             # Its prompt's K/V is all written by this step (or an earlier one): its other
             # completions can share it from this very step on (store_kvcache writes a step's
             # K/V before attention reads any).
-            self._release_forks(seq)
+            release_forks(seq, self.waiting)
 
     def _raise_no_progress(self) -> None:
         bm = self.block_manager
@@ -408,4 +390,4 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         # Its other completions no longer wait for its prefill: each is prefilled itself.
-        self._release_forks(seq)
+        release_forks(seq, self.waiting)

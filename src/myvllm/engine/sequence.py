@@ -124,30 +124,13 @@ class Sequence:
         # (Config.max_prefill_tokens_while_decoding). LLM.generate() and non-streaming server
         # requests hand their outputs back at the end: theirs are not.
         self.streamed: bool = True
-        # SamplingParams.n > 1: the request this sequence is one completion of (its first
-        # completion's seq_id) and which completion it is (0..n-1). The first holds the
-        # others in `forks` until its prefill's last chunk is scheduled; then they queue,
-        # each with fork_source naming it, to share its prompt's full blocks at their first
-        # admission (Scheduler._admit_waiting: a fork instead of a prefill of the whole prompt).
+        # SamplingParams.n > 1 (engine/forks.py): the request this sequence is one completion
+        # of (its first completion's seq_id), which completion it is, the others (held by the
+        # first until its prefill's last chunk is scheduled) and, for those, the first.
         self.request_id: int = self.seq_id
         self.index: int = 0
         self.forks: list[Sequence] = []
         self.fork_source: Sequence | None = None
-
-    def make_forks(self) -> None:
-        """SamplingParams.n > 1: make the request's other completions, into self.forks.
-        Each has the same prompt and its own sampling stream (SamplingParams.for_completion);
-        the prompt's logprobs, if asked, are computed by this sequence alone and handed to
-        them (EngineCore._read_back)."""
-        for index in range(1, self.sampling_params.n):
-            fork = Sequence(self.token_ids[:self.num_prompt_tokens], self.block_size,
-                            self.sampling_params.for_completion(index))
-            fork.request_id, fork.index, fork.fork_source = self.seq_id, index, self
-            fork.streamed = self.streamed
-            fork.needs_prompt_logprobs, fork.prompt_logprobs = False, None
-            if self.grammar_matcher is not None:  # its own matcher, at the grammar's start
-                fork.grammar_matcher = self.grammar_matcher.fork()
-            self.forks.append(fork)
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
