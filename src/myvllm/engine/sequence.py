@@ -24,6 +24,7 @@ from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int
 
 from myvllm.engine.core_messages import LogprobsLists
+from myvllm.engine.sequence_pickling import restore_worker_copy, worker_state
 
 if TYPE_CHECKING:
     import torch
@@ -227,56 +228,13 @@ class Sequence:
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    # ------------------------------------------------------------------ pickling
-    # With tensor parallelism, rank 0 sends the batch's sequences to every worker each step
-    # (pickled through a pipe). Workers only build input_ids/positions/slot_mapping; they
-    # never sample, so they need neither the sampling params nor the status. What they need:
-    #
-    #   prefill: seq_id, num_tokens, num_prompt_tokens, num_cached_tokens, block_table and
-    #            ALL token_ids (the runner feeds token_ids[num_cached_tokens:]), and
-    #            needs_prompt_logprobs (the LM head over prompt rows is collective)
-    #   decode:  the same counters and block_table, but only last_token (the one new token)
-    #            and the tokens proposed after it (speculative decoding), if any
-    #
-    # Sending the whole token list every decode step would cost O(length) per sequence per
-    # step; sending one int keeps a step's message small. "Prefill" means needs_prefill, not
-    # just "no completion token yet": a sequence preempted after generating tokens is
-    # re-prefilled over prompt + completion, and its workers need all of those tokens.
-    #
-    # With async scheduling the last token may still be pending: its value is nowhere on the
-    # host yet. The worker gets num_pending_tokens and sampled_row instead, and reads the
-    # token from its own sampled-token pool, where rank 0 broadcast it (ModelRunner.run).
-    #
-    # A worker-side copy is therefore partial: in a decode step it has no token_ids (reading
-    # them raises AttributeError instead of returning wrong data) and its sampling_params
-    # is None.
+    # Tensor parallelism: what a worker gets of the sequence each step, a partial copy
+    # (sequence_pickling.py says what and why).
     def __getstate__(self) -> tuple[Any, ...]:
-        tokens: list[int] | int | None = (self.token_ids if self.needs_prefill
-                                          else self.last_token)
-        return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
-                self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
-                self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
-                self.sampled_row if self.num_pending_tokens else None,
-                self.needs_prompt_logprobs, self.spec_token_ids)
+        return worker_state(self)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
-         self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
-         self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
-         self.sampled_row, self.needs_prompt_logprobs, self.spec_token_ids) = state
-        self.status = SequenceStatus.RUNNING
-        self.num_cached_prompt_tokens = None
-        self.prompt_logprobs = None
-        self.generator = None
-        self.penalty_prompt_ids = None
-        self.grammar_matcher = None
-        self.finish_reason = None
-        self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
-        if self.needs_prefill:
-            self.token_ids = tokens
-            self.last_token = tokens[-1] if tokens else -1
-        else:
-            self.last_token = tokens
+        restore_worker_copy(self, state)
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
