@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
-from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from myvllm.config import Config
@@ -42,6 +40,7 @@ from myvllm.engine.batch import RequestOutput
 from myvllm.engine.executor import Executor
 from myvllm.engine.logprobs import read_step_logprobs, take_prompt_logprobs
 from myvllm.engine.model_runner import SampledTokens
+from myvllm.engine.request_checks import check_sampling_token_ids, check_token_ids
 from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
@@ -64,40 +63,6 @@ class _QueuedStep:
     samples: list[bool]
     # A row that got its token has a grammar: its next bitmask needs that token on the host.
     constrained: bool = False
-
-
-def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
-    """A prompt of token ids as a list of ints, or a clear error (before anything is queued)."""
-    if not isinstance(prompt, SequenceABC) or isinstance(prompt, (str, bytes, bytearray)):
-        # bytes are a sequence of ints too, but they are text, not token ids.
-        raise TypeError("a prompt must be a str or a list of int token ids, got "
-                        f"{type(prompt).__name__}")
-    token_ids = list(prompt)
-    # Plain ints pass with one C-level check. A Python-level isinstance() per token took
-    # 13-25 ms for a 16k-token prompt on a 2-core machine: host time between two steps,
-    # which every decoding stream waited for.
-    if set(map(type, token_ids)) - {int}:
-        bad_types = [t for t in token_ids
-                     if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-        if bad_types:
-            raise TypeError(f"token ids must be ints, got {bad_types[0]!r} "
-                            f"({type(bad_types[0]).__name__}) in a prompt")
-        token_ids = [int(t) for t in token_ids]  # numpy ints are fine, stored as int
-    if token_ids and not (0 <= min(token_ids) and max(token_ids) < vocab_size):
-        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}).")
-    return token_ids
-
-
-def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """logit_bias and stop_token_ids name tokens of the vocabulary (a bias outside it would
-    index past the logits on the device)."""
-    for name, ids in (("logit_bias", params.logit_bias or ()),
-                      ("stop_token_ids", params.stop_token_ids or ())):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the "
-                             f"vocabulary [0, {vocab_size}).")
 
 
 class EngineCore:

@@ -37,6 +37,7 @@ from collections import deque
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
+from myvllm.engine.request_checks import check_schedulable
 from myvllm.engine.forks import fork_source, make_forks, release_forks
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.engine.spec_decode.scheduling import make_speculator
@@ -80,37 +81,9 @@ class Scheduler:
         return max(seq.num_prompt_tokens, longest - 1)
 
     def check_sequence(self, seq: Sequence) -> None:
-        """Raise ValueError if seq could never run here; queue nothing."""
-        if seq.status != SequenceStatus.WAITING or seq.block_table or seq.num_completion_tokens:
-            raise ValueError(f"sequence {seq.seq_id} is not a new request "
-                             f"(status {seq.status.name}, {len(seq.block_table)} blocks, "
-                             f"{seq.num_completion_tokens} completion tokens)")
-        if seq.block_size != self.block_size:
-            raise ValueError(f"sequence {seq.seq_id} was built with block_size "
-                             f"{seq.block_size}, the KV cache uses {self.block_size}")
-        if seq.num_prompt_tokens == 0:
-            raise ValueError("empty prompt: a prompt needs at least one token")
-        if seq.num_prompt_tokens >= self.max_model_length:
-            # The prompt and at least one completion token must fit (vLLM's rule): a prompt
-            # of max_model_length tokens would have its first token past the limit.
-            what = ("longer than" if seq.num_prompt_tokens > self.max_model_length
-                    else "as long as")
-            raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is {what} "
-                             f"max_model_length={self.max_model_length}; the prompt and at "
-                             "least one completion token must fit")
-        need_tokens = self.max_kv_tokens(seq)
-        need_blocks = (need_tokens + self.block_size - 1) // self.block_size
-        total_blocks = len(self.block_manager.blocks)
-        if need_blocks > total_blocks:
-            raise ValueError(
-                f"sequence {seq.seq_id} can grow to {need_tokens} tokens = {need_blocks} blocks "
-                f"of {self.block_size}, but the whole KV cache has {total_blocks} blocks; "
-                "shorten the prompt or max_tokens, or give the cache more blocks")
-        if need_tokens > self.max_num_batched_tokens and not self.enable_chunked_prefill:
-            raise ValueError(
-                f"sequence {seq.seq_id} can grow to {need_tokens} tokens, more than "
-                f"max_num_batched_tokens={self.max_num_batched_tokens}: after a preemption it "
-                "could never be prefilled again; raise max_num_batched_tokens or shorten it")
+        """Raise ValueError if seq could never run here (engine/request_checks.py); queue
+        nothing."""
+        check_schedulable(seq, self)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request. With SamplingParams.n > 1, seq is its first completion and the

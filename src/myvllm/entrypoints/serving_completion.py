@@ -33,7 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from myvllm.engine.async_llm import AsyncLLM, EngineDeadError, StreamOutput
-from myvllm.engine.core import check_token_ids
+from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                          RequestError, error_body)
