@@ -1,5 +1,5 @@
-"""engine/staging.py, token_pool.py and padded_steps.py: how a step's host arrays reach the
-device (run on the CPU; pinned memory and events are GPU-only and exercised by
+"""engine/staging.py, static_buffers.py, token_pool.py and padded_steps.py: how a step's
+host arrays reach the device (run on the CPU; pinned memory and events are GPU-only and exercised by
 tests/gpu/test_gpu.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from myvllm.engine.padded_steps import PaddedSteps
-from myvllm.engine.staging import (FreshTensors, PinnedSlots, StaticBuffers,
-                                    block_table_array)
+from myvllm.engine.staging import FreshTensors, block_table_array
+from myvllm.engine.static_buffers import PinnedSlots, StaticBuffers
 from myvllm.engine.token_pool import TokenPool
 
 CPU = torch.device("cpu")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from myvllm.engine.logprobs import StepLogprobs
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.staging import PinnedSlots
+from myvllm.engine.static_buffers import PinnedSlots
 
 if TYPE_CHECKING:
     from myvllm.engine.spec_decode.verification import VerifiedTokens
@@ -39,7 +39,8 @@ class TokenPool:
         the StaticBuffers, so that decode graphs write into it)."""
         self.tokens = tokens
         self.size = tokens.numel()
-        # The way back on a GPU: two pinned host slots that alternate (engine/staging.py).
+        # The way back on a GPU: two pinned host slots that alternate
+        # (engine/static_buffers.py).
         self.host_slots = (PinnedSlots({torch.int64: self.size}, on_gpu=True)
                            if tokens.device.type == "cuda" else None)
 
