@@ -50,10 +50,8 @@ class Block:
         self.token_ids = list(token_ids)
 
     def reset(self) -> None:
-        # reset() runs only when a block is handed out as a fresh block, and being handed out
-        # IS the first reference: the sequence receiving it will call deallocate() once for
-        # it. Starting at 0 would make that deallocate drive the count to -1; the block
-        # would never reach 0 again, never return to the free list, and leak for good.
+        # Handed out as a fresh block IS the first reference (its sequence deallocates it
+        # once): from 0 that deallocate would leave it at -1, never free again.
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
@@ -189,14 +187,12 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_computable: int | None = None) -> None:
         """Give seq a block table covering all its tokens, reusing cached prefix blocks.
-
         Hits come first and misses after, so reviving hit blocks (out of the middle of the
         free list) never races with popleft() handing the same block out as fresh.
 
         A fresh full block is registered (findable by later requests) when the step being
         scheduled writes it: every block, unless num_computable says that only the positions
-        below it are (chunked prefill: the first chunk); register_full_blocks registers the
-        rest as later chunks are scheduled.
+        below it are (chunked prefill: register_full_blocks registers the rest later).
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
@@ -273,25 +269,14 @@ class BlockManager:
         # allocate() always sets it again.
 
     # ------------------------------------------------------------------ decode
-    # Both are called AFTER the new token was counted in seq.num_tokens (appended, or pending:
-    # see Sequence.add_pending_token) but before its K/V is written. Its slot is position
-    # num_tokens - 1, in logical block (num_tokens - 1) // block_size. That block is new
-    # exactly when the table is one short:
-    #
-    #     len(seq.block_table) < seq.num_blocks
-    #
-    # For block_size > 1 this is the modulo test `num_tokens % block_size == 1`: the token is the
-    # first of a new block. At `num_tokens % block_size == 0` the token is the LAST slot of
-    # the block the sequence already holds -- no new block; the block just became full, so
-    # append() hashes it. The modulo form breaks for block_size == 1 (x % 1 is never 1, and
-    # every token needs a new block); the table-length form is right for every block size.
-    #
+    # Both are called AFTER the new token was counted in seq.num_tokens (appended, or
+    # pending) but before its K/V is written. Its block is new exactly when the table is one
+    # short, `len(seq.block_table) < seq.num_blocks`; the article's modulo test
+    # `num_tokens % block_size == 1` says the same except at block_size 1, where every token
+    # needs a new block and x % 1 is never 1 (the guide's "Growing by one token").
     # num_lookahead (speculative decoding): the step also writes the K/V of that many
-    # proposed tokens after the last one, at positions num_tokens .. num_tokens + n - 1,
-    # which may need blocks of their own. Those tokens are not the sequence's (yet): the
-    # blocks holding only them are released again after the step (free_lookahead_blocks),
-    # and no block is registered for their sake (register_full_blocks only registers
-    # blocks of known tokens).
+    # proposed tokens after the last one, which may need blocks of their own; those are
+    # released after the step (free_lookahead_blocks) and never registered.
     def _lookahead_blocks(self, seq: Sequence, num_lookahead: int) -> int:
         """Blocks past seq.num_blocks that num_lookahead more positions reach into."""
         return -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks

@@ -5,28 +5,18 @@
     while core.has_unfinished_requests():
         outputs, num_tokens = core.step()        every request that got tokens, and how many
                                                  tokens the step computed
-    core.shutdown()
 
 It owns the Scheduler and the Executor (the model runner and any tensor-parallel workers) and
-nothing else: no tokenizer, no text, no HTTP. Two clients drive the same core:
-
-    LLMEngine (llm_engine.py)   in this process: LLM.generate(), add_request(), step()
-    AsyncLLM  (async_llm.py)    `myvllm serve` / `myvllm chat`: the core runs in a process of
-                                its own (core_process.py) and the front end ships token ids
-                                to it and back over ZeroMQ
-
-One step:
+nothing else: no tokenizer, no text, no HTTP. Two clients drive it: LLMEngine (llm_engine.py)
+in this process, and AsyncLLM (async_llm.py), which runs it in a process of its own
+(core_process.py). One step:
 
     seqs, is_prefill = scheduler.schedule()
     sampled = executor.call("run", seqs, is_prefill)     (and every TP worker)
     scheduler.postprocess(seqs, sampled.token_ids())
 
-With async_scheduling the last line runs one step later, so the host plans and queues step
-N+1 while the device still computes step N (see step()).
-
-The executor (and with it the ModelRunner) is created before the Scheduler because only the
-runner can tell how many KV-cache blocks fit in memory, and the scheduler's BlockManager is
-built with that count.
+With async_scheduling the last line runs one step later (see step()). The executor is
+created before the Scheduler because only the runner can tell how many KV-cache blocks fit.
 """
 
 from __future__ import annotations
@@ -187,26 +177,20 @@ class EngineCore:
     def step(self) -> tuple[list[RequestOutput], int]:
         """One scheduler step, reported per request: every request that received tokens or
         finished in it, and the signed count of tokens computed: positive for a step that
-        computes prompt tokens (with chunked prefill, the decode rows beside them count too)
-        and negative for a pure decode step (one per sequence); its size never exceeds
-        max_num_batched_tokens.
+        computes prompt tokens (decode rows beside them count too), negative for a pure
+        decode step (one per sequence); never above max_num_batched_tokens.
 
-        With async_scheduling, both describe the step queued by the previous call: this call
-        plans and queues the next step first, and only then waits for the previous one's
-        tokens, so the device always has the next step to run while the host works:
+        With async_scheduling both describe the step queued by the previous call: this call
+        queues the next step before it waits for the previous one's tokens, so the device
+        always has work (the guide's Step 6, "Async scheduling", draws the timeline):
 
             host:    schedule N+1 | queue N+1 | wait N, postprocess N | schedule N+2 | ...
             device:  ....... step N ........ | ........ step N+1 ......... | ...
 
-        Step N+1 is planned before step N's tokens are known: each sequence counts its token
-        as pending (Sequence.add_pending_token), the runner feeds it from the device, and a
-        sequence that ends on eos has one surplus step computed, whose token is dropped.
-
-        Structured outputs break that overlap: a row's next token bitmask follows from its
-        grammar's state after its previous token. So when step N gave a constrained row its
-        token, step N is read back first (the device idles meanwhile) and step N+1 is
-        planned with every token known; this call then reports step N, and N+1 stays in
-        flight.
+        Each sequence of step N counts its token as pending (Sequence.add_pending_token), and
+        one that ends on eos has one surplus step computed, whose token is dropped. A row with
+        a grammar (structured outputs) needs its token on the host before its next bitmask:
+        then step N is read back first and this call reports it, N+1 staying in flight.
         """
         self.executor.check_alive()
         waited = None

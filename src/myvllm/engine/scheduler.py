@@ -19,15 +19,10 @@ Two queues, and four rules:
    remains, every later step would do the same, so raise instead of spinning forever.
 
 These rules are Config(enable_chunked_prefill=False), a policy of the one loop below. The
-default replaces rules 1 and 2 by a token budget: every running sequence's decode token
-first, then chunks of prompts fill what is left of max_num_batched_tokens, so a long prompt
-neither stalls the running sequences for a whole prefill nor has to fit one step. Rules 3
-and 4 stay as they are, and both policies share admission, preemption and rule 4's check.
-
-A request of SamplingParams.n > 1 completions is queued as its first; the others wait in its
-`forks` and join the front of waiting when its last prompt chunk is scheduled, to be admitted
-with its full prompt blocks shared (BlockManager.fork). After that they are sequences like
-any other (decoded, preempted and finished each on its own).
+default replaces rules 1 and 2 by a token budget (engine/chunk_budget.py): every running
+sequence's decode token first, then chunks of prompts fill what is left of
+max_num_batched_tokens. Rules 3 and 4 are the same for both. A request of n > 1 completions
+is queued as its first; the others are forked from it (engine/forks.py).
 """
 
 from __future__ import annotations
@@ -101,25 +96,17 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the next batch. Never returns an empty batch while work remains.
 
-        One loop for both policies, under a token budget of max_num_batched_tokens:
+        One loop for both policies, under a StepBudget of max_num_batched_tokens:
+        1. Prefill first only: admit waiting prompts whole (rule 2); if any fits, that is the
+           step (a prefill, flag True) and the running sequences wait.
+        2. Running sequences, in order: a decode row costs one token (growing it may preempt
+           the tail of running, rule 3); a prompt part-way through gets its next chunk.
+        3. Chunked only: waiting sequences, each admitted with a first chunk after its
+           cached prefix, while budget, sequence slots and blocks last.
 
-        1. Prefill first only (enable_chunked_prefill=False): admit waiting prompts whole
-           (rule 2); if any fits, that is the step (a prefill, flag True) and the running
-           sequences wait.
-        2. Running sequences, in order: a decode row costs one token; a prompt part-way
-           through its prefill gets the next chunk, as much as the budget has left. Growing
-           a decode row may preempt the tail of running (rule 3).
-        3. Chunked only: waiting sequences, in order, while budget, sequence slots and
-           blocks last, each admitted with a first chunk after its cached prefix.
-
-        While any running sequence whose tokens stream (Sequence.streamed) decodes, prompt
-        chunks together get at most max_prefill_tokens_while_decoding tokens (StepBudget,
-        engine/chunk_budget.py): the decode rows' wait stays short.
-
-        Each scheduled sequence gets num_new_tokens (its chunk; 1 for a decode row) and its
-        num_computed_tokens is advanced past it; it samples a token only when the chunk
-        reaches its last token. The flag is False only for a pure decode step, where every
-        row computes its sequence's last token (the decode kernel, CUDA graphs).
+        Each scheduled sequence gets num_new_tokens and its num_computed_tokens is advanced
+        past them; the flag is False only for a pure decode step, where every row computes
+        its sequence's last token (the decode kernel, CUDA graphs).
         """
         if self.is_finished():
             return [], False
@@ -276,19 +263,14 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int],
                     verified: dict[int, list[int]] | None = None) -> list[Sequence]:
-        """Append each sequence's new token; finish and release the ones that stop.
-
-        Stops on eos (unless ignore_eos) or a stop token (is_stop_token), on max_tokens
-        completion tokens, or on reaching max_model_length tokens. Returns the sequences
-        that finished in this step.
-
-        With overlapped scheduling a sequence may have finished (on eos) after this step was
-        queued: its token here is surplus and dropped.
+        """Append each sequence's new token; finish and release the ones that stop (eos
+        unless ignore_eos, a stop token, max_tokens, max_model_length). Returns the sequences
+        that finished in this step. A sequence that finished after this step was queued
+        (overlapped scheduling) drops its surplus token.
 
         verified (speculative decoding): for the index in seqs of each row that verified
-        proposals, the tokens it emitted (its entry in token_ids is unused); they are
-        appended one by one, each checked for a stop, and the row rolls back to what its
-        accepted tokens wrote (engine/spec_decode/scheduling.py).
+        proposals, the tokens it emitted, appended one by one, each checked for a stop; the
+        row then rolls back to what its accepted tokens wrote.
         """
         if len(seqs) != len(token_ids):
             raise ValueError(f"postprocess got {len(token_ids)} tokens for {len(seqs)} sequences")

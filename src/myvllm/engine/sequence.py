@@ -86,44 +86,32 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.sampling_params: SamplingParams = (sampling_params if sampling_params is not None
                                                 else SamplingParams())
-        # Its prompt's logprobs are still to be computed (SamplingParams.prompt_logprobs): the
-        # prefill's LM head then runs over its prompt rows too, on every tensor-parallel rank
-        # (shipped to workers), and the prefix cache is not read for it (a cached token has
-        # no logits). Cleared once all of them reached the host.
+        # SamplingParams.prompt_logprobs still to compute: the prefill's LM head runs over its
+        # prompt rows too (on every rank), and it reads no prefix-cache hit (a cached token
+        # has no logits). Cleared once all of them reached the host.
         self.needs_prompt_logprobs: bool = self.sampling_params.prompt_logprobs is not None
-        # True while the next forward for this sequence is a prefill (new, or re-queued after
-        # preemption); False once a token has been appended after that prefill. It only
-        # decides what __getstate__ ships to tensor-parallel workers.
+        # The next forward is a prefill (new, or after a preemption): a worker gets all tokens.
         self.needs_prefill: bool = True
-        # Counted in num_tokens but not yet in token_ids (see add_pending_token). Kept as a
-        # count, not num_tokens - len(token_ids): a worker's copy has no token_ids.
+        # Counted in num_tokens, not yet in token_ids (add_pending_token); a count because a
+        # worker's copy has no token_ids.
         self.num_pending_tokens: int = 0
-        # Per-request state of rank 0, kept here so it ends with the request:
-        # num_cached_tokens at the first admission (what the caller is told: a re-prefill
-        # after preemption may hit the sequence's own freed blocks, which is no prompt hit);
+        # Rank 0's per-request state, which ends with the request: num_cached_tokens at the
+        # first admission (a re-prefill's hits on its own freed blocks are no prompt hits);
+        # the prompt logprobs read back so far, until an output carries them away; the seeded
+        # generator (made at the first sampled step); the prompt's distinct ids for
+        # repetition_penalty (engine/sampling_controls.py); the grammar's matcher
+        # (engine/structured_output.py); the row of its token in the last step's sampled-token
+        # pool (engine/token_pool.py); why it finished; and whether someone reads its tokens
+        # as they come (then the steps it decodes in stay short; generate() reads them at
+        # the end: Config.max_prefill_tokens_while_decoding).
         self.num_cached_prompt_tokens: int | None = None
-        # the prompt logprobs read back so far, of tokens 1, 2, ... (the first has none),
-        # held until the first output carries them away (then None, as when not asked);
         self.prompt_logprobs: LogprobsLists | None = (
             LogprobsLists([], [], []) if self.needs_prompt_logprobs else None)
-        # the seeded generator of SamplingParams.seed, made at the first sampled step;
         self.generator: torch.Generator | None = None
-        # the prompt's distinct token ids on the device, for repetition_penalty, made at the
-        # first penalised step (engine/sampling_controls.py);
         self.penalty_prompt_ids: torch.Tensor | None = None
-        # SamplingParams.structured_outputs: the xgrammar GrammarMatcher of this sequence's
-        # output so far (set by EngineCore.make_sequence, advanced by append_token; see
-        # engine/structured_output.py), None without a constraint;
         self.grammar_matcher: Any = None
-        # the row of this sequence's token in the last step's sampled-token pool, where a
-        # next step reads a token that is still pending (engine/token_pool.py);
         self.sampled_row: int | None = None
-        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
         self.finish_reason: FinishReason | None = None
-        # whether someone reads its tokens as they come (add_request, the server's streaming
-        # requests), so that the steps it decodes in should stay short
-        # (Config.max_prefill_tokens_while_decoding). LLM.generate() and non-streaming server
-        # requests hand their outputs back at the end: theirs are not.
         self.streamed: bool = True
         # SamplingParams.n > 1 (engine/forks.py): the request this sequence is one completion
         # of (its first completion's seq_id), which completion it is, the others (held by the
