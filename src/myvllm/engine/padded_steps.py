@@ -36,8 +36,9 @@ from myvllm.engine.batch import StepInputs
 from myvllm.engine.static_buffers import StaticBuffers
 from myvllm.engine.token_pool import TokenPool
 from myvllm.kernels.batch_invariant import is_batch_invariant
-from myvllm.kernels.tile_map import SPLIT_KEY_TILES, TileMap, build_tile_map, tile_map_slots
-from myvllm.utils.context import Context, DecodeRows
+from myvllm.kernels.tile_map import (SPLIT_KEY_TILES, DecodeRows, TileMap, build_tile_map,
+                                     tile_map_slots)
+from myvllm.utils.context import Context
 
 # Above this many tokens a step's GPU work (tens of milliseconds) dwarfs launching it, and a
 # graph would keep that many tokens' activations allocated for good.
