@@ -259,14 +259,7 @@ class EngineCore:
             new_token_ids = seq.token_ids[num_known:]
             if not new_token_ids:  # a surplus token of a sequence that had finished
                 continue
-            prompt_logprobs = None
-            if seq.prompt_logprobs is not None:
-                prompt_logprobs = take_prompt_logprobs(seq)
-                if seq.index == 0:
-                    # The other completions' first tokens come in this step (after this
-                    # one: they were admitted after it) or later, and carry them too.
-                    for fork in self._requests.get(seq.request_id, [])[1:]:
-                        fork.prompt_logprobs = prompt_logprobs
+            prompt_logprobs = take_prompt_logprobs(seq, self._requests.get(seq.request_id, []))
             outputs.append(RequestOutput(
                 request_id=seq.request_id, new_token_ids=new_token_ids,
                 token_ids=seq.completion_token_ids, finished=seq.is_finished,
