@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from myvllm.engine.block_manager import Block, BlockManager, FreeBlockQueue
+from myvllm.engine.block_manager import Block, BlockManager
+from myvllm.engine.free_block_queue import FreeBlockQueue
 from myvllm.engine.sequence import Sequence
 from helpers_blocks import used_block_ids
 

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from myvllm.config import Config
 from myvllm.engine.block_manager import BlockManager
+from myvllm.engine.forks import fork_source, num_shared_prompt_blocks
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
@@ -231,7 +232,7 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
                 block = bm.blocks[s.block_table[i]]
                 assert block.hash == h and block.token_ids == s.block(i), (s, i)
         else:  # only a fork starts with K/V it did not compute: its prompt's full blocks
-            shared = bm.num_shared_prompt_blocks(s) * bs if s.index else 0
+            shared = num_shared_prompt_blocks(s) * bs if s.index else 0
             assert s.num_cached_tokens in (0, shared), s
 
 
@@ -343,7 +344,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
         must_prefill = (head is not None and len(sch.running) < sch.max_num_sequences
                         and not head.num_pending_tokens
                         and len(head) <= sch.max_num_batched_tokens
-                        and (sch.block_manager.can_fork(head) if sch._fork_source(head)
+                        and (sch.block_manager.can_fork(head) if fork_source(head)
                              else sch.block_manager.can_allocate(head)))
         num_running_before = len(sch.running)
         # the cap protects streams: sequences whose tokens someone reads as they come

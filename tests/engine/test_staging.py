@@ -1,5 +1,5 @@
-"""engine/staging.py, token_pool.py and padded_steps.py: how a step's host arrays reach the
-device (run on the CPU; pinned memory and events are GPU-only and exercised by
+"""engine/staging.py, static_buffers.py, token_pool.py and padded_steps.py: how a step's
+host arrays reach the device (run on the CPU; pinned memory and events are GPU-only and exercised by
 tests/gpu/test_gpu.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from myvllm.engine.padded_steps import PaddedSteps
-from myvllm.engine.staging import FreshTensors, StaticBuffers, block_table_array
+from myvllm.engine.staging import FreshTensors, block_table_array
+from myvllm.engine.static_buffers import PinnedSlots, StaticBuffers
 from myvllm.engine.token_pool import TokenPool
 
 CPU = torch.device("cpu")
@@ -80,6 +81,20 @@ def test_sampled_tokens_are_kept_before_the_next_step() -> None:
     first = pool.read_back(seqs)  # type: ignore[arg-type]
     pool.tokens.copy_(torch.tensor([5, 6, 7, 8]))  # the next step samples
     assert first.token_ids() == [1, 2] and [s.sampled_row for s in seqs] == [0, 1]
+
+
+def test_a_read_back_slot_taken_by_a_later_step_refuses_to_be_read() -> None:
+    """The two alternating host slots (a GPU's read-back and staging): a step's copy is
+    readable until two more have been queued, then its slot holds another step's."""
+    slots = PinnedSlots({torch.int64: 4}, on_gpu=False)
+    first = slots.copy_to_host(torch.tensor([1, 2]))
+    second = slots.copy_to_host(torch.tensor([3, 4, 5]))
+    slots.wait_for(*first[1:])
+    assert first[0].tolist() == [1, 2] and second[0].tolist() == [3, 4, 5]
+    slots.copy_to_host(torch.tensor([6]))  # the third copy takes the first one's slot
+    slots.wait_for(*second[1:])
+    with pytest.raises(RuntimeError, match="overwritten"):
+        slots.wait_for(*first[1:])
 
 
 def test_padded_decode_rows_store_and_attend_nothing() -> None:

@@ -22,59 +22,20 @@ a fresh block for someone else. ``free_block_ids`` is ordered as an LRU list:
     free_block_ids:  [ partial/unhashed ... | hashed, least recently freed ... most recent ]
                        ^ handed out first from here                 deallocate appends here ^
 
-Reviving takes a block out of the middle of that list, once per block of every prefix hit.
-A deque's remove() walks the list: 0.5-0.7 ms a block with the ~70,000 blocks of an H200's
-cache, more than computing the prompt. So the list is a FreeBlockQueue: a deque's operations
-over an OrderedDict, whose remove() is O(1) (vLLM keeps a doubly linked list of free blocks
-for the same reason).
+Reviving takes a block out of the middle of that list, so it is a FreeBlockQueue (a deque
+whose remove() is O(1): engine/free_block_queue.py).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 import xxhash
 
+from myvllm.engine.forks import num_shared_prompt_blocks
+from myvllm.engine.free_block_queue import FreeBlockQueue
 from myvllm.engine.sequence import Sequence
-
-
-class FreeBlockQueue:
-    """Free block ids in order, with the operations of a deque that the BlockManager uses;
-    each is O(1), remove() from the middle too (an OrderedDict used as an ordered set)."""
-
-    def __init__(self, block_ids: Iterable[int] = ()) -> None:
-        self._ids: OrderedDict[int, None] = OrderedDict.fromkeys(block_ids)
-
-    def popleft(self) -> int:
-        return self._ids.popitem(last=False)[0]
-
-    def append(self, block_id: int) -> None:
-        self._ids[block_id] = None
-
-    def appendleft(self, block_id: int) -> None:
-        self._ids[block_id] = None
-        self._ids.move_to_end(block_id, last=False)
-
-    def remove(self, block_id: int) -> None:
-        del self._ids[block_id]
-
-    def clear(self) -> None:
-        self._ids.clear()
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
-
-    def __contains__(self, block_id: object) -> bool:
-        return block_id in self._ids
-
-    def __repr__(self) -> str:
-        return f"FreeBlockQueue({list(self._ids)})"
 
 
 class Block:
@@ -89,10 +50,8 @@ class Block:
         self.token_ids = list(token_ids)
 
     def reset(self) -> None:
-        # reset() runs only when a block is handed out as a fresh block, and being handed out
-        # IS the first reference: the sequence receiving it will call deallocate() once for
-        # it. Starting at 0 would make that deallocate drive the count to -1; the block
-        # would never reach 0 again, never return to the free list, and leak for good.
+        # Handed out as a fresh block IS the first reference (its sequence deallocates it
+        # once): from 0 that deallocate would leave it at -1, never free again.
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
@@ -228,14 +187,12 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_computable: int | None = None) -> None:
         """Give seq a block table covering all its tokens, reusing cached prefix blocks.
-
         Hits come first and misses after, so reviving hit blocks (out of the middle of the
         free list) never races with popleft() handing the same block out as fresh.
 
         A fresh full block is registered (findable by later requests) when the step being
         scheduled writes it: every block, unless num_computable says that only the positions
-        below it are (chunked prefill: the first chunk); register_full_blocks registers the
-        rest as later chunks are scheduled.
+        below it are (chunked prefill: register_full_blocks registers the rest later).
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
@@ -265,26 +222,10 @@ class BlockManager:
         del seq.block_hashes[max(len(hits), limit // self.block_size):]
 
     # ------------------------------------------------------------------ forking (n > 1)
-    # The completions of one prompt share its K/V. The first is prefilled as any prompt; each
-    # other one is forked from it: its table starts with the first's full prompt blocks (one
-    # more reference each) and goes on in fresh blocks, from the block that holds the last
-    # prompt token. That block is recomputed by every completion in a block of its own (at
-    # most block_size tokens each), because every completion writes its own tokens after it:
-    #
-    #     prompt of 10 tokens, block_size 4, n = 2
-    #     completion 0   [7][2][9: t8 t9 a0 a1]      blocks 7 and 2: ref_count 2
-    #     completion 1   [7][2][5: t8 t9 b0 b1]      t8 t9 computed again, in block 5
-    #
-    # So a block is never written by two sequences, and no K/V is copied (vLLM's
-    # copy-on-write needs a device copy of the partial block; this costs a few tokens'
-    # compute instead).
-    def num_shared_prompt_blocks(self, seq: Sequence) -> int:
-        """Full blocks of seq's prompt before the one holding its last token: what a fork
-        shares."""
-        return (seq.num_prompt_tokens - 1) // self.block_size
-
+    # The completions of one prompt share its full prompt blocks (engine/forks.py): a block
+    # is never written by two sequences, and no K/V is copied.
     def can_fork(self, seq: Sequence) -> bool:
-        return len(self.free_block_ids) >= seq.num_blocks - self.num_shared_prompt_blocks(seq)
+        return len(self.free_block_ids) >= seq.num_blocks - num_shared_prompt_blocks(seq)
 
     def fork(self, source: Sequence, seq: Sequence) -> None:
         """Give seq, another completion of source's prompt, source's shared prompt blocks
@@ -295,7 +236,7 @@ class BlockManager:
         if seq.token_ids[:seq.num_prompt_tokens] != source.token_ids[:source.num_prompt_tokens]:
             raise ValueError(f"sequence {seq.seq_id} is no completion of sequence "
                              f"{source.seq_id}'s prompt")
-        num_shared = self.num_shared_prompt_blocks(seq)
+        num_shared = num_shared_prompt_blocks(seq)
         if len(source.block_table) < num_shared:
             raise ValueError(f"sequence {source.seq_id} holds {len(source.block_table)} "
                              f"blocks, fewer than the {num_shared} to share")
@@ -328,25 +269,14 @@ class BlockManager:
         # allocate() always sets it again.
 
     # ------------------------------------------------------------------ decode
-    # Both are called AFTER the new token was counted in seq.num_tokens (appended, or pending:
-    # see Sequence.add_pending_token) but before its K/V is written. Its slot is position
-    # num_tokens - 1, in logical block (num_tokens - 1) // block_size. That block is new
-    # exactly when the table is one short:
-    #
-    #     len(seq.block_table) < seq.num_blocks
-    #
-    # For block_size > 1 this is the modulo test `num_tokens % block_size == 1`: the token is the
-    # first of a new block. At `num_tokens % block_size == 0` the token is the LAST slot of
-    # the block the sequence already holds -- no new block; the block just became full, so
-    # append() hashes it. The modulo form breaks for block_size == 1 (x % 1 is never 1, and
-    # every token needs a new block); the table-length form is right for every block size.
-    #
+    # Both are called AFTER the new token was counted in seq.num_tokens (appended, or
+    # pending) but before its K/V is written. Its block is new exactly when the table is one
+    # short, `len(seq.block_table) < seq.num_blocks`; the article's modulo test
+    # `num_tokens % block_size == 1` says the same except at block_size 1, where every token
+    # needs a new block and x % 1 is never 1 (the guide's "Growing by one token").
     # num_lookahead (speculative decoding): the step also writes the K/V of that many
-    # proposed tokens after the last one, at positions num_tokens .. num_tokens + n - 1,
-    # which may need blocks of their own. Those tokens are not the sequence's (yet): the
-    # blocks holding only them are released again after the step (free_lookahead_blocks),
-    # and no block is registered for their sake (register_full_blocks only registers
-    # blocks of known tokens).
+    # proposed tokens after the last one, which may need blocks of their own; those are
+    # released after the step (free_lookahead_blocks) and never registered.
     def _lookahead_blocks(self, seq: Sequence, num_lookahead: int) -> int:
         """Blocks past seq.num_blocks that num_lookahead more positions reach into."""
         return -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks

@@ -5,36 +5,24 @@
     while core.has_unfinished_requests():
         outputs, num_tokens = core.step()        every request that got tokens, and how many
                                                  tokens the step computed
-    core.shutdown()
 
 It owns the Scheduler and the Executor (the model runner and any tensor-parallel workers) and
-nothing else: no tokenizer, no text, no HTTP. Two clients drive the same core:
-
-    LLMEngine (llm_engine.py)   in this process: LLM.generate(), add_request(), step()
-    AsyncLLM  (async_llm.py)    `myvllm serve` / `myvllm chat`: the core runs in a process of
-                                its own (core_process.py) and the front end ships token ids
-                                to it and back over ZeroMQ
-
-One step:
+nothing else: no tokenizer, no text, no HTTP. Two clients drive it: LLMEngine (llm_engine.py)
+in this process, and AsyncLLM (async_llm.py), which runs it in a process of its own
+(core_process.py). One step:
 
     seqs, is_prefill = scheduler.schedule()
     sampled = executor.call("run", seqs, is_prefill)     (and every TP worker)
     scheduler.postprocess(seqs, sampled.token_ids())
 
-With async_scheduling the last line runs one step later, so the host plans and queues step
-N+1 while the device still computes step N (see step()).
-
-The executor (and with it the ModelRunner) is created before the Scheduler because only the
-runner can tell how many KV-cache blocks fit in memory, and the scheduler's BlockManager is
-built with that count.
+With async_scheduling the last line runs one step later (see step()). The executor is
+created before the Scheduler because only the runner can tell how many KV-cache blocks fit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
-from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from myvllm.config import Config
@@ -42,6 +30,7 @@ from myvllm.engine.batch import RequestOutput
 from myvllm.engine.executor import Executor
 from myvllm.engine.logprobs import read_step_logprobs, take_prompt_logprobs
 from myvllm.engine.model_runner import SampledTokens
+from myvllm.engine.request_checks import check_sampling_token_ids, check_token_ids
 from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
@@ -64,40 +53,6 @@ class _QueuedStep:
     samples: list[bool]
     # A row that got its token has a grammar: its next bitmask needs that token on the host.
     constrained: bool = False
-
-
-def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
-    """A prompt of token ids as a list of ints, or a clear error (before anything is queued)."""
-    if not isinstance(prompt, SequenceABC) or isinstance(prompt, (str, bytes, bytearray)):
-        # bytes are a sequence of ints too, but they are text, not token ids.
-        raise TypeError("a prompt must be a str or a list of int token ids, got "
-                        f"{type(prompt).__name__}")
-    token_ids = list(prompt)
-    # Plain ints pass with one C-level check. A Python-level isinstance() per token took
-    # 13-25 ms for a 16k-token prompt on a 2-core machine: host time between two steps,
-    # which every decoding stream waited for.
-    if set(map(type, token_ids)) - {int}:
-        bad_types = [t for t in token_ids
-                     if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-        if bad_types:
-            raise TypeError(f"token ids must be ints, got {bad_types[0]!r} "
-                            f"({type(bad_types[0]).__name__}) in a prompt")
-        token_ids = [int(t) for t in token_ids]  # numpy ints are fine, stored as int
-    if token_ids and not (0 <= min(token_ids) and max(token_ids) < vocab_size):
-        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}).")
-    return token_ids
-
-
-def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """logit_bias and stop_token_ids name tokens of the vocabulary (a bias outside it would
-    index past the logits on the device)."""
-    for name, ids in (("logit_bias", params.logit_bias or ()),
-                      ("stop_token_ids", params.stop_token_ids or ())):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the "
-                             f"vocabulary [0, {vocab_size}).")
 
 
 class EngineCore:
@@ -222,26 +177,20 @@ class EngineCore:
     def step(self) -> tuple[list[RequestOutput], int]:
         """One scheduler step, reported per request: every request that received tokens or
         finished in it, and the signed count of tokens computed: positive for a step that
-        computes prompt tokens (with chunked prefill, the decode rows beside them count too)
-        and negative for a pure decode step (one per sequence); its size never exceeds
-        max_num_batched_tokens.
+        computes prompt tokens (decode rows beside them count too), negative for a pure
+        decode step (one per sequence); never above max_num_batched_tokens.
 
-        With async_scheduling, both describe the step queued by the previous call: this call
-        plans and queues the next step first, and only then waits for the previous one's
-        tokens, so the device always has the next step to run while the host works:
+        With async_scheduling both describe the step queued by the previous call: this call
+        queues the next step before it waits for the previous one's tokens, so the device
+        always has work (the guide's Step 6, "Async scheduling", draws the timeline):
 
             host:    schedule N+1 | queue N+1 | wait N, postprocess N | schedule N+2 | ...
             device:  ....... step N ........ | ........ step N+1 ......... | ...
 
-        Step N+1 is planned before step N's tokens are known: each sequence counts its token
-        as pending (Sequence.add_pending_token), the runner feeds it from the device, and a
-        sequence that ends on eos has one surplus step computed, whose token is dropped.
-
-        Structured outputs break that overlap: a row's next token bitmask follows from its
-        grammar's state after its previous token. So when step N gave a constrained row its
-        token, step N is read back first (the device idles meanwhile) and step N+1 is
-        planned with every token known; this call then reports step N, and N+1 stays in
-        flight.
+        Each sequence of step N counts its token as pending (Sequence.add_pending_token), and
+        one that ends on eos has one surplus step computed, whose token is dropped. A row with
+        a grammar (structured outputs) needs its token on the host before its next bitmask:
+        then step N is read back first and this call reports it, N+1 staying in flight.
         """
         self.executor.check_alive()
         waited = None
@@ -310,14 +259,7 @@ class EngineCore:
             new_token_ids = seq.token_ids[num_known:]
             if not new_token_ids:  # a surplus token of a sequence that had finished
                 continue
-            prompt_logprobs = None
-            if seq.prompt_logprobs is not None:
-                prompt_logprobs = take_prompt_logprobs(seq)
-                if seq.index == 0:
-                    # The other completions' first tokens come in this step (after this
-                    # one: they were admitted after it) or later, and carry them too.
-                    for fork in self._requests.get(seq.request_id, [])[1:]:
-                        fork.prompt_logprobs = prompt_logprobs
+            prompt_logprobs = take_prompt_logprobs(seq, self._requests.get(seq.request_id, []))
             outputs.append(RequestOutput(
                 request_id=seq.request_id, new_token_ids=new_token_ids,
                 token_ids=seq.completion_token_ids, finished=seq.is_finished,

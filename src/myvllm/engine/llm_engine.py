@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -26,8 +25,7 @@ from tqdm.auto import tqdm
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
-from myvllm.engine.core_messages import LogprobsLists
-from myvllm.engine.logprobs import LogprobsCollector
+from myvllm.engine.generate_outputs import FinishedOutputs, generate_result
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import resolve_engine, to_config
 from myvllm.sampling_parameters import SamplingParams
@@ -37,16 +35,6 @@ from myvllm.utils.hf_config import gguf_parsed_once
 logger = logging.getLogger("myvllm")
 
 Prompt = str | list[int]
-# A finished output's logprobs when its request asked for none.
-NO_LOGPROBS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None}
-
-
-@dataclass
-class _Completions:
-    """A request of n > 1 completions (LLMEngine.step): those finished so far."""
-
-    outputs: list[dict[str, Any] | None]  # per completion, once finished
-    first: dict[str, Any] | None = None  # completion 0's own dict: the request's fields
 
 
 class LLMEngine:
@@ -70,11 +58,8 @@ class LLMEngine:
         self.max_model_length: int = core.max_model_length
         self.vocab_size: int = core.vocab_size
         self.async_scheduling: bool = core.async_scheduling
-        # The completions that asked for logprobs, by (request id, completion index),
-        # gathered until they finish (step()).
-        self._logprobs: dict[tuple[int, int], LogprobsCollector] = {}
-        # Requests of n > 1 completions: the finished ones' dicts, until all n are.
-        self._completions: dict[int, _Completions] = {}
+        # Logprobs and n > 1 completions, gathered until their request finishes (step()).
+        self.finished_outputs = FinishedOutputs()
 
     @property
     def scheduler(self) -> Any:
@@ -118,23 +103,14 @@ class LLMEngine:
         return self._add_sequence(seq)
 
     def _add_sequence(self, seq: Sequence) -> int:
-        params = seq.sampling_params
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            for index in range(params.n):
-                self._logprobs[seq.seq_id, index] = LogprobsCollector(
-                    seq.prompt_token_ids,
-                    None if params.logprobs is None else LogprobsLists([], [], []))
-        if params.n > 1:
-            self._completions[seq.seq_id] = _Completions([None] * params.n)
+        self.finished_outputs.add(seq)
         return self.engine_core.add_sequence(seq)
 
     def abort(self, request_id: int) -> None:
         """Drop a request (all its completions) wherever it is and free its blocks now;
         unknown or finished ids are ignored (a request may finish while its client gives up
         on it)."""
-        for key in [key for key in self._logprobs if key[0] == request_id]:
-            del self._logprobs[key]
-        self._completions.pop(request_id, None)
+        self.finished_outputs.forget(request_id)
         self.engine_core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -144,47 +120,14 @@ class LLMEngine:
         return not self.engine_core.has_unfinished_requests()
 
     def step(self) -> tuple[list[dict[str, Any]], int]:
-        """One scheduler step. Returns (outputs of the sequences that finished, tokens computed).
-
-        Each output has seq_id, token_ids (completion only), finish_reason,
-        num_cached_tokens, logprobs (one {token id: logprob} per completion token, the
-        token's own and its top alternatives) and prompt_logprobs (None for the first prompt
-        token, then one such dict each), both None unless the request's SamplingParams asked
-        for them. A request of n > 1 completions is output once all have finished, with
-        those of completion 0 and "outputs": per completion, in order, its index, token_ids,
-        finish_reason and logprobs. The token count is positive for a step that computes
-        prompt tokens (with chunked prefill, the decode rows beside them count too) and
-        negative for a pure decode step (one per sequence), so callers can tell them apart;
-        it never exceeds max_num_batched_tokens.
+        """One scheduler step. Returns (the dicts of the requests that finished, tokens
+        computed); engine/generate_outputs.py says what a dict holds. The token count is
+        positive for a step that computes prompt tokens (with chunked prefill, the decode
+        rows beside them count too) and negative for a pure decode step (one per sequence),
+        so callers can tell them apart; it never exceeds max_num_batched_tokens.
         """
         outputs, num_tokens = self.step_outputs()
-        finished = []
-        for out in outputs:
-            key = (out.request_id, out.index)
-            collector = self._logprobs.get(key)
-            if collector is not None:
-                collector.add(out)
-            if not out.finished:
-                continue
-            logprobs = (NO_LOGPROBS if collector is None
-                        else self._logprobs.pop(key).result(out.token_ids))
-            done = {"seq_id": out.request_id, "token_ids": out.token_ids,
-                    "finish_reason": out.finish_reason,
-                    "num_cached_tokens": out.num_cached_tokens, **logprobs}
-            completions = self._completions.get(out.request_id)
-            if completions is None:  # one completion
-                finished.append(done)
-                continue
-            completions.outputs[out.index] = {"index": out.index, "token_ids": out.token_ids,
-                                              "finish_reason": out.finish_reason,
-                                              "logprobs": done["logprobs"]}
-            if out.index == 0:
-                completions.first = done
-            if out.request_finished:
-                del self._completions[out.request_id]
-                assert completions.first is not None  # all n have finished, 0 too
-                finished.append({**completions.first, "outputs": completions.outputs})
-        return finished, num_tokens
+        return self.finished_outputs.collect(outputs), num_tokens
 
     def step_outputs(self) -> tuple[list[RequestOutput], int]:
         """One scheduler step, reported per request: every request that received tokens or
@@ -252,30 +195,8 @@ class LLMEngine:
             raise
         finally:
             progress.close()
-        return [self._result(outputs[seq.seq_id], seq.sampling_params.stop_token_ids)
-                for seq in seqs]
-
-    def _result(self, out: dict[str, Any], stop_token_ids: list[int] | None) -> dict[str, Any]:
-        """One prompt's dict of generate(); n > 1 adds "outputs": per completion, its
-        index, text, token_ids, finish_reason and logprobs ("text" and "token_ids" above
-        them are completion 0's)."""
-        def text(token_ids: list[int], finish_reason: str | None) -> str | None:
-            return self._decode(text_token_ids(token_ids, finish_reason, stop_token_ids))
-
-        result = {
-            "text": text(out["token_ids"], out["finish_reason"]),
-            "token_ids": out["token_ids"],
-            "num_cached_tokens": out["num_cached_tokens"],
-            "logprobs": out["logprobs"],
-            "prompt_logprobs": out["prompt_logprobs"],
-        }
-        if "outputs" in out:
-            result["outputs"] = [
-                {"index": c["index"], "text": text(c["token_ids"], c["finish_reason"]),
-                 "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
-                 "logprobs": c["logprobs"]}
-                for c in out["outputs"]]
-        return result
+        return [generate_result(outputs[seq.seq_id], seq.sampling_params.stop_token_ids,
+                                self._decode) for seq in seqs]
 
     def _decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -294,12 +215,3 @@ class LLMEngine:
             self.abort(seq.seq_id)
         self.engine_core.executor.stop_workers_now()
 
-
-def text_token_ids(token_ids: list[int], finish_reason: str | None,
-                   stop_token_ids: list[int] | None) -> list[int]:
-    """The completion tokens its text is decoded from: all but a stop token that ended it
-    (SamplingParams.stop_token_ids: in token_ids, not in the text, as vLLM)."""
-    stops = stop_token_ids
-    if finish_reason == "stop" and stops and token_ids and token_ids[-1] in stops:
-        return token_ids[:-1]
-    return token_ids

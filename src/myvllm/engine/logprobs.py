@@ -187,10 +187,18 @@ def read_step_logprobs(seqs: list[Sequence], step: StepLogprobs) -> dict[int, Lo
     return dict(zip(step.sampled_seqs, rows, strict=True))
 
 
-def take_prompt_logprobs(seq: Sequence) -> LogprobsLists | None:
-    """The prompt logprobs for the request's first output (then nothing more to send)."""
+def take_prompt_logprobs(seq: Sequence, completions: list[Sequence]) -> LogprobsLists | None:
+    """The prompt logprobs for seq's first output, if it asked (then nothing more to send).
+    completions: its request's sequences; with n > 1 the other completions' first outputs
+    come in this step (after seq's: they were admitted after it) or later, and carry them
+    too."""
+    if seq.prompt_logprobs is None:
+        return None
     lists, seq.prompt_logprobs = seq.prompt_logprobs, None
     seq.needs_prompt_logprobs = False
+    if seq.index == 0:
+        for fork in completions[1:]:
+            fork.prompt_logprobs = lists
     return lists
 
 

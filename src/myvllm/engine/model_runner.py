@@ -1,42 +1,23 @@
 """Step 4: the ModelRunner runs one step of the model: a batch in, one token per sequence out.
 
-One ModelRunner lives in every tensor-parallel rank. Rank 0 (the Executor's, beside the EngineCore) also
-samples; ranks 1..N-1 run in worker processes and only compute their shard of every layer
-(engine/tp_workers.py says how they receive their commands). The runner delegates:
+One ModelRunner lives in every tensor-parallel rank. Rank 0 (the Executor's, beside the
+EngineCore) also samples; ranks 1..N-1 run in worker processes (engine/tp_workers.py) and only
+compute their shard of every layer. One step, run(seqs, is_prefill):
 
-    engine/input_builder.py   InputBuilder: a batch -> StepInputs
-    engine/token_pool.py      TokenPool: where sampled tokens land and pending ones are read
-    engine/kv_cache.py        how many blocks fit, the cache tensors
-    engine/sampling.py        SamplingParams -> the Sampler's per-row arguments
-    engine/sampling_controls.py  penalties, logit bias, min_tokens -> LogitsProcessing
-    engine/padded_steps.py    GPU: steps padded onto fixed buffers, for CUDA graphs
-    engine/cuda_graphs.py     GPU: GraphCache, the graphs of decode and chunked steps
+    prefill   InputBuilder.prepare_prefill (prompt chunks, whole prompts, and the decode rows
+              beside them in one varlen batch), the model and the LM head, the Sampler
+    decode    InputBuilder.prepare_decode, then decode_forward; on one GPU with
+              temperature-only sampling it includes the LM head and the sampling kernels
+    both      the rows' sampling controls (engine/sampling_controls.py), logprobs
+              (engine/logprobs.py) and speculative verification (engine/spec_decode/), each
+              one call; the tokens land in the sampled-token pool (engine/token_pool.py) and
+              are copied back as SampledTokens
 
-What happens to one step:
-
-    scheduler.schedule() -> (seqs, is_prefill)
-    ModelRunner.run(seqs, is_prefill)
-        prefill   InputBuilder.prepare_prefill (prompt chunks, whole prompts, and the
-                  decode rows beside them in one varlen batch), the model and the LM head,
-                  the Sampler
-        decode    InputBuilder.prepare_decode, then decode_forward; on one GPU with
-                  temperature-only sampling it includes the LM head and the sampling
-                  kernels, else the LM head and the Sampler run after it
-        both      rows with penalties, a logit bias or min_tokens still to reach: their
-                  logits processed (layers/logits_processors.py) before the Sampler
-                  reads them (such a row keeps a decode step out of the graph's
-                  sampling); rows that asked for logprobs: gather_logprobs on their
-                  raw logits, beside the Sampler (engine/logprobs.py; it too keeps a
-                  decode step out of the graph's sampling), copied back with the tokens
-    -> one new token id per sequence, in the sampled-token pool, copied back as SampledTokens
-
-On a GPU both kinds of step are padded onto fixed buffers and replayed from a CUDA graph
-where one fits (the only place graphs appear here: run_graph_or_eager).
-
-With async scheduling the next step is queued before these tokens reach the host, and a
-sequence's pending token is read from the pool on the device. Under tensor parallelism only
-rank 0 samples, so it broadcasts the pool's rows to the other ranks at the end of each step
-(a collective of a few hundred bytes): every rank's pool then holds the same tokens.
+On a GPU both kinds of step are padded onto fixed buffers (engine/padded_steps.py) and
+replayed from a CUDA graph where one fits (engine/cuda_graphs.py): the only place graphs
+appear here is run_graph_or_eager. Under tensor parallelism with async scheduling, rank 0
+broadcasts the pool's rows at the end of each step, so every rank reads a pending token from
+its own pool.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Padded steps on fixed buffers: what lets a GPU replay a step from a CUDA graph.
 
 A CUDA graph replays fixed shapes on fixed memory. So on a GPU every step that fits a graph
-is padded to one of a few sizes and staged into StaticBuffers (engine/staging.py), graph or
-not: enforce_eager=True then sees the same shapes, picks the same kernels and computes
-bit-identical tokens.
+is padded to one of a few sizes and staged into StaticBuffers (engine/static_buffers.py),
+graph or not: enforce_eager=True then sees the same shapes, picks the same kernels and
+computes bit-identical tokens.
 
     decode    the batch is padded to a graph batch size (cuda_graph_batch_sizes) and the
               block tables to max_model_length; padding rows have slot -1 (store nothing:
@@ -33,11 +33,12 @@ import numpy as np
 import torch
 
 from myvllm.engine.batch import StepInputs
-from myvllm.engine.staging import StaticBuffers
+from myvllm.engine.static_buffers import StaticBuffers
 from myvllm.engine.token_pool import TokenPool
 from myvllm.kernels.batch_invariant import is_batch_invariant
-from myvllm.kernels.tile_map import SPLIT_KEY_TILES, TileMap, build_tile_map, tile_map_slots
-from myvllm.utils.context import Context, DecodeRows
+from myvllm.kernels.tile_map import (SPLIT_KEY_TILES, DecodeRows, TileMap, build_tile_map,
+                                     tile_map_slots)
+from myvllm.utils.context import Context
 
 # Above this many tokens a step's GPU work (tens of milliseconds) dwarfs launching it, and a
 # graph would keep that many tokens' activations allocated for good.

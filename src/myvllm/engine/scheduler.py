@@ -19,48 +19,23 @@ Two queues, and four rules:
    remains, every later step would do the same, so raise instead of spinning forever.
 
 These rules are Config(enable_chunked_prefill=False), a policy of the one loop below. The
-default replaces rules 1 and 2 by a token budget: every running sequence's decode token
-first, then chunks of prompts fill what is left of max_num_batched_tokens, so a long prompt
-neither stalls the running sequences for a whole prefill nor has to fit one step. Rules 3
-and 4 stay as they are, and both policies share admission, preemption and rule 4's check.
-
-A request of SamplingParams.n > 1 completions is queued as its first; the others wait in its
-`forks` and join the front of waiting when its last prompt chunk is scheduled, to be admitted
-with its full prompt blocks shared (BlockManager.fork). After that they are sequences like
-any other (decoded, preempted and finished each on its own).
+default replaces rules 1 and 2 by a token budget (engine/chunk_budget.py): every running
+sequence's decode token first, then chunks of prompts fill what is left of
+max_num_batched_tokens. Rules 3 and 4 are the same for both. A request of n > 1 completions
+is queued as its first; the others are forked from it (engine/forks.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
+from myvllm.engine.chunk_budget import StepBudget
+from myvllm.engine.request_checks import check_schedulable
+from myvllm.engine.forks import fork_source, make_forks, release_forks
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.engine.spec_decode.scheduling import make_speculator
-
-
-# Beyond this position a prompt token's attention (over every token before it) costs more
-# than its matmuls: 4 * layers * heads * head_dim FLOPs per token of context against
-# 2 * parameters per token, ~3,800 tokens for Qwen3-0.6B (more for larger models). Beside
-# decode rows, a chunk this far into its prompt is charged in proportion (see _chunk_size).
-ATTENTION_BOUND_CONTEXT = 4096
-# The prefill kernel's query tile on GPUs (prefill_config: 128 rows, 64 for fp32 or wide
-# heads). Its attention costs a whole tile per started tile: a chunk of 131 tokens at 16k
-# costs two, nearly twice one of 128. Beside decode rows, a chunk of more than one tile that
-# is not its prompt's last is cut to whole tiles (_chunk_size).
-CHUNK_TILE = 128
-
-
-@dataclass
-class _Budget:
-    """What is left of one step's tokens: all of them (decode rows and chunks), the share
-    prompt chunks may take, and whether that share is capped (streams decoding beside)."""
-
-    tokens: int
-    prompt: int
-    capped: bool
 
 
 class Scheduler:
@@ -101,45 +76,17 @@ class Scheduler:
         return max(seq.num_prompt_tokens, longest - 1)
 
     def check_sequence(self, seq: Sequence) -> None:
-        """Raise ValueError if seq could never run here; queue nothing."""
-        if seq.status != SequenceStatus.WAITING or seq.block_table or seq.num_completion_tokens:
-            raise ValueError(f"sequence {seq.seq_id} is not a new request "
-                             f"(status {seq.status.name}, {len(seq.block_table)} blocks, "
-                             f"{seq.num_completion_tokens} completion tokens)")
-        if seq.block_size != self.block_size:
-            raise ValueError(f"sequence {seq.seq_id} was built with block_size "
-                             f"{seq.block_size}, the KV cache uses {self.block_size}")
-        if seq.num_prompt_tokens == 0:
-            raise ValueError("empty prompt: a prompt needs at least one token")
-        if seq.num_prompt_tokens >= self.max_model_length:
-            # The prompt and at least one completion token must fit (vLLM's rule): a prompt
-            # of max_model_length tokens would have its first token past the limit.
-            what = ("longer than" if seq.num_prompt_tokens > self.max_model_length
-                    else "as long as")
-            raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is {what} "
-                             f"max_model_length={self.max_model_length}; the prompt and at "
-                             "least one completion token must fit")
-        need_tokens = self.max_kv_tokens(seq)
-        need_blocks = (need_tokens + self.block_size - 1) // self.block_size
-        total_blocks = len(self.block_manager.blocks)
-        if need_blocks > total_blocks:
-            raise ValueError(
-                f"sequence {seq.seq_id} can grow to {need_tokens} tokens = {need_blocks} blocks "
-                f"of {self.block_size}, but the whole KV cache has {total_blocks} blocks; "
-                "shorten the prompt or max_tokens, or give the cache more blocks")
-        if need_tokens > self.max_num_batched_tokens and not self.enable_chunked_prefill:
-            raise ValueError(
-                f"sequence {seq.seq_id} can grow to {need_tokens} tokens, more than "
-                f"max_num_batched_tokens={self.max_num_batched_tokens}: after a preemption it "
-                "could never be prefilled again; raise max_num_batched_tokens or shorten it")
+        """Raise ValueError if seq could never run here (engine/request_checks.py); queue
+        nothing."""
+        check_schedulable(seq, self)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request. With SamplingParams.n > 1, seq is its first completion and the
         others are made here (seq.forks): they wait until seq's prefill is scheduled and are
-        then forked from it (_admit_waiting)."""
+        then forked from it (engine/forks.py)."""
         self.check_sequence(seq)
         if seq.sampling_params.n > 1 and not seq.forks:
-            seq.make_forks()
+            make_forks(seq)
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -149,29 +96,23 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the next batch. Never returns an empty batch while work remains.
 
-        One loop for both policies, under a token budget of max_num_batched_tokens:
+        One loop for both policies, under a StepBudget of max_num_batched_tokens:
+        1. Prefill first only: admit waiting prompts whole (rule 2); if any fits, that is the
+           step (a prefill, flag True) and the running sequences wait.
+        2. Running sequences, in order: a decode row costs one token (growing it may preempt
+           the tail of running, rule 3); a prompt part-way through gets its next chunk.
+        3. Chunked only: waiting sequences, each admitted with a first chunk after its
+           cached prefix, while budget, sequence slots and blocks last.
 
-        1. Prefill first only (enable_chunked_prefill=False): admit waiting prompts whole
-           (rule 2); if any fits, that is the step (a prefill, flag True) and the running
-           sequences wait.
-        2. Running sequences, in order: a decode row costs one token; a prompt part-way
-           through its prefill gets the next chunk, as much as the budget has left. Growing
-           a decode row may preempt the tail of running (rule 3).
-        3. Chunked only: waiting sequences, in order, while budget, sequence slots and
-           blocks last, each admitted with a first chunk after its cached prefix.
-
-        While any running sequence whose tokens stream (Sequence.streamed) decodes, prompt
-        chunks together get at most max_prefill_tokens_while_decoding tokens, a token past
-        ATTENTION_BOUND_CONTEXT counting for more: the decode rows' wait stays short.
-
-        Each scheduled sequence gets num_new_tokens (its chunk; 1 for a decode row) and its
-        num_computed_tokens is advanced past it; it samples a token only when the chunk
-        reaches its last token. The flag is False only for a pure decode step, where every
-        row computes its sequence's last token (the decode kernel, CUDA graphs).
+        Each scheduled sequence gets num_new_tokens and its num_computed_tokens is advanced
+        past them; the flag is False only for a pure decode step, where every row computes
+        its sequence's last token (the decode kernel, CUDA graphs).
         """
         if self.is_finished():
             return [], False
-        budget = self._step_budget()
+        budget = StepBudget.for_step(self.max_num_batched_tokens,
+                                     self.max_prefill_tokens_while_decoding,
+                                     self.enable_chunked_prefill, self.running)
         scheduled: list[Sequence] = []
         preempted = False
         if not self.enable_chunked_prefill:
@@ -196,16 +137,7 @@ class Scheduler:
         # Its blocks are free now, so try again: the next call prefills it or raises above.
         return self.schedule()
 
-    def _step_budget(self) -> _Budget:
-        """This step's token budget, and the share prompt chunks may take of it."""
-        cap = self.max_prefill_tokens_while_decoding
-        capped = (self.enable_chunked_prefill and bool(cap)
-                  and any(seq.streamed and seq.num_tokens - seq.num_computed_tokens <= 1
-                          for seq in self.running))
-        tokens = self.max_num_batched_tokens
-        return _Budget(tokens, min(tokens, cap) if capped else tokens, capped)
-
-    def _schedule_running(self, budget: _Budget, scheduled: list[Sequence]) -> bool:
+    def _schedule_running(self, budget: StepBudget, scheduled: list[Sequence]) -> bool:
         """Step 2 of schedule(): the running sequences' decode rows and next chunks, in
         order; returns whether any was preempted."""
         preempted = False
@@ -219,7 +151,7 @@ class Scheduler:
             if remaining > 1:  # a prompt part-way through its prefill
                 if budget.prompt == 0:
                     continue  # its next chunk waits; it keeps its place in running
-                self._schedule_prompt_chunk(seq, remaining, budget)
+                self._schedule_chunk(seq, budget.take_chunk(seq.num_computed_tokens, remaining))
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
@@ -248,7 +180,7 @@ class Scheduler:
         self.running.extendleft(reversed(visited))
         return preempted
 
-    def _admit_waiting(self, budget: _Budget, scheduled: list[Sequence],
+    def _admit_waiting(self, budget: StepBudget, scheduled: list[Sequence],
                        whole_prompts: bool) -> None:
         """Admit from the head of waiting while budget, sequence slots and blocks last. FIFO:
         when the head does not fit, nobody behind it jumps the queue (the head is kept).
@@ -259,7 +191,7 @@ class Scheduler:
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
-            source = self._fork_source(seq)
+            source = fork_source(seq)  # n > 1: share the first completion's prompt
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
                     or not (self.block_manager.can_fork(seq) if source is not None
@@ -282,66 +214,10 @@ class Scheduler:
                 self._schedule_chunk(seq, len(seq) - seq.num_cached_tokens)
                 budget.tokens -= len(seq)
             else:
-                self._schedule_prompt_chunk(seq, len(seq) - seq.num_cached_tokens, budget)
+                self._schedule_chunk(seq, budget.take_chunk(seq.num_computed_tokens,
+                                                            len(seq) - seq.num_computed_tokens))
             self.running.append(seq)
             scheduled.append(seq)
-
-    def _fork_source(self, seq: Sequence) -> Sequence | None:
-        """The first completion of seq's request, if seq is to be forked from it now: it
-        still runs, and a step already scheduled writes the K/V of the blocks to share.
-        Otherwise None, and seq is prefilled as any prompt (its source was preempted or
-        aborted first)."""
-        source = seq.fork_source
-        if source is None or source.status != SequenceStatus.RUNNING:
-            return None
-        num_shared = self.block_manager.num_shared_prompt_blocks(seq) * self.block_size
-        return source if source.num_computed_tokens >= num_shared else None
-
-    def _release_forks(self, seq: Sequence) -> None:
-        """Queue seq's other completions at the front of waiting (in order), to be forked
-        from it (n > 1): its prompt's last chunk is scheduled, or it ended before."""
-        for fork in reversed(seq.forks):
-            if not fork.is_finished:  # aborted meanwhile
-                self.waiting.appendleft(fork)
-        seq.forks = []
-
-    def _schedule_prompt_chunk(self, seq: Sequence, remaining: int, budget: _Budget) -> None:
-        chunk, cost = self._chunk_size(seq.num_computed_tokens, remaining, budget.tokens,
-                                       budget.prompt, budget.capped)
-        self._schedule_chunk(seq, chunk)
-        budget.tokens -= chunk
-        budget.prompt -= cost
-
-    @staticmethod
-    def _chunk_size(start: int, remaining: int, budget: int, prompt_budget: int,
-                    capped: bool) -> tuple[int, int]:
-        """(tokens, cost) of the next chunk of a prompt at position `start`.
-
-        Capped (decode rows beside it), a chunk of n tokens ending past
-        ATTENTION_BOUND_CONTEXT costs n * (start + n) / ATTENTION_BOUND_CONTEXT of
-        prompt_budget, since its attention grows with its position, and a chunk that is not
-        the prompt's last is cut to whole CHUNK_TILEs where it holds more than one: a
-        16k-token prompt goes in chunks of 768 tokens at first (the default cap) and of 128
-        near its end, each step about as long.
-        """
-        if not capped:
-            n = min(remaining, budget, prompt_budget)
-            return n, n
-        long = ATTENTION_BOUND_CONTEXT
-
-        def cost(n: int) -> int:
-            return -(-n * max(long, start + n) // long)
-
-        # The largest n with n * max(long, start + n) / long <= prompt_budget, nearly.
-        n = min(remaining, budget,
-                max(1, prompt_budget * long // max(long, start + prompt_budget)))
-        if CHUNK_TILE < n < remaining:
-            tiles = n // CHUNK_TILE + 1  # the formula above can be one tile short
-            while tiles > 1 and (tiles * CHUNK_TILE > min(budget, remaining)
-                                 or cost(tiles * CHUNK_TILE) > prompt_budget):
-                tiles -= 1
-            n = tiles * CHUNK_TILE
-        return n, min(cost(n), prompt_budget)
 
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> None:
         """seq computes its next num_tokens tokens in this step. The blocks those fill are
@@ -353,7 +229,7 @@ class Scheduler:
             # Its prompt's K/V is all written by this step (or an earlier one): its other
             # completions can share it from this very step on (store_kvcache writes a step's
             # K/V before attention reads any).
-            self._release_forks(seq)
+            release_forks(seq, self.waiting)
 
     def _raise_no_progress(self) -> None:
         bm = self.block_manager
@@ -387,19 +263,14 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int],
                     verified: dict[int, list[int]] | None = None) -> list[Sequence]:
-        """Append each sequence's new token; finish and release the ones that stop.
-
-        Stops on eos (unless ignore_eos) or a stop token (is_stop_token), on max_tokens
-        completion tokens, or on reaching max_model_length tokens. Returns the sequences
-        that finished in this step.
-
-        With overlapped scheduling a sequence may have finished (on eos) after this step was
-        queued: its token here is surplus and dropped.
+        """Append each sequence's new token; finish and release the ones that stop (eos
+        unless ignore_eos, a stop token, max_tokens, max_model_length). Returns the sequences
+        that finished in this step. A sequence that finished after this step was queued
+        (overlapped scheduling) drops its surplus token.
 
         verified (speculative decoding): for the index in seqs of each row that verified
-        proposals, the tokens it emitted (its entry in token_ids is unused); they are
-        appended one by one, each checked for a stop, and the row rolls back to what its
-        accepted tokens wrote (engine/spec_decode/scheduling.py).
+        proposals, the tokens it emitted, appended one by one, each checked for a stop; the
+        row then rolls back to what its accepted tokens wrote.
         """
         if len(seqs) != len(token_ids):
             raise ValueError(f"postprocess got {len(token_ids)} tokens for {len(seqs)} sequences")
@@ -474,4 +345,4 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         # Its other completions no longer wait for its prefill: each is prefilled itself.
-        self._release_forks(seq)
+        release_forks(seq, self.waiting)

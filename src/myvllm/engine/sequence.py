@@ -24,6 +24,7 @@ from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int
 
 from myvllm.engine.core_messages import LogprobsLists
+from myvllm.engine.sequence_pickling import restore_worker_copy, worker_state
 
 if TYPE_CHECKING:
     import torch
@@ -85,69 +86,40 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.sampling_params: SamplingParams = (sampling_params if sampling_params is not None
                                                 else SamplingParams())
-        # Its prompt's logprobs are still to be computed (SamplingParams.prompt_logprobs): the
-        # prefill's LM head then runs over its prompt rows too, on every tensor-parallel rank
-        # (shipped to workers), and the prefix cache is not read for it (a cached token has
-        # no logits). Cleared once all of them reached the host.
+        # SamplingParams.prompt_logprobs still to compute: the prefill's LM head runs over its
+        # prompt rows too (on every rank), and it reads no prefix-cache hit (a cached token
+        # has no logits). Cleared once all of them reached the host.
         self.needs_prompt_logprobs: bool = self.sampling_params.prompt_logprobs is not None
-        # True while the next forward for this sequence is a prefill (new, or re-queued after
-        # preemption); False once a token has been appended after that prefill. It only
-        # decides what __getstate__ ships to tensor-parallel workers.
+        # The next forward is a prefill (new, or after a preemption): a worker gets all tokens.
         self.needs_prefill: bool = True
-        # Counted in num_tokens but not yet in token_ids (see add_pending_token). Kept as a
-        # count, not num_tokens - len(token_ids): a worker's copy has no token_ids.
+        # Counted in num_tokens, not yet in token_ids (add_pending_token); a count because a
+        # worker's copy has no token_ids.
         self.num_pending_tokens: int = 0
-        # Per-request state of rank 0, kept here so it ends with the request:
-        # num_cached_tokens at the first admission (what the caller is told: a re-prefill
-        # after preemption may hit the sequence's own freed blocks, which is no prompt hit);
+        # Rank 0's per-request state, which ends with the request: num_cached_tokens at the
+        # first admission (a re-prefill's hits on its own freed blocks are no prompt hits);
+        # the prompt logprobs read back so far, until an output carries them away; the seeded
+        # generator (made at the first sampled step); the prompt's distinct ids for
+        # repetition_penalty (engine/sampling_controls.py); the grammar's matcher
+        # (engine/structured_output.py); the row of its token in the last step's sampled-token
+        # pool (engine/token_pool.py); why it finished; and whether someone reads its tokens
+        # as they come (then the steps it decodes in stay short; generate() reads them at
+        # the end: Config.max_prefill_tokens_while_decoding).
         self.num_cached_prompt_tokens: int | None = None
-        # the prompt logprobs read back so far, of tokens 1, 2, ... (the first has none),
-        # held until the first output carries them away (then None, as when not asked);
         self.prompt_logprobs: LogprobsLists | None = (
             LogprobsLists([], [], []) if self.needs_prompt_logprobs else None)
-        # the seeded generator of SamplingParams.seed, made at the first sampled step;
         self.generator: torch.Generator | None = None
-        # the prompt's distinct token ids on the device, for repetition_penalty, made at the
-        # first penalised step (engine/sampling_controls.py);
         self.penalty_prompt_ids: torch.Tensor | None = None
-        # SamplingParams.structured_outputs: the xgrammar GrammarMatcher of this sequence's
-        # output so far (set by EngineCore.make_sequence, advanced by append_token; see
-        # engine/structured_output.py), None without a constraint;
         self.grammar_matcher: Any = None
-        # the row of this sequence's token in the last step's sampled-token pool, where a
-        # next step reads a token that is still pending (engine/token_pool.py);
         self.sampled_row: int | None = None
-        # why it finished: "stop" (eos), "length" (max_tokens / max_model_length), "abort";
         self.finish_reason: FinishReason | None = None
-        # whether someone reads its tokens as they come (add_request, the server's streaming
-        # requests), so that the steps it decodes in should stay short
-        # (Config.max_prefill_tokens_while_decoding). LLM.generate() and non-streaming server
-        # requests hand their outputs back at the end: theirs are not.
         self.streamed: bool = True
-        # SamplingParams.n > 1: the request this sequence is one completion of (its first
-        # completion's seq_id) and which completion it is (0..n-1). The first holds the
-        # others in `forks` until its prefill's last chunk is scheduled; then they queue,
-        # each with fork_source naming it, to share its prompt's full blocks at their first
-        # admission (Scheduler._admit_waiting: a fork instead of a prefill of the whole prompt).
+        # SamplingParams.n > 1 (engine/forks.py): the request this sequence is one completion
+        # of (its first completion's seq_id), which completion it is, the others (held by the
+        # first until its prefill's last chunk is scheduled) and, for those, the first.
         self.request_id: int = self.seq_id
         self.index: int = 0
         self.forks: list[Sequence] = []
         self.fork_source: Sequence | None = None
-
-    def make_forks(self) -> None:
-        """SamplingParams.n > 1: make the request's other completions, into self.forks.
-        Each has the same prompt and its own sampling stream (SamplingParams.for_completion);
-        the prompt's logprobs, if asked, are computed by this sequence alone and handed to
-        them (EngineCore._read_back)."""
-        for index in range(1, self.sampling_params.n):
-            fork = Sequence(self.token_ids[:self.num_prompt_tokens], self.block_size,
-                            self.sampling_params.for_completion(index))
-            fork.request_id, fork.index, fork.fork_source = self.seq_id, index, self
-            fork.streamed = self.streamed
-            fork.needs_prompt_logprobs, fork.prompt_logprobs = False, None
-            if self.grammar_matcher is not None:  # its own matcher, at the grammar's start
-                fork.grammar_matcher = self.grammar_matcher.fork()
-            self.forks.append(fork)
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -244,56 +216,13 @@ class Sequence:
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    # ------------------------------------------------------------------ pickling
-    # With tensor parallelism, rank 0 sends the batch's sequences to every worker each step
-    # (pickled through a pipe). Workers only build input_ids/positions/slot_mapping; they
-    # never sample, so they need neither the sampling params nor the status. What they need:
-    #
-    #   prefill: seq_id, num_tokens, num_prompt_tokens, num_cached_tokens, block_table and
-    #            ALL token_ids (the runner feeds token_ids[num_cached_tokens:]), and
-    #            needs_prompt_logprobs (the LM head over prompt rows is collective)
-    #   decode:  the same counters and block_table, but only last_token (the one new token)
-    #            and the tokens proposed after it (speculative decoding), if any
-    #
-    # Sending the whole token list every decode step would cost O(length) per sequence per
-    # step; sending one int keeps a step's message small. "Prefill" means needs_prefill, not
-    # just "no completion token yet": a sequence preempted after generating tokens is
-    # re-prefilled over prompt + completion, and its workers need all of those tokens.
-    #
-    # With async scheduling the last token may still be pending: its value is nowhere on the
-    # host yet. The worker gets num_pending_tokens and sampled_row instead, and reads the
-    # token from its own sampled-token pool, where rank 0 broadcast it (ModelRunner.run).
-    #
-    # A worker-side copy is therefore partial: in a decode step it has no token_ids (reading
-    # them raises AttributeError instead of returning wrong data) and its sampling_params
-    # is None.
+    # Tensor parallelism: what a worker gets of the sequence each step, a partial copy
+    # (sequence_pickling.py says what and why).
     def __getstate__(self) -> tuple[Any, ...]:
-        tokens: list[int] | int | None = (self.token_ids if self.needs_prefill
-                                          else self.last_token)
-        return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
-                self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
-                self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
-                self.sampled_row if self.num_pending_tokens else None,
-                self.needs_prompt_logprobs, self.spec_token_ids)
+        return worker_state(self)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens,
-         self.num_cached_tokens, self.num_computed_tokens, self.num_new_tokens,
-         self.block_table, self.needs_prefill, tokens, self.num_pending_tokens,
-         self.sampled_row, self.needs_prompt_logprobs, self.spec_token_ids) = state
-        self.status = SequenceStatus.RUNNING
-        self.num_cached_prompt_tokens = None
-        self.prompt_logprobs = None
-        self.generator = None
-        self.penalty_prompt_ids = None
-        self.grammar_matcher = None
-        self.finish_reason = None
-        self.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
-        if self.needs_prefill:
-            self.token_ids = tokens
-            self.last_token = tokens[-1] if tokens else -1
-        else:
-            self.last_token = tokens
+        restore_worker_copy(self, state)
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from myvllm.engine.logprobs import StepLogprobs
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.static_buffers import PinnedSlots
 
 if TYPE_CHECKING:
     from myvllm.engine.spec_decode.verification import VerifiedTokens
@@ -38,14 +39,10 @@ class TokenPool:
         the StaticBuffers, so that decode graphs write into it)."""
         self.tokens = tokens
         self.size = tokens.numel()
-        on_gpu = tokens.device.type == "cuda"
-        # The way back: two pinned host slots that alternate, an event each (GPU only).
-        self.host = [torch.zeros(self.size, dtype=torch.int64, pin_memory=on_gpu)
-                     for _ in range(2)] if on_gpu else []
-        self.copied = [torch.cuda.Event() for _ in range(2)] if on_gpu else []
-        self.read_slot = 0
-        self.steps_read = 0
-        self.read_owner = [0, 0]  # which read_back call each host slot holds now
+        # The way back on a GPU: two pinned host slots that alternate
+        # (engine/static_buffers.py).
+        self.host_slots = (PinnedSlots({torch.int64: self.size}, on_gpu=True)
+                           if tokens.device.type == "cuda" else None)
 
     # ------------------------------------------------------------------ into the next step
     @staticmethod
@@ -91,18 +88,10 @@ class TokenPool:
         num_seqs = len(seqs)
         # Queued before the event below, which then says that they have arrived too.
         host_logprobs = logprobs.to_host() if logprobs is not None else None
-        if not self.host:  # a CPU: the step has run; keep the tokens before the next one
-            return SampledTokens(self.tokens[:num_seqs].clone(), None, [1], 0, 1,
-                                 host_logprobs)
-        slot = self.read_slot
-        self.read_slot = 1 - slot
-        self.steps_read += 1
-        self.read_owner[slot] = self.steps_read
-        host = self.host[slot][:num_seqs]
-        host.copy_(self.tokens[:num_seqs], non_blocking=True)
-        self.copied[slot].record()
-        return SampledTokens(host, self.copied[slot], self.read_owner, slot, self.steps_read,
-                             host_logprobs)
+        if self.host_slots is None:  # a CPU: the step has run; keep them past the next one
+            return SampledTokens(self.tokens[:num_seqs].clone(), host_logprobs)
+        host, slot, turn = self.host_slots.copy_to_host(self.tokens[:num_seqs])
+        return SampledTokens(host, host_logprobs, self.host_slots, slot, turn)
 
 
 class SampledTokens:
@@ -115,11 +104,10 @@ class SampledTokens:
     (the engine reads each step right after queuing the next).
     """
 
-    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event | None,
-                 owner: list[int], slot: int, step: int,
-                 logprobs: StepLogprobs | None = None) -> None:
-        self.host, self.copied = host, copied
-        self._owner, self._slot, self._step = owner, slot, step
+    def __init__(self, host: torch.Tensor, logprobs: StepLogprobs | None = None,
+                 slots: PinnedSlots | None = None, slot: int = 0, turn: int = 0) -> None:
+        self.host = host
+        self._slots, self._slot, self._turn = slots, slot, turn
         # Host tensors of their own (not the alternating slots), valid once token_ids()
         # has waited for the copy.
         self.logprobs = logprobs
@@ -128,9 +116,6 @@ class SampledTokens:
         self.verified: VerifiedTokens | None = None
 
     def token_ids(self) -> list[int]:
-        if self._owner[self._slot] != self._step:
-            raise RuntimeError("these sampled tokens were overwritten: read a step's tokens "
-                               "before running two more steps")
-        if self.copied is not None:
-            self.copied.synchronize()
+        if self._slots is not None:
+            self._slots.wait_for(self._slot, self._turn)
         return self.host.tolist()

@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from myvllm.engine.async_llm import EngineDeadError
 from myvllm.engine.engine_client import EngineClient
-from myvllm.engine.core import check_token_ids
+from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints import protocol
 from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
 from myvllm.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger

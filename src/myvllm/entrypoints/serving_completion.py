@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from myvllm.engine.async_llm import EngineDeadError, StreamOutput
 from myvllm.engine.engine_client import EngineClient
-from myvllm.engine.core import check_token_ids
+from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                          RequestError, error_body)

@@ -14,25 +14,25 @@ and three small per-token ops of a decoder layer, fused into one kernel each on 
     norm_rope                (per-head RMSNorm +) rotary embedding of q and k
     silu_and_mul             silu(gate) * up
 
-and the matmul of a small decode batch (reference in layer_ops_reference.py too):
+and the matmul of a small decode batch (reference in fused_reference.py):
 
     skinny_gemm              x W^T for x of 1..8 rows (layers/linear.py uses it on a GPU
                              where prefers_skinny_gemm says it beats cuBLAS)
 
 with two fused forms that apply the op before the matmul to x as the matmul loads it: one
 launch instead of two, for batch-1 decode, which is launch-bound (same kernel, a constexpr
-prologue; references: the two references one after the other):
+prologue; references in fused_reference.py: the two references one after the other):
 
     rms_norm_skinny_gemm     (residual add +) RMSNorm, then x W^T  (qkv_proj, gate_up_proj)
     silu_and_mul_skinny_gemm silu(gate) * up, then x W^T           (down_proj)
 
-and the matmul of batch-invariant mode (reference in layer_ops_reference.py too):
+and the matmul of batch-invariant mode (reference in fused_reference.py):
 
     matmul_batch_invariant   x W^T (+ b) with one fixed tiling for every row count, so a
                              row's bits never depend on its batch
                              (kernels/invariant_matmul_kernel.py, kernels/batch_invariant.py)
 
-and the experts of a mixture-of-experts layer (reference in layer_ops_reference.py too):
+and the experts of a mixture-of-experts layer (reference in fused_reference.py):
 
     fused_moe                each token through its top-k experts' gated MLPs, weighted and
                              summed: two grouped matmuls over all experts
@@ -66,16 +66,14 @@ if TYPE_CHECKING:
     from .tile_map import TileMap
 
 from .batch_invariant import is_batch_invariant, set_batch_invariant
-from .layer_ops_reference import (
+from .fused_reference import (
     fused_moe_ref,
     matmul_batch_invariant_ref,
-    norm_rope_ref,
-    rms_norm_ref,
     rms_norm_skinny_gemm_ref,
-    silu_and_mul_ref,
     silu_and_mul_skinny_gemm_ref,
     skinny_gemm_ref,
 )
+from .layer_ops_reference import norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 from .reference import (
     flash_attention_varlen_ref,
     paged_attention_decode_ref,

@@ -246,7 +246,7 @@ def fused_moe_triton(
     config: MoeConfig | None = None,
     align_kernel: bool | None = None,
 ) -> torch.Tensor:
-    """The contract of fused_moe_ref (kernels/layer_ops_reference.py) -> [M, H] in x's dtype.
+    """The contract of fused_moe_ref (kernels/fused_reference.py) -> [M, H] in x's dtype.
 
     `config` overrides the tiles, `align_kernel` moe_align_block_size's choice (tests,
     benchmarks, tuning sweeps).

@@ -1,6 +1,7 @@
 """The host side of the prefill kernel's fixed-grid launch: which (sequence, query tile,
-split) each program computes (see prefill_attention.py). No Triton here: the engine builds a
-map every chunked step, and a machine without Triton imports this module too.
+split) each program computes (see prefill_attention.py), and the decode rows of a padded
+chunked step. No Triton here: the engine builds a map every chunked step, and a machine
+without Triton imports this module too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ class TileMap:
     rows: torch.Tensor  # [R, 5] int32: sequence, query tile, split, splits, part
     combine: torch.Tensor  # [C, 4] int32: sequence, query tile, splits, first part
     num_parts: int  # partial results the splits may leave
+
+
+@dataclass
+class DecodeRows:
+    """The one-token rows of a padded chunked-prefill step, for the decode kernel (a prefill
+    tile of 128 query rows would compute 127 for nothing). R = min(max_num_sequences, N)."""
+
+    gather: torch.Tensor  # [R] int64: each row's token in the flat batch (padding: 0)
+    scatter: torch.Tensor  # [R] int64: where its output goes (padding: row N, a spare row)
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    context_lens: torch.Tensor  # [R] int32: context including the row's token (padding: 0)
 
 
 # A tile is split only where each split still gets this many key tiles.

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from myvllm.kernels import fused_moe
-from myvllm.layers.linear import _divide, _rank_slice, copy_checked, set_weight_attrs
+from myvllm.layers.weight_loaders import copy_checked, divide, rank_slice, set_weight_attrs
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 # Checkpoint name of an expert's matrix -> (our parameter, shard id).
@@ -73,7 +73,7 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size  # the full size; this rank holds 1/tp
-        inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        inter = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
         for param in (self.w13_weight, self.w2_weight):
@@ -94,10 +94,10 @@ class FusedMoE(nn.Module):
         what = f"FusedMoE expert {expert} {name}"
         full, tp = self.intermediate_size, self.tp_size
         if name == "w2":  # down_proj [H, I]: this rank's columns
-            src = _rank_slice(loaded_weight, 1, full, self.tp_rank, tp, what)
+            src = rank_slice(loaded_weight, 1, full, self.tp_rank, tp, what)
             copy_checked(param.data[expert], src, what)
             return
-        src = _rank_slice(loaded_weight, 0, full, self.tp_rank, tp, what)
+        src = rank_slice(loaded_weight, 0, full, self.tp_rank, tp, what)
         offset = 0 if name == "w1" else full // tp  # gate rows first, then up rows
         copy_checked(param.data[expert].narrow(0, offset, full // tp), src, what)
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel linear layers and their weight loaders.
+"""Tensor-parallel linear layers.
 
 With tensor parallelism (TP) over ``tp`` ranks, a transformer block needs only ONE
 all-reduce per matmul pair, thanks to the Megatron split:
@@ -10,14 +10,9 @@ all-reduce per matmul pair, thanks to the Megatron split:
     W_col [out, in]  split along dim 0:   rank0 rows | rank1 rows | ...
     W_row [out, in]  split along dim 1:   rank0 cols | rank1 cols | ...
 
-Checkpoints always hold the FULL tensors. Every parameter therefore carries a
-``weight_loader(param, loaded_weight, shard_id=None)`` that cuts this rank's piece out of the
-full tensor (and, for packed layers, puts it at the right offset). The loader
-(utils/loader.py) never copies a tensor itself; that is the whole contract, and the reason a
-world size of 2 loads the same model as a world size of 1.
-
 Each layer is built with the rank/size of the current process group, so the parameters are
-already the per-rank size when the loader runs.
+already the per-rank size when the loader runs; each parameter's weight_loader cuts its
+rank's piece out of the checkpoint's full tensor (layers/weight_loaders.py).
 """
 
 from __future__ import annotations
@@ -32,6 +27,8 @@ from torch import nn
 from myvllm.kernels import (is_batch_invariant, matmul_batch_invariant, prefers_skinny_gemm,
                             skinny_gemm)
 from myvllm.layers.fused import DeferredInput
+from myvllm.layers.weight_loaders import (check_not_packed, copy_checked, divide, load_columns,
+                                          load_rows, set_weight_attrs)
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 
@@ -41,17 +38,13 @@ CPU_WXT_MAX_ROWS = 256
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b, the matmul of every linear layer and the LM head.
 
-    On a GPU this is F.linear, except for a decode batch of a few rows: there cuBLAS reads
-    some weights at a third of the memory bandwidth or less, and kernels.skinny_gemm, which
-    streams them, is used where it measured faster (kernels.prefers_skinny_gemm).
-    On a CPU, for 2..256 rows (decode, short prefills), MKL streams
-    the row-major [out, in] weight much faster as W x^T than as x W^T: on the 2-core AMD EPYC
-    machines we develop on, 2-3x at 4 rows (gate_up_proj of SmolLM2: 1.2 ms -> 0.5 ms), and
-    decode on a CPU is bound by reading the weights; from ~512 rows F.linear wins again.
-    Same math, different summation order.
-
+    GPU: F.linear, or for a decode batch of a few rows kernels.skinny_gemm, which streams
+    weights that cuBLAS reads at a third of the memory bandwidth or less (where it measured
+    faster: kernels.prefers_skinny_gemm). CPU, 2..256 rows: W x^T, which MKL streams 2-3x
+    faster than x W^T for the row-major [out, in] weight (decode on a CPU is bound by reading
+    the weights; from ~512 rows F.linear wins again). Same math, another summation order.
     Batch-invariant mode (kernels/batch_invariant.py): kernels.matmul_batch_invariant for
-    every row count, on both devices, so that no choice above depends on the batch.
+    every row count, so that no choice above depends on the batch.
     """
     if is_batch_invariant():
         rows = x.reshape(-1, x.size(-1))
@@ -74,44 +67,6 @@ def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Never in batch-invariant mode: the skinny kernel's tiling is for 1-8 rows only."""
     return (x.is_cuda and not is_batch_invariant() and x.dim() == 2 and bias is None
             and prefers_skinny_gemm(x.size(0), *weight.shape))
-
-
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    """Copy ``src`` into ``dst`` after checking shapes (dtype/device are converted by copy_)."""
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(
-            f"{what}: shape mismatch, parameter expects {tuple(dst.shape)} "
-            f"but the checkpoint tensor (after sharding) is {tuple(src.shape)}"
-        )
-    dst.copy_(src)
-
-
-def set_weight_attrs(param: nn.Parameter, attrs: dict[str, object]) -> None:
-    """Attach attributes such as ``weight_loader`` to a parameter (vLLM's helper). The loader
-    reads them with getattr; nn.Parameter declares none of them, hence setattr."""
-    for key, value in attrs.items():
-        setattr(param, key, value)
-
-
-def _divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator != 0:
-        raise ValueError(
-            f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}"
-        )
-    return numerator // denominator
-
-
-def _rank_slice(
-    loaded: torch.Tensor, dim: int, full_size: int, tp_rank: int, tp_size: int, what: str
-) -> torch.Tensor:
-    """This rank's contiguous 1/tp slice of ``loaded`` along ``dim`` (after a full-size check)."""
-    if loaded.dim() <= dim or loaded.size(dim) != full_size:
-        raise ValueError(
-            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected size "
-            f"{full_size} along dim {dim} (the full, unsharded size)"
-        )
-    shard = full_size // tp_size
-    return loaded.narrow(dim, tp_rank * shard, shard)
 
 
 class LinearBase(nn.Module):
@@ -157,11 +112,9 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"ReplicatedLinear is not packed, but got shard id {shard_id!r}")
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        check_not_packed(shard_id, "ReplicatedLinear")
         copy_checked(param.data, loaded_weight, "ReplicatedLinear")
 
 
@@ -170,16 +123,13 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         tp_size = get_tp_size()
-        super().__init__(input_size, _divide(output_size, tp_size, "output_size"), bias)
+        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not packed, but got shard id {shard_id!r}")
-        full = param.size(0) * self.tp_size
-        src = _rank_slice(loaded_weight, 0, full, self.tp_rank, self.tp_size, type(self).__name__)
-        copy_checked(param.data, src, type(self).__name__)
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        check_not_packed(shard_id, type(self).__name__)
+        load_rows(param, loaded_weight, 0, param.size(0), self.tp_rank, self.tp_size,
+                  type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -197,25 +147,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
         tp_size = get_tp_size()
         for i, size in enumerate(output_sizes):
-            _divide(size, tp_size, f"output_sizes[{i}]")
+            divide(size, tp_size, f"output_sizes[{i}]")
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
                 f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}, "
                 f"got {shard_id!r}"
             )
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        what = f"MergedColumnParallelLinear shard {shard_id}"
-        src = _rank_slice(
-            loaded_weight, 0, self.output_sizes[shard_id], self.tp_rank, self.tp_size, what
-        )
-        copy_checked(param.data.narrow(0, offset, size), src, what)
+        load_rows(param, loaded_weight, offset, self.output_sizes[shard_id] // self.tp_size,
+                  self.tp_rank, self.tp_size, f"MergedColumnParallelLinear shard {shard_id}")
 
 
 def check_tp_divides_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
@@ -259,18 +204,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         layout = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
         if shard_id not in layout:
             raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
         offset, size = layout[shard_id]
-        what = f"QKVParallelLinear shard {shard_id!r}"
-        src = _rank_slice(loaded_weight, 0, size * self.tp_size, self.tp_rank, self.tp_size, what)
-        copy_checked(param.data.narrow(0, offset, size), src, what)
+        load_rows(param, loaded_weight, offset, size, self.tp_rank, self.tp_size,
+                  f"QKVParallelLinear shard {shard_id!r}")
 
 
 class RowParallelLinear(LinearBase):
@@ -278,20 +221,12 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         tp_size = get_tp_size()
-        super().__init__(_divide(input_size, tp_size, "input_size"), output_size, bias)
+        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"RowParallelLinear is not packed, but got shard id {shard_id!r}")
-        if param.dim() == 1:
-            # The bias is over OUTPUT features, which are not split: every rank holds it all.
-            copy_checked(param.data, loaded_weight, "RowParallelLinear bias")
-            return
-        full = param.size(1) * self.tp_size
-        src = _rank_slice(loaded_weight, 1, full, self.tp_rank, self.tp_size, "RowParallelLinear")
-        copy_checked(param.data, src, "RowParallelLinear")
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        check_not_packed(shard_id, "RowParallelLinear")
+        load_columns(param, loaded_weight, self.tp_rank, self.tp_size, "RowParallelLinear")
 
     def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
         if isinstance(x, DeferredInput):  # (only without a bias: LinearBase.fuses)

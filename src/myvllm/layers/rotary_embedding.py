@@ -13,13 +13,12 @@ The rotation itself is kernels.norm_rope: one Triton kernel on the GPU, the PyTo
 on the CPU. On the GPU Qwen3's per-head q_norm and k_norm leave their work to it
 (layers/fused.py), so one launch normalises and rotates every head of q and k.
 
-Supported scaling: None/"default" (plain RoPE) and "llama3" (Llama-3.1/3.2: long wavelengths
-are stretched by ``factor``, short ones kept, the band in between smoothly interpolated).
+The frequencies, with the scalings supported (None/"default", "llama3"), are in
+layers/rope_scaling.py.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -29,38 +28,7 @@ from torch import nn
 
 from myvllm.kernels import norm_rope, use_triton
 from myvllm.layers.fused import NormedInput
-
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    # Same expression as HF, so the float32 values agree bit for bit.
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    return 1.0 / (base**exponent)
-
-
-def _llama3_inv_freq(head_dim: int, base: float, scaling: dict) -> torch.Tensor:
-    inv_freq = _default_inv_freq(head_dim, base)
-    try:
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context_len = float(scaling["original_max_position_embeddings"])
-    except KeyError as e:
-        raise ValueError(
-            f"llama3 rope scaling is missing the field {e.args[0]!r}: {scaling}"
-        ) from e
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths (low frequencies) are divided by `factor`; short ones are untouched.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    # In between, blend the two, moving linearly with old_context_len / wavelen.
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
+from myvllm.layers.rope_scaling import inverse_frequencies
 
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # a buffer, registered in __init__
@@ -112,12 +80,6 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
 
 
-def _rope_type(rope_scaling: dict | None) -> str:
-    if not rope_scaling:
-        return "default"
-    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
-
-
 @lru_cache(maxsize=8)
 def _cos_sin_table(
     head_dim: int, max_position: int, base: float, scaling_items: tuple, device: str
@@ -126,16 +88,7 @@ def _cos_sin_table(
     sin in the second. Cached, so every layer's RotaryEmbedding holds the same tensor."""
     if head_dim % 2 != 0:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    scaling = dict(scaling_items) if scaling_items else None
-    rope_type = _rope_type(scaling)
-    if rope_type == "default":
-        inv_freq = _default_inv_freq(head_dim, base)
-    elif rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(head_dim, base, scaling or {})
-    else:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
-        )
+    inv_freq = inverse_frequencies(head_dim, base, dict(scaling_items) if scaling_items else None)
     positions = torch.arange(max_position, dtype=torch.float32, device=device)
     freqs = torch.outer(positions, inv_freq.to(device))  # [max_position, D/2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

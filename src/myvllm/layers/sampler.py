@@ -16,13 +16,11 @@ It needs one elementwise op and an argmax, no host sync. A row can bring its own
 torch.Generator (SamplingParams.seed): its noise is then drawn from that generator alone, so
 its tokens do not depend on which other requests share the batch.
 
-Fast paths (the caller knows these on the host, so they cost no device sync):
-``top_ks=None`` / ``top_ps=None`` skip the sort that the filters need, ``min_ps=None`` the
-softmax of min-p, and ``all_greedy=True`` makes the whole call one argmax. On the GPU, a
-batch with no filters, min-p or per-request seeds is sampled by two Triton kernels
-(kernels/sample_kernel.py: the same trick in log space, applied first to vocabulary chunks
-and then inside the chosen one, reading the logits once instead of about ten times). Seeded
-rows always take the PyTorch path, so their tokens never depend on which path the batch took.
+Fast paths, known on the host (no device sync): ``top_ks=None`` / ``top_ps=None`` skip the
+filters' sort, ``min_ps=None`` min-p's softmax, ``all_greedy=True`` makes the call one argmax.
+On the GPU a batch with no filters, min-p or seeds is sampled by two Triton kernels
+(kernels/sample_kernel.py, the same trick in log space); seeded rows always take the PyTorch
+path, so their tokens never depend on which path the batch took.
 """
 
 from __future__ import annotations

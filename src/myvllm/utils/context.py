@@ -22,11 +22,9 @@ Shapes (N = tokens in the step, B = sequences in the step):
               slot_mapping   [N]   int32  cache slot (block_id * block_size + offset) per new token
               block_tables   [B, max_blocks] int32, -1 padded; only set when a prefix is cached
                              (or the step is padded, below)
-              q_tiles        TileMap or None: a padded chunked-prefill step (N rounded
-                             up to a captured size, B up to max_num_sequences) lists its query
-                             tiles here, so attention launches the same grid at every step
-              decode_rows    DecodeRows or None: in such a step, the rows of one new token
-                             (decode rows), which the decode kernel computes instead
+              q_tiles, decode_rows   GPU only, a padded chunked-prefill step: its query
+                             tiles (a fixed launch grid) and its one-token rows, which the
+                             decode kernel computes instead (kernels/tile_map.py)
     decode    slot_mapping   [B]   int32  slot of the one new token per sequence (-1 = padding)
               context_lens   [B]   int32  tokens of context including the new one
               block_tables   [B, max_blocks] int32, -1 padded
@@ -42,18 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from myvllm.kernels.tile_map import TileMap
-
-
-@dataclass
-class DecodeRows:
-    """The one-token rows of a padded chunked-prefill step, for the decode kernel (a prefill
-    tile of 128 query rows would compute 127 for nothing). R = min(max_num_sequences, N)."""
-
-    gather: torch.Tensor  # [R] int64: each row's token in the flat batch (padding: 0)
-    scatter: torch.Tensor  # [R] int64: where its output goes (padding: row N, a spare row)
-    block_tables: torch.Tensor  # [R, max_blocks] int32
-    context_lens: torch.Tensor  # [R] int32: context including the row's token (padding: 0)
+    from myvllm.kernels.tile_map import DecodeRows, TileMap
 
 
 @dataclass

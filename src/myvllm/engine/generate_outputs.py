@@ -1,0 +1,124 @@
+"""The dicts LLMEngine.step() and generate() return, built from the core's RequestOutputs.
+
+A finished request's dict has seq_id, token_ids (completion only), finish_reason,
+num_cached_tokens, logprobs (one {token id: logprob} per completion token, the token's own and
+its top alternatives) and prompt_logprobs (None for the first prompt token, then one such dict
+each), both None unless the request's SamplingParams asked for them. A request of n > 1
+completions is output once all have finished, with those of completion 0 and "outputs": per
+completion, in order, its index, token_ids, finish_reason and logprobs (vLLM's
+RequestOutput.outputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from myvllm.engine.batch import RequestOutput
+from myvllm.engine.core_messages import LogprobsLists
+from myvllm.engine.logprobs import LogprobsCollector
+from myvllm.engine.sequence import Sequence
+
+# A finished output's logprobs when its request asked for none.
+NO_LOGPROBS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None}
+
+
+@dataclass
+class _Completions:
+    """A request of n > 1 completions: those finished so far."""
+
+    outputs: list[dict[str, Any] | None]  # per completion, once finished
+    first: dict[str, Any] | None = None  # completion 0's own dict: the request's fields
+
+
+class FinishedOutputs:
+    """What a request's dict needs beyond its last RequestOutput, gathered step by step: the
+    logprobs of each completion that asked, and the finished completions of n > 1."""
+
+    def __init__(self) -> None:
+        # The completions that asked for logprobs, by (request id, completion index).
+        self._logprobs: dict[tuple[int, int], LogprobsCollector] = {}
+        # Requests of n > 1 completions: the finished ones' dicts, until all n are.
+        self._completions: dict[int, _Completions] = {}
+
+    def add(self, seq: Sequence) -> None:
+        """A request queued as seq (its first completion)."""
+        params = seq.sampling_params
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            for index in range(params.n):
+                self._logprobs[seq.seq_id, index] = LogprobsCollector(
+                    seq.prompt_token_ids,
+                    None if params.logprobs is None else LogprobsLists([], [], []))
+        if params.n > 1:
+            self._completions[seq.seq_id] = _Completions([None] * params.n)
+
+    def forget(self, request_id: int) -> None:
+        """An aborted request."""
+        for key in [key for key in self._logprobs if key[0] == request_id]:
+            del self._logprobs[key]
+        self._completions.pop(request_id, None)
+
+    def collect(self, outputs: list[RequestOutput]) -> list[dict[str, Any]]:
+        """One step's outputs in; the dicts of the requests that finished in it out."""
+        finished = []
+        for out in outputs:
+            key = (out.request_id, out.index)
+            collector = self._logprobs.get(key)
+            if collector is not None:
+                collector.add(out)
+            if not out.finished:
+                continue
+            logprobs = (NO_LOGPROBS if collector is None
+                        else self._logprobs.pop(key).result(out.token_ids))
+            done = {"seq_id": out.request_id, "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "num_cached_tokens": out.num_cached_tokens, **logprobs}
+            completions = self._completions.get(out.request_id)
+            if completions is None:  # one completion
+                finished.append(done)
+                continue
+            completions.outputs[out.index] = {"index": out.index, "token_ids": out.token_ids,
+                                              "finish_reason": out.finish_reason,
+                                              "logprobs": done["logprobs"]}
+            if out.index == 0:
+                completions.first = done
+            if out.request_finished:
+                del self._completions[out.request_id]
+                assert completions.first is not None  # all n have finished, 0 too
+                finished.append({**completions.first, "outputs": completions.outputs})
+        return finished
+
+
+def generate_result(out: dict[str, Any], stop_token_ids: list[int] | None,
+                    decode: Callable[[list[int]], str | None]) -> dict[str, Any]:
+    """One prompt's dict of generate(); n > 1 adds "outputs": per completion, its index,
+    text, token_ids, finish_reason and logprobs ("text" and "token_ids" above them are
+    completion 0's)."""
+    def text(token_ids: list[int], finish_reason: str | None) -> str | None:
+        return decode(text_token_ids(token_ids, finish_reason, stop_token_ids))
+
+    result = {
+        "text": text(out["token_ids"], out["finish_reason"]),
+        "token_ids": out["token_ids"],
+        "num_cached_tokens": out["num_cached_tokens"],
+        "logprobs": out["logprobs"],
+        "prompt_logprobs": out["prompt_logprobs"],
+    }
+    if "outputs" in out:
+        result["outputs"] = [
+            {"index": c["index"], "text": text(c["token_ids"], c["finish_reason"]),
+             "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
+             "logprobs": c["logprobs"]}
+            for c in out["outputs"]]
+    return result
+
+
+def text_token_ids(token_ids: list[int], finish_reason: str | None,
+                   stop_token_ids: list[int] | None) -> list[int]:
+    """The completion tokens its text is decoded from: all but a stop token that ended it
+    (SamplingParams.stop_token_ids: in token_ids, not in the text, as vLLM)."""
+    stops = stop_token_ids
+    if finish_reason == "stop" and stops and token_ids and token_ids[-1] in stops:
+        return token_ids[:-1]
+    return token_ids

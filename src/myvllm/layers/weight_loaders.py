@@ -1,0 +1,77 @@
+"""How each parameter cuts its rank's piece out of a checkpoint's full tensor.
+
+Checkpoints always hold the FULL tensors. Every parameter of a tensor-parallel layer carries
+a ``weight_loader(param, loaded_weight, shard_id=None)`` (set_weight_attrs) that checks the
+full tensor's shape, cuts this rank's slice out of it and copies it in, at the right offset
+for packed layers (q/k/v, gate/up). The loader (utils/loader.py) never copies a tensor itself:
+that is the whole contract, and the reason a world size of 2 loads the same model as a world
+size of 1. The layers (layers/linear.py, embedding_head.py, fused_moe.py) call these helpers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, object]) -> None:
+    """Attach attributes such as ``weight_loader`` to a parameter (vLLM's helper). The loader
+    reads them with getattr; nn.Parameter declares none of them, hence setattr."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """Copy ``src`` into ``dst`` after checking shapes (dtype/device are converted by copy_)."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"{what}: shape mismatch, parameter expects {tuple(dst.shape)} "
+            f"but the checkpoint tensor (after sharding) is {tuple(src.shape)}"
+        )
+    dst.copy_(src)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / tensor_parallel_size, which must divide it."""
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}"
+        )
+    return numerator // denominator
+
+
+def rank_slice(
+    loaded: torch.Tensor, dim: int, full_size: int, tp_rank: int, tp_size: int, what: str
+) -> torch.Tensor:
+    """This rank's contiguous 1/tp slice of ``loaded`` along ``dim`` (after a full-size check)."""
+    if loaded.dim() <= dim or loaded.size(dim) != full_size:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected size "
+            f"{full_size} along dim {dim} (the full, unsharded size)"
+        )
+    shard = full_size // tp_size
+    return loaded.narrow(dim, tp_rank * shard, shard)
+
+
+def check_not_packed(shard_id: object, what: str) -> None:
+    if shard_id is not None:
+        raise ValueError(f"{what} is not packed, but got shard id {shard_id!r}")
+
+
+def load_rows(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int,
+              tp_rank: int, tp_size: int, what: str) -> None:
+    """Column parallel: this rank's 1/tp of the full tensor's rows (size * tp of them) into
+    param rows [offset, offset + size) (a packed layer's piece; all of them otherwise)."""
+    src = rank_slice(loaded, 0, size * tp_size, tp_rank, tp_size, what)
+    copy_checked(param.data.narrow(0, offset, size), src, what)
+
+
+def load_columns(param: nn.Parameter, loaded: torch.Tensor, tp_rank: int, tp_size: int,
+                 what: str) -> None:
+    """Row parallel: this rank's 1/tp of the input features (dim 1). The bias is over OUTPUT
+    features, which are not split: every rank holds it all."""
+    if param.dim() == 1:
+        copy_checked(param.data, loaded, f"{what} bias")
+        return
+    src = rank_slice(loaded, 1, param.size(1) * tp_size, tp_rank, tp_size, what)
+    copy_checked(param.data, src, what)
