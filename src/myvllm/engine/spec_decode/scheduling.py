@@ -23,15 +23,40 @@ one by one (tokens after a stop are dropped). Then the sequence rolls back to wh
 Proposals never cost another sequence its place: a row whose lookahead blocks do not fit,
 or whose budget is spent, decodes plainly. They are cut so that even all accepted, the row
 stays within max_tokens and max_model_length (a + 1 <= what is left).
+
+Back-off: a verification row costs more than a decode row (k + 1 positions through the
+prefill path instead of one through the decode graph), so proposals that are mostly
+rejected make decoding slower, not faster. A verification that accepts fewer than half of
+its proposals is a miss; after m misses in a row the sequence skips the lookup for its next
+2**m decode steps (at most MAX_SKIPPED_STEPS), and a verification that accepts at least half
+resets m. Free text then soon decodes plainly and tries again now and then; copying text
+rarely misses. (vLLM turns speculation off above a batch size instead; this rule is per
+sequence.) Which tokens come out never depends on it: only which steps verify.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 from myvllm.config import Config
 from myvllm.engine.sampling_controls import uses_sampling_controls
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.spec_decode.ngram_proposer import NgramProposer
+from myvllm.engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from myvllm.engine.spec_decode.stats import SpecDecodeStats
+
+MAX_MISSES = 6
+MAX_SKIPPED_STEPS = 2**MAX_MISSES  # decode steps a sequence skips the lookup, at most
+
+
+@dataclass
+class SequenceSpecState:
+    """What the Speculator keeps per sequence: its n-gram index and its back-off."""
+
+    index: NgramIndex
+    misses: int = 0  # verifications in a row that accepted fewer than half
+    steps_to_skip: int = 0  # decode steps left without a lookup
+    skipped: int = 0  # lookups skipped so far (for tests and the curious)
 
 
 class Speculator:
@@ -42,6 +67,15 @@ class Speculator:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodeStats()
+        # Dropped with the sequence (no finish hook needed).
+        self.states: weakref.WeakKeyDictionary[Sequence, SequenceSpecState] = (
+            weakref.WeakKeyDictionary())
+
+    def state(self, seq: Sequence) -> SequenceSpecState:
+        state = self.states.get(seq)
+        if state is None:
+            state = self.states[seq] = SequenceSpecState(self.proposer.new_index())
+        return state
 
     def propose(self, seq: Sequence, max_model_length: int, budget: int) -> list[int]:
         """Proposals for seq's next decode row; budget: the step's tokens left, the row's
@@ -52,10 +86,33 @@ class Speculator:
             # and min_p, and a grammar's bitmask come from the one-token path; verification
             # samples from the plain target distribution.
             return []
+        if seq.num_pending_tokens:
+            return []  # its last token is not on the host yet (async scheduling)
         left = min(seq.sampling_params.max_tokens - seq.num_completion_tokens,
                    max_model_length - seq.num_tokens)
         limit = min(self.num_speculative_tokens, left - 1, budget - 1)
-        return self.proposer.propose(seq.token_ids, limit) if limit > 0 else []
+        if limit <= 0:
+            return []
+        if not isinstance(self.proposer, NgramProposer):  # a stand-in proposer (tests)
+            return self.proposer.propose(seq.token_ids, limit)
+        state = self.state(seq)
+        if state.steps_to_skip:
+            state.steps_to_skip -= 1
+            state.skipped += 1
+            return []
+        return state.index.propose(seq.token_ids, limit)
+
+    def observe(self, seq: Sequence, num_draft_tokens: int, num_accepted: int) -> None:
+        """A verification row of seq: counted for /metrics, and its back-off updated."""
+        self.stats.observe(num_draft_tokens, num_accepted)
+        state = self.states.get(seq)
+        if state is None:
+            return
+        if 2 * num_accepted < num_draft_tokens:
+            state.misses = min(state.misses + 1, MAX_MISSES)
+            state.steps_to_skip = 2**state.misses
+        else:
+            state.misses = 0
 
 
 def make_speculator(config: Config) -> Speculator | None:
