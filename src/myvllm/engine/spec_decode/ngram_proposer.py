@@ -87,7 +87,7 @@ class NgramIndex:
         if max_tokens <= 0 or num_tokens <= min_n:
             return []
         for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-            end = first_end.get(tuple(token_ids[num_tokens - n:]))
-            if end is not None:
-                return token_ids[end + 1: end + 1 + max_tokens]
+            match = first_end.get(tuple(token_ids[num_tokens - n:]))
+            if match is not None:
+                return token_ids[match + 1: match + 1 + max_tokens]
         return []
