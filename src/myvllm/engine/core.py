@@ -241,7 +241,9 @@ class EngineCore:
         grammar's state after its previous token. So when step N gave a constrained row its
         token, step N is read back first (the device idles meanwhile) and step N+1 is
         planned with every token known; this call then reports step N, and N+1 stays in
-        flight.
+        flight. Speculative decoding does the same for a row that verified proposals (its
+        accepted count decides the next step's positions) or will look up proposals next
+        (they are found in its tokens on the host).
         """
         self.executor.check_alive()
         waited = None
@@ -263,7 +265,9 @@ class EngineCore:
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
                     seq.add_pending_token()
-                    constrained = constrained or seq.grammar_matcher is not None
+                    speculator = self.scheduler.speculator
+                    constrained = (constrained or seq.grammar_matcher is not None or (
+                        speculator is not None and speculator.needs_tokens_on_host(seq)))
             queued = _QueuedStep(seqs, num_tokens, sampled, samples, constrained)
         if self.async_scheduling:
             queued, self._in_flight = self._in_flight, queued
