@@ -2,6 +2,8 @@
 
     uv run python benchmark_spec_decode.py --quick      # tiny CPU run: correctness, counts
     python benchmark_spec_decode.py                     # on a GPU: the bundled SmolLM2
+    python benchmark_spec_decode.py --profile           # and where a verification step's
+                                                        # time goes (torch.profiler)
 
 Two workloads, greedy, ignore_eos, each at every batch size (--batch-sizes, default 1,16):
 
@@ -67,6 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the table: torch.profiler over one speculative copy run "
+                        "at batch 1; per engine step the launches, copies and host waits, "
+                        "and the ops with the most host time")
     return parser.parse_args()
 
 
@@ -142,6 +148,44 @@ def main() -> None:
             print(f"{name:<8} {batch:>5} {correct:>7} {rate:>7.2f} {mean_len:>8.2f} "
                   f"{plain_ms:>12.3f} {spec_ms:>11.3f} {plain_ms / spec_ms:>7.2f}x"
                   + ("" if same == len(ref) else f"   ({same} of {len(ref)} sequences equal)"))
+    if args.profile:
+        profile_steps(spec, copy[:1], params)
+
+
+def profile_steps(llm: LLM, prompts: list[str | list[int]], params: SamplingParams) -> None:
+    """Where a speculative step's time goes: torch.profiler's counts per engine step of the
+    runtime calls that matter (kernel launches, copies, host waits) and its top ops by host
+    time. On a CPU only the ops (no CUDA runtime calls)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    core = llm.engine_core
+    steps = [0]
+    step = core.step
+
+    def counted() -> object:
+        steps[0] += 1
+        return step()
+
+    core.step = counted  # type: ignore[method-assign]
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    core.step = step  # type: ignore[method-assign]
+    counts = collections.Counter(event.name for event in prof.events())
+    per_step = max(steps[0], 1)
+    print(f"\n# profile: {steps[0]} engine steps, {len(prompts)} sequence(s); per step:")
+    for name in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
+                 "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+                 "cudaHostAlloc", "aten::item", "aten::nonzero"):
+        print(f"  {name:<24} {counts.get(name, 0) / per_step:8.2f}")
+    print(f"  {'aten ops':<24} "
+          f"{sum(v for k, v in counts.items() if k.startswith('aten::')) / per_step:8.2f}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":

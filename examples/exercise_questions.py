@@ -158,6 +158,41 @@ QUESTIONS: dict[str, list[Question]] = {
         Question("same_as_generate", "Do you get generate()'s tokens?", "yes/no",
                  "generate() is that loop plus bookkeeping."),
     ],
+    "speculation": [
+        Question("proposal", "Tokens 'the cat sat on the mat . the cat sat', k = 3, prompt "
+                 "lookup 1..3: which tokens does the n-gram proposer propose?", "text",
+                 "The suffix 'the cat sat' (n = 3, the longest) first occurred at the start; "
+                 "the 3 tokens after it there are 'on the mat'."),
+        Question("accepted", "The target's greedy tokens at the row's 4 positions are 'on my "
+                 "mat .': how many proposals are accepted?", "number",
+                 "'on' equals the argmax at position 1; 'the' is not 'my', and nothing after "
+                 "the first rejection counts."),
+        Question("emitted", "Which tokens does the row emit?", "text",
+                 "The accepted proposals, then the target's own token at the first mismatch: "
+                 "what decoding one at a time would have given."),
+        Question("blocks_verifying", "Block size 4: how many blocks does the sequence hold "
+                 "while the step verifies?", "number",
+                 "10 tokens and 3 proposals need K/V at 13 positions: 4 blocks "
+                 "(append(seq, num_lookahead=3))."),
+        Question("computed_after", "After the step, what is num_computed_tokens?", "number",
+                 "12 tokens now; the K/V of positions 0..10 came from accepted inputs, the "
+                 "newest token's is written by the next step."),
+        Question("blocks_after", "And how many blocks does it hold?", "number",
+                 "12 tokens fit in 3 blocks: the fourth held only rejected proposals and is "
+                 "released (free_lookahead_blocks)."),
+        Question("accept_rate", "Sampling at temperature 1, the target gives the proposal d "
+                 "probability 0.3 at its position: how often is d accepted?", "choice",
+                 "q is one-hot at d, so d is accepted with probability min(1, p(d) / 1) = "
+                 "p(d).", ("0.3", "0.5", "1")),
+        Question("d_after_rejection", "In 20,000 such rows, how many times does d come out "
+                 "after a rejection?", "number",
+                 "The residual max(0, p - q) is 0 at d (0.3 - 1 < 0): d comes out with "
+                 "probability 0.3 in all, exactly p(d)."),
+        Question("skipped_after_3", "Three verifications in a row accept nothing: how many "
+                 "of the sequence's next decode steps skip the lookup?", "number",
+                 "Each miss doubles the back-off: 2, 4, then 8 steps (at most 64); a "
+                 "verification that accepts at least half resets it."),
+    ],
     "stop-string": [
         Question("euro_silent", "A byte-level tokenizer streams '5€ Obstacle. Observation: 7' "
                  "with the stop string 'Observation:'. How many of the three tokens of '€' "

@@ -8,6 +8,7 @@
     uv run python examples/exercises.py preemption         # step 5: who is preempted, where to
     uv run python examples/exercises.py budget             # step 5b: a prompt under a token budget
     uv run python examples/exercises.py step-loop          # step 6: generate() by hand
+    uv run python examples/exercises.py speculation        # step 6b: propose, verify, accept
     uv run python examples/exercises.py stop-string        # step 7: text held back while streaming
     uv run python examples/exercises.py graph-padding      # fast path: the -1 slot of padding
 
@@ -583,6 +584,74 @@ def stop_string() -> Truths:
             "obstacle_silent": deltas[obstacle:obstacle + 8].count("")}
 
 
+# ------------------------------------------------------------------------------------ step 6b
+WORDS = ["<pad>", "the", "cat", "sat", "on", "mat", ".", "my", "rug"]
+
+
+def _words(ids: list[int]) -> str:
+    return " ".join(WORDS[i] for i in ids)
+
+
+def speculation() -> Truths:
+    from myvllm.engine.spec_decode.rejection_sampler import rejection_sample
+    from myvllm.engine.spec_decode.verification import accept_greedy
+
+    the, cat, sat, on, mat, dot, my = 1, 2, 3, 4, 5, 6, 7
+    prompt = [the, cat, sat, on, the, mat, dot, the, cat]
+    config = Config(block_size=4, num_kvcache_blocks=16, max_model_length=64,
+                    speculative_method="ngram", num_speculative_tokens=3,
+                    prompt_lookup_min=1, prompt_lookup_max=3)
+    sch = Scheduler(config)
+    seq = Sequence(prompt, 4, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    sch.add_sequence(seq)
+    # The prefill step, whose token the "model" says is "sat".
+    batch, _ = sch.schedule()
+    seq.add_pending_token()  # as EngineCore.step does
+    sch.postprocess(batch, [sat])
+    print(f"Block size 4, k = 3, prompt lookup 1..3. The sequence so far ({len(seq)} tokens):")
+    print(f"  {_words(seq.token_ids)}")
+    batch, _ = sch.schedule()
+    proposals = list(seq.spec_token_ids)
+    blocks_verifying = len(seq.block_table)
+    print(f"the decode step: proposals {_words(proposals)!r}, {seq.num_new_tokens} new "
+          f"tokens, {blocks_verifying} blocks")
+    # The target's argmax at the row's k + 1 positions, as if the model preferred "my".
+    greedy = [on, my, mat, dot]
+    emitted = accept_greedy(proposals, greedy)
+    print(f"the target's greedy tokens at the 4 positions: {_words(greedy)!r}; "
+          f"emitted: {_words(emitted)!r}")
+    seq.add_pending_token()
+    sch.postprocess(batch, [0], {0: emitted})
+    print(f"after the rollback: {len(seq)} tokens, num_computed_tokens = "
+          f"{seq.num_computed_tokens}, {len(seq.block_table)} blocks")
+    # Sampling (temperature 1): p(d) = 0.3 for the proposal d at one position, and 20,000
+    # rows of that one position through the real rejection sampler.
+    p = torch.tensor([0.3, 0.5, 0.2])
+    rows = 20_000
+    logits = p.log().expand(rows, 2, 3).contiguous()
+    drafts = torch.zeros(rows, 1, dtype=torch.int64)  # d = token 0, q = one-hot
+    torch.manual_seed(0)
+    out = rejection_sample(logits, drafts, [1] * rows, torch.ones(rows))
+    accepted = out[:, 1] != -1  # a second token only after an accepted first
+    rate = float(accepted.float().mean())
+    rejected_first = out[~accepted, 0]
+    print(f"sampling, p(d) = 0.3: {rate:.3f} of {rows} rows accepted d; after a rejection "
+          f"d itself came out {int((rejected_first == 0).sum())} times")
+    # Back-off: three verifications in a row that accept nothing.
+    speculator = sch.speculator
+    assert speculator is not None
+    other = Sequence([the, cat], 4, SamplingParams(temperature=0.0, max_tokens=20))
+    state = speculator.state(other)
+    for _ in range(3):
+        speculator.observe(other, 3, 0)
+    return {"proposal": _words(proposals), "accepted": len(emitted) - 1,
+            "emitted": _words(emitted), "blocks_verifying": blocks_verifying,
+            "computed_after": seq.num_computed_tokens, "blocks_after": len(seq.block_table),
+            "accept_rate": min(("0.3", "0.5", "1"), key=lambda o: abs(float(o) - rate)),
+            "d_after_rejection": int((rejected_first == 0).sum()),
+            "skipped_after_3": state.steps_to_skip}
+
+
 PROBES = {
     "paged-slots": paged_slots,
     "can-append": can_append,
@@ -593,6 +662,7 @@ PROBES = {
     "preemption": preemption,
     "budget": budget,
     "step-loop": step_loop,
+    "speculation": speculation,
     "stop-string": stop_string,
 }
 

@@ -159,8 +159,9 @@ class Config:
     followed; "draft" = a second, small model proposes (speculative_model; not implemented
     yet: refused). Each decode row then computes its last token and the proposals in one
     forward pass, and rejection sampling keeps the tokens the target model would have drawn
-    itself (engine/spec_decode/). Async scheduling does not combine with it: left on its
-    default it is turned off; True raises."""
+    itself (engine/spec_decode/). With async scheduling, a step whose rows verify proposals,
+    or are about to look up the next ones, is read back before the next step is planned
+    (the proposals need the sequence's tokens on the host); other steps overlap as usual."""
 
     num_speculative_tokens: int = 3
     """Tokens proposed per decode row and step (k): each step of a row computes k + 1
@@ -292,13 +293,6 @@ def _check_speculative(config: Config) -> None:
         # built yet, and silently decoding without it would hide that.
         raise ValueError('Config.speculative_method="draft" (a draft model) is not '
                          'implemented yet; use "ngram" (prompt lookup) or None')
-    if method is not None and config.async_scheduling is True:
-        # A verification step's accepted count decides the next step's positions and
-        # blocks, so the next step cannot be planned before this one's tokens are read.
-        raise ValueError(f"Config.async_scheduling=True does not combine with "
-                         f"Config.speculative_method={method!r}: the next step's positions "
-                         "depend on how many proposals this one accepts; leave "
-                         "async_scheduling at None (then off) or set it False")
     if model is not None:
         raise ValueError(f"Config.speculative_model={model!r} is only read with "
                          f'speculative_method="draft", got speculative_method={method!r}')

@@ -45,6 +45,9 @@ RIGHT: dict[str, dict[str, object]] = {
                "ab_decode_meanwhile": "yes", "prefill_first_steps": 1,
                "register_all_at_admission": "unwritten"},
     "step-loop": {"calls": 3, "first_count": 10, "decode_count": -2, "same_as_generate": "yes"},
+    "speculation": {"proposal": "on the mat", "accepted": 1, "emitted": "on my",
+                    "blocks_verifying": 4, "computed_after": 11, "blocks_after": 3,
+                    "accept_rate": "0.3", "d_after_rejection": 0, "skipped_after_3": 8},
     "stop-string": {"euro_silent": 2, "obstacle_silent": 3, "client_text": "5€ Obstacle. ",
                     "stopped_after": 27},
 }

@@ -7,7 +7,10 @@ Run on a GPU machine with `PYTHONPATH=src python3 -m pytest tests/gpu/test_gpu_s
   position of a verification row, the rejection sampler on the device, the emitted tokens
   copied back through pinned memory;
 - greedy tokens equal to plain decoding (fp32), with and without CUDA graphs, through
-  chunked prompts and preemption; seeded random rows repeat.
+  chunked prompts and preemption; seeded random rows repeat;
+- with async scheduling (on by default): the greedy fast path (greedy_verify, the pool and
+  the pinned copies), steps of backed-off rows overlapping with the device, and the
+  synchronous engine's tokens for seeded sampling.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def test_gpu_speculative_greedy_equals_plain(settings: dict[str, object]) -> Non
     expected = [o["token_ids"] for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
     del plain
     spec = LLM(path, **common, speculative_method="ngram", num_speculative_tokens=4)
-    assert spec.config.async_scheduling is False  # turned off for speculation
+    assert spec.config.async_scheduling is True  # on, read back where proposals need it
     got = [o["token_ids"] for o in spec.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected
     speculator = spec.engine_core.scheduler.speculator
@@ -55,3 +58,34 @@ def test_gpu_speculative_seeded_sampling_repeats() -> None:
     first = [o["token_ids"] for o in spec.generate(prompts(), params, use_tqdm=False)]
     again = [o["token_ids"] for o in spec.generate(prompts(), params, use_tqdm=False)]
     assert first == again
+
+
+def test_gpu_async_speculation_takes_the_fast_path_and_keeps_the_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import myvllm.engine.model_runner as model_runner
+
+    path = str(tiny_checkpoint("qwen3"))
+    common = dict(dtype="float32", max_model_length=256, num_kvcache_blocks=256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    plain = LLM(path, **common)
+    expected = [o["token_ids"] for o in plain.generate(prompts(), greedy, use_tqdm=False)]
+    plain.exit()
+    calls = [0]
+    fast = model_runner.greedy_verify
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return fast(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "greedy_verify", counted)
+    seeded = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=4)
+    sampled = {}
+    for mode in (True, False):
+        spec = LLM(path, **common, speculative_method="ngram", num_speculative_tokens=4,
+                   async_scheduling=mode)
+        got = [o["token_ids"] for o in spec.generate(prompts(), greedy, use_tqdm=False)]
+        assert got == expected and calls[0] > 0
+        sampled[mode] = [o["token_ids"] for o in spec.generate(prompts(), seeded,
+                                                               use_tqdm=False)]
+        spec.exit()
+    assert sampled[True] == sampled[False]

@@ -183,7 +183,6 @@ def test_stepwise_outputs_carry_several_tokens() -> None:
     (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2),
      "prompt_lookup_min"),
-    (dict(speculative_method="ngram", async_scheduling=True), "async_scheduling"),
     (dict(speculative_model="x.gguf"), "speculative_model"),
 ])
 def test_bad_settings_are_refused(settings: dict[str, object], message: str) -> None:

@@ -189,8 +189,10 @@ class EngineCore:
 
         Each sequence of step N counts its token as pending (Sequence.add_pending_token), and
         one that ends on eos has one surplus step computed, whose token is dropped. A row with
-        a grammar (structured outputs) needs its token on the host before its next bitmask:
-        then step N is read back first and this call reports it, N+1 staying in flight.
+        a grammar (structured outputs) needs its token on the host before its next bitmask,
+        and a row that verified proposals or will look up the next ones (speculative
+        decoding) its accepted tokens: then step N is read back first and this call reports
+        it, N+1 staying in flight.
         """
         self.executor.check_alive()
         waited = None
@@ -212,7 +214,9 @@ class EngineCore:
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
                     seq.add_pending_token()
-                    constrained = constrained or seq.grammar_matcher is not None
+                    speculator = self.scheduler.speculator
+                    constrained = (constrained or seq.grammar_matcher is not None or (
+                        speculator is not None and speculator.needs_tokens_on_host(seq)))
             queued = _QueuedStep(seqs, num_tokens, sampled, samples, constrained)
         if self.async_scheduling:
             queued, self._in_flight = self._in_flight, queued

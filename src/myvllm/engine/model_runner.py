@@ -41,6 +41,7 @@ from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTokens,
+                                                    greedy_fast_path_applies, greedy_verify,
                                                     has_proposals, verification_decode_step,
                                                     verifies_as_decode, verify)
 from myvllm.engine.token_pool import SampledTokens
@@ -235,6 +236,9 @@ class ModelRunner:
             logits = self.run_decode(seqs, verification is not None)
         num_seqs = len(seqs)
         pool = self.inputs.pool
+        if (verification is not None and logits is not None and not self.broadcast_sampled
+                and greedy_fast_path_applies(seqs, processing, bool(spans))):
+            return greedy_verify(seqs, verification, logits, pool, self.inputs.fresh.tensor)
         step_logprobs = None
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
             args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device,

@@ -286,7 +286,7 @@ class Scheduler:
                                      "postprocess got no tokens for them")
                 new_tokens = verified[i]
                 if self.speculator is not None:
-                    self.speculator.stats.observe(len(proposals), len(new_tokens) - 1)
+                    self.speculator.observe(seq, len(proposals), len(new_tokens) - 1)
             for token in new_tokens:
                 seq.append_token(token)
                 if self.is_stop_token(seq, token):

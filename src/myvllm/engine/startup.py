@@ -111,12 +111,9 @@ def resolve_engine(config: Config) -> ResolvedEngine:
         # the host and the "device" are the same cores. Resolved before any worker starts:
         # every rank's ModelRunner must know whether the next step may read this step's
         # tokens from the device (ModelRunner.run).
-        # Not with speculative decoding: a step's accepted count decides the next step.
-        on = use_cuda and config.speculative_method is None
-        if use_cuda and not on:
-            logger.info("Speculative decoding: async scheduling is off (the next step "
-                        "depends on how many proposals this one accepts).")
-        config = dataclasses.replace(config, async_scheduling=on)
+        # With speculative decoding too: the core reads a step back before planning the
+        # next where proposals need it (EngineCore.step).
+        config = dataclasses.replace(config, async_scheduling=use_cuda)
     if not use_cuda and not config.enforce_eager:
         logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
     return ResolvedEngine(config, model_path, hf_config, tokenizer,

@@ -68,7 +68,12 @@ def rejection_sample(
                          f"got {list(num_draft_tokens)}")
     device = target_logits.device
     positions = torch.arange(width, device=device)
-    num_drafts = torch.tensor(list(num_draft_tokens), device=device)
+    # From pinned memory without waiting: a plain torch.tensor(..., device=cuda) copies from
+    # pageable memory and makes the host wait for everything queued before it.
+    num_drafts = torch.tensor(list(num_draft_tokens), dtype=torch.int64)
+    if device.type == "cuda":
+        num_drafts = num_drafts.pin_memory()
+    num_drafts = num_drafts.to(device, non_blocking=True)
     is_draft = positions[:k].unsqueeze(0) < num_drafts.unsqueeze(1)  # [B, K]
     greedy_tokens = target_logits.argmax(dim=-1)  # [B, K+1], argmax of the raw logits
     if all_greedy:

@@ -23,15 +23,44 @@ one by one (tokens after a stop are dropped). Then the sequence rolls back to wh
 Proposals never cost another sequence its place: a row whose lookahead blocks do not fit,
 or whose budget is spent, decodes plainly. They are cut so that even all accepted, the row
 stays within max_tokens and max_model_length (a + 1 <= what is left).
+
+Back-off: a verification row costs more than a decode row (k + 1 positions through the
+prefill path instead of one through the decode graph), so proposals that are mostly
+rejected make decoding slower, not faster; and a row that looks up proposals needs its
+tokens on the host, so with async scheduling its step is read back before the next is
+planned (EngineCore.step), which costs the overlap even when the lookup finds nothing. So a
+verification that accepts fewer than half of its proposals is a miss, and so is a lookup
+that finds nothing; after m misses in a row the sequence skips the lookup for its next
+2**m decode steps (at most MAX_SKIPPED_STEPS), and a verification that accepts at least
+half resets m. Free text then soon decodes plainly, overlapped, and tries again now and
+then; copying text rarely misses. (vLLM turns speculation off above a batch size instead;
+this rule is per sequence.) Which tokens come out never depends on it: only which steps
+verify.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 from myvllm.config import Config
 from myvllm.engine.sampling_controls import uses_sampling_controls
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.spec_decode.ngram_proposer import NgramProposer
+from myvllm.engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from myvllm.engine.spec_decode.stats import SpecDecodeStats
+
+MAX_MISSES = 6
+MAX_SKIPPED_STEPS = 2**MAX_MISSES  # decode steps a sequence skips the lookup, at most
+
+
+@dataclass
+class SequenceSpecState:
+    """What the Speculator keeps per sequence: its n-gram index and its back-off."""
+
+    index: NgramIndex
+    # misses in a row: verifications that accepted fewer than half, lookups that found none
+    misses: int = 0
+    steps_to_skip: int = 0  # decode steps left without a lookup
 
 
 class Speculator:
@@ -42,20 +71,74 @@ class Speculator:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodeStats()
+        # Dropped with the sequence (no finish hook needed).
+        self.states: weakref.WeakKeyDictionary[Sequence, SequenceSpecState] = (
+            weakref.WeakKeyDictionary())
+
+    def state(self, seq: Sequence) -> SequenceSpecState:
+        state = self.states.get(seq)
+        if state is None:
+            state = self.states[seq] = SequenceSpecState(self.proposer.new_index())
+        return state
+
+    @staticmethod
+    def may_propose(seq: Sequence) -> bool:
+        # Per-token logprobs, the logits processing of penalties, logit_bias, min_tokens
+        # and min_p, and a grammar's bitmask come from the one-token path; verification
+        # samples from the plain target distribution.
+        return (seq.sampling_params.logprobs is None and not uses_sampling_controls(seq)
+                and seq.grammar_matcher is None)
+
+    def needs_tokens_on_host(self, seq: Sequence) -> bool:
+        """Must the step just queued for seq be read back before the next one is planned?
+        Yes if seq verifies proposals in it, or will look up proposals in the next."""
+        if seq.spec_token_ids:
+            return True
+        if not self.may_propose(seq):
+            return False
+        state = self.states.get(seq)
+        return (not isinstance(self.proposer, NgramProposer) or state is None
+                or state.steps_to_skip == 0)
 
     def propose(self, seq: Sequence, max_model_length: int, budget: int) -> list[int]:
         """Proposals for seq's next decode row; budget: the step's tokens left, the row's
         own included."""
-        if (seq.sampling_params.logprobs is not None or uses_sampling_controls(seq)
-                or seq.grammar_matcher is not None):
-            # Per-token logprobs, the logits processing of penalties, logit_bias, min_tokens
-            # and min_p, and a grammar's bitmask come from the one-token path; verification
-            # samples from the plain target distribution.
+        if not self.may_propose(seq):
             return []
+        # A stand-in proposer (tests) has no index and no back-off.
+        state = self.state(seq) if isinstance(self.proposer, NgramProposer) else None
+        if state is not None and state.steps_to_skip:
+            state.steps_to_skip -= 1  # a decode step, overlapped or not
+            return []
+        if seq.num_pending_tokens:
+            return []  # its last token is not on the host yet (async scheduling)
         left = min(seq.sampling_params.max_tokens - seq.num_completion_tokens,
                    max_model_length - seq.num_tokens)
         limit = min(self.num_speculative_tokens, left - 1, budget - 1)
-        return self.proposer.propose(seq.token_ids, limit) if limit > 0 else []
+        if limit <= 0:
+            return []
+        if state is None:
+            return self.proposer.propose(seq.token_ids, limit)
+        proposals = state.index.propose(seq.token_ids, limit)
+        if not proposals:
+            self._missed(state)
+        return proposals
+
+    def observe(self, seq: Sequence, num_draft_tokens: int, num_accepted: int) -> None:
+        """A verification row of seq: counted for /metrics, and its back-off updated."""
+        self.stats.observe(num_draft_tokens, num_accepted)
+        state = self.states.get(seq)
+        if state is None:
+            return
+        if 2 * num_accepted < num_draft_tokens:
+            self._missed(state)
+        else:
+            state.misses = 0
+
+    @staticmethod
+    def _missed(state: SequenceSpecState) -> None:
+        state.misses = min(state.misses + 1, MAX_MISSES)
+        state.steps_to_skip = 2**state.misses
 
 
 def make_speculator(config: Config) -> Speculator | None:

@@ -25,6 +25,19 @@ to the context up to its own position (its K/V and those before it are stored fi
 That is the decode path's kernels and CUDA graphs (padded to a decode graph batch size),
 which on a GPU cost a few decode rows more than plain decoding, where the prefill path's
 chunk graph costs several times that. The logits of all rows are then exactly logit_rows.
+
+The greedy fast path (every row of the step at temperature 0, nothing that needs the
+Sampler: no logprobs, no logits processing, no grammar): a greedy row's tokens follow from
+the argmax at its logit rows alone, so the step computes that argmax on the device (one
+kernel, no softmax), writes each sequence's last one into the sampled-token pool, copies all
+of them back with the step's tokens, and accepts on the host, where the proposals are:
+
+    argmax      g_1 g_2 g_3 g_4          (k = 3; g_j is the target's token after d_{j-1})
+    accepted    d_j == g_j for j = 1 .. a, the leading run
+    emitted     d_1 .. d_a, g_{a+1}      the same tokens as rejection_sample's greedy rows
+
+The host already waits for the step's tokens, and comparing k + 1 host ints there costs
+less than launching the device ops that would do it.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.sampling import ToDevice, generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from myvllm.engine.token_pool import SampledTokens, TokenPool
 
 
 def has_proposals(seqs: list[Sequence]) -> bool:
@@ -93,6 +107,12 @@ class VerificationRows:
             self.first_rows.append(len(self.logit_rows))
             self.logit_rows.extend(range(first, end))
             self.last_rows.append(len(self.logit_rows) - 1)
+        # Padded with row 0 to a power of two, as layers/embedding_head.py's last_token_rows
+        # pads the LM head's rows: cuBLAS loads a kernel per matrix shape the first time it
+        # meets it (3.5 ms of host time on the H200), and the count of verification rows
+        # varies from step to step. Nobody reads the padding's logits.
+        num_rows = len(self.logit_rows)
+        self.logit_rows += [0] * ((1 << (num_rows - 1).bit_length()) - num_rows)
 
 
 def verify(seqs: list[Sequence], rows: VerificationRows, logits: torch.Tensor,
@@ -135,3 +155,55 @@ class VerifiedTokens:
         """{index in the step's seqs: its emitted tokens}; call after token_ids()."""
         return {i: [t for t in row if t != PLACEHOLDER]
                 for i, row in zip(self.indices, self.host.tolist(), strict=True)}
+
+
+def greedy_fast_path_applies(seqs: list[Sequence], processing: object | None,
+                             has_prompt_logprobs: bool) -> bool:
+    """Every row greedy, and none that needs the Sampler or the logits after it."""
+    return (processing is None and not has_prompt_logprobs
+            and all(seq.sampling_params.temperature == 0
+                    and seq.sampling_params.logprobs is None
+                    and seq.grammar_matcher is None for seq in seqs))
+
+
+def greedy_verify(seqs: list[Sequence], rows: VerificationRows, logits: torch.Tensor,
+                  pool: TokenPool, to_device: ToDevice) -> SampledTokens:
+    """The greedy fast path of a step with verification rows (logits: one per logit row):
+    the pool gets each sequence's token, the host the argmax of every logit row; returns
+    the step's SampledTokens, with the verified tokens."""
+    greedy = logits.argmax(dim=-1)
+    num_seqs = len(seqs)
+    torch.index_select(greedy, 0, to_device(rows.last_rows, torch.int64),
+                       out=pool.tokens[:num_seqs])
+    # Queued before the pool's copy: token_ids() waits for both.
+    verified = GreedyVerifiedTokens(seqs, rows, greedy)
+    sampled = pool.read_back(seqs)
+    sampled.verified = verified
+    return sampled
+
+
+def accept_greedy(drafts: list[int], greedy: list[int]) -> list[int]:
+    """drafts d_1..d_k, greedy g_1..g_{k+1} (the argmax at the row's k + 1 positions) ->
+    the accepted proposals, then the target's own token."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [greedy[accepted]]
+
+
+class GreedyVerifiedTokens(VerifiedTokens):
+    """The argmax of every logit row on its way to the host; the rows' tokens follow from
+    it and the proposals (accept_greedy)."""
+
+    def __init__(self, seqs: list[Sequence], rows: VerificationRows,
+                 greedy: torch.Tensor) -> None:
+        indices = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
+        super().__init__(indices, greedy)
+        self.drafts = [list(seqs[i].spec_token_ids) for i in indices]
+        self.first_rows = [rows.first_rows[i] for i in indices]
+
+    def token_lists(self) -> dict[int, list[int]]:
+        greedy = self.host.tolist()
+        return {i: accept_greedy(drafts, greedy[first:first + len(drafts) + 1])
+                for i, drafts, first in zip(self.indices, self.drafts, self.first_rows,
+                                            strict=True)}

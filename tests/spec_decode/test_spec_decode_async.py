@@ -1,0 +1,63 @@
+"""Speculative decoding with async scheduling: a step whose rows verify proposals, or will
+look them up next, is read back before the next step is planned; the steps of rows that
+back off overlap. The tokens are those of plain decoding (greedy) and of the synchronous
+engine (seeded sampling)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers_models import random_prompts, tiny_checkpoint
+
+from myvllm import LLM, SamplingParams
+
+COMMON = dict(block_size=4, max_model_length=128, num_kvcache_blocks=160)
+
+
+def record_overlap(llm: LLM) -> list[str]:
+    """The order of ModelRunner.run and Scheduler.postprocess calls (as
+    tests/engine/test_async_scheduling.py records it)."""
+    calls: list[str] = []
+    run, postprocess = llm.model_runner.run, llm.scheduler.postprocess
+
+    def logged_run(*args: Any) -> Any:
+        calls.append("run")
+        return run(*args)
+
+    def logged_postprocess(*args: Any) -> Any:
+        calls.append("post")
+        return postprocess(*args)
+
+    llm.model_runner.run = logged_run  # type: ignore[method-assign]
+    llm.scheduler.postprocess = logged_postprocess  # type: ignore[method-assign]
+    return calls
+
+
+def overlapped(calls: list[str]) -> bool:
+    """Was some step queued before the previous step's tokens were read?"""
+    return any(a == b == "run" for a, b in zip(calls, calls[1:]))
+
+
+@pytest.mark.slow
+def test_async_speculation_keeps_the_tokens_and_overlaps_backed_off_steps() -> None:
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = [[5, 6, 7, 8, 9, 10, 11] * 5, *random_prompts([23, 9], seed=7)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = [o["token_ids"] for o in LLM(path, **COMMON).generate(prompts, greedy,
+                                                                     use_tqdm=False)]
+    results = {}
+    for mode in (False, True):
+        llm = LLM(path, **COMMON, speculative_method="ngram", prompt_lookup_min=3,
+                  async_scheduling=mode)
+        calls = record_overlap(llm)
+        got = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert got == expected
+        speculator = llm.engine_core.scheduler.speculator
+        assert speculator is not None and speculator.stats.num_accepted_tokens > 0
+        assert overlapped(calls) == mode
+        seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+        results[mode] = [o["token_ids"] for o in llm.generate(prompts, seeded,
+                                                              use_tqdm=False)]
+        llm.exit()
+    assert results[True] == results[False]
