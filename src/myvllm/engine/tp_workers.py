@@ -54,7 +54,8 @@ from myvllm.config import Config
 from myvllm.engine.tp_launch import (connect_to_rank_0, connect_workers,
                                      exit_when_rank_0_leaves, hang_up)
 from myvllm.engine.tp_watchdog import WorkerProcess, WorkerWatchdog
-from myvllm.utils.distributed import TorchrunEnv, local_device_index
+from myvllm.utils.distributed import (TorchrunEnv, init_all_reduce, local_device_index,
+                                      release_all_reduce)
 
 if TYPE_CHECKING:
     from myvllm.engine.model_runner import ModelRunner
@@ -98,6 +99,9 @@ def init_distributed(config: Config, rank: int, init_method: str, use_cuda: bool
         timeout=COLLECTIVE_TIMEOUT,
         **device_id,
     )
+    # Before any model or graph: the symmetric buffers are exchanged once, here.
+    init_all_reduce(device_id.get("device_id", torch.device("cpu")),
+                    enable=not config.disable_custom_all_reduce)
 
 
 def exit_when_parent_dies(parent_pid: int, check_s: float = 1.0, who: str = "") -> None:
@@ -200,6 +204,7 @@ def serve_rank_0(conn: Connection, start: Callable[[], ModelRunner],
         if runner is not None:
             runner.release_cuda_graphs()  # before the group: see release_cuda_graphs
         if dist.is_initialized():
+            release_all_reduce()
             dist.destroy_process_group()
     return asked_to_exit
 
@@ -375,6 +380,7 @@ def release_process_group(graceful: bool) -> None:
     already: a second abort of a communicator returns at once) and drop the group's
     bookkeeping, so that a new engine can create a group; gloo's teardown is local.
     """
+    release_all_reduce()
     if graceful or dist.get_backend() != "nccl":
         dist.destroy_process_group()
         return
