@@ -152,8 +152,11 @@ def run_launched_worker(config: Config, env: TorchrunEnv, model_path: str,
     from myvllm.engine.model_runner import ModelRunner
 
     def start() -> ModelRunner:
-        kind, (rank_0_config, cpu_threads) = commands.recv()
-        assert kind == "start", kind
+        kind, detail = commands.recv()
+        if kind != "start":
+            raise RuntimeError(f"rank 0 sent {kind!r} before 'start': a rank 0 of another "
+                               "version of this engine?")
+        rank_0_config, cpu_threads = detail
         mismatch = [f"{name}: {getattr(config, name)!r} here, {getattr(rank_0_config, name)!r} "
                     f"on rank 0" for name in ("tensor_parallel_size", "device")
                     if getattr(config, name) != getattr(rank_0_config, name)]
