@@ -97,6 +97,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="Config.batch_invariant: every kernel reduces in a fixed order "
                              "(its throughput cost; docs/reliability.md)")
+    parser.add_argument("--disable-custom-all-reduce", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="Config.disable_custom_all_reduce (default on: NCCL for every "
+                             "tensor-parallel all-reduce); --no-disable-custom-all-reduce "
+                             "lets the small ones use the symmetric-memory kernel")
     parser.add_argument("--kv-cache-dtype", type=kv_cache_dtypes, default=["auto"],
                         metavar="DTYPE[,DTYPE]",
                         help="the KV cache's dtype, auto (the model's) or fp8; two, e.g. "
@@ -358,6 +363,7 @@ def main() -> None:
         settings = dict(
             load_format=load_format, enforce_eager=args.enforce_eager,
             batch_invariant=args.batch_invariant,
+            disable_custom_all_reduce=args.disable_custom_all_reduce,
             gpu_memory_utilization=0.9 if hf is None else 0.6,
             tensor_parallel_size=args.tensor_parallel_size,
             async_scheduling=(False if args.no_async_scheduling else

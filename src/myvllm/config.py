@@ -139,6 +139,15 @@ class Config:
     streamed requests at once: more throughput and a shorter p99 time to first token than
     512, with the decode stall still within 4x; 1,024 went past it)."""
 
+    disable_custom_all_reduce: bool = True
+    """Tensor parallelism on GPUs (vLLM's name): False = the small all-reduces (a decode
+    step's, up to a size measured against NCCL) run torch's symmetric-memory kernel, the
+    larger ones NCCL, where the GPUs can map each other's memory (one host; else NCCL for all,
+    and a log line says why); True = NCCL for every all-reduce. True by default until it has
+    run on two GPUs: its kernels wait for their peers with no timeout, so a worker that dies
+    mid-step might leave rank 0 waiting for good (docs/reliability.md). No effect on a CPU
+    (gloo) or with one rank."""
+
     async_scheduling: bool | None = None
     """Plan step N+1 on the host while the device runs step N (vLLM's name). None = on where
     it is measured to pay, on GPUs (one or several); True also on a CPU (for tests).
@@ -213,6 +222,7 @@ class Config:
         _check_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding,
                    minimum=0)
         _check_bool("batch_invariant", self.batch_invariant)
+        _check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)
         if self.load_format not in LOAD_FORMATS:

@@ -4,6 +4,9 @@
       tensor_parallel_size 1: a ModelRunner in this process, nothing else
       N > 1: spawn N-1 workers (tp_workers.py), join the process group as rank 0, build
              rank 0's ModelRunner, wait until every worker has built its own
+      under torchrun (every rank started by it, on one host or several): rank 0 joins the
+             group and the other ranks connect to it (tp_launch.py); on ranks 1..N-1 the
+             Executor never returns: it serves rank 0's calls, then ends the process
     call("run", seqs, is_prefill)    the same ModelRunner method on every rank
     dead_reason / check_alive()      a worker died or a step failed: no more steps
     shutdown()                       workers and process group released; idempotent
@@ -28,7 +31,9 @@ from myvllm.engine.cpu_threads import cpu_thread_count
 from myvllm.engine.errors import EngineDeadError
 from myvllm.engine.model_runner import ModelRunner
 from myvllm.engine.tp_workers import (WorkerPool, init_distributed, nccl_abort,
-                                      pick_init_method, release_process_group)
+                                      pick_init_method, release_process_group,
+                                      run_launched_worker)
+from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env
 
 logger = logging.getLogger("myvllm")
 
@@ -65,6 +70,12 @@ class Executor:
     def __init__(self, config: Config, model_path: str, hf_config: Any, use_cuda: bool) -> None:
         self._pool: WorkerPool | None = None
         self._dead_reason: str | None = None  # set when a tensor-parallel step fails
+        launch = torchrun_env()
+        check_torchrun_world_size(launch, config.tensor_parallel_size)
+        if launch is not None and launch.rank != 0:
+            # This process is a worker of rank 0's engine, not an engine: the same script or
+            # command runs on every rank, so LLM(...) here serves rank 0 and then ends.
+            raise SystemExit(run_launched_worker(config, launch, model_path, use_cuda))
         owns_group = config.tensor_parallel_size > 1
         torch_threads = None  # the caller's thread count, restored at shutdown if we change it
         cpu_threads = None if use_cuda else cpu_thread_count(config, hf_config)
@@ -74,11 +85,16 @@ class Executor:
             torch_threads = torch.get_num_threads()
             torch.set_num_threads(cpu_threads)
         try:
-            if owns_group:
+            if owns_group and launch is not None:
+                init_distributed(config, 0, "env://", use_cuda)
+                self._pool = WorkerPool.connect(config, launch, cpu_threads)
+            elif owns_group:
                 init_method = pick_init_method()
-                self._pool = WorkerPool(config, model_path, init_method, use_cuda, cpu_threads)
+                self._pool = WorkerPool.spawn(config, model_path, init_method, use_cuda,
+                                              cpu_threads)
                 self._pool.wait_for("alive")
                 init_distributed(config, 0, init_method, use_cuda)
+            if self._pool is not None:
                 abort = nccl_abort() if use_cuda else None
                 if abort is not None:  # gloo needs none: a dead peer's sockets close
                     self._pool.watchdog.call_on_death(abort)

@@ -53,7 +53,7 @@ from myvllm.models import get_model_class
 from myvllm.models.config import get_head_dim
 from myvllm.utils.context import forward_context
 from myvllm.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from myvllm.utils.distributed import get_tp_size
+from myvllm.utils.distributed import get_tp_size, local_device_index
 from myvllm.utils.dummy_weights import initialize_dummy_weights
 from myvllm.utils.hf_config import load_hf_config
 from myvllm.utils.loader import load_model
@@ -79,7 +79,7 @@ class ModelRunner:
         self.rank = rank
         self.device = resolve_device(config)
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", rank)
+            self.device = torch.device("cuda", local_device_index(rank))  # LOCAL_RANK: torchrun
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config, self.device)
         # Before the model is built and warmed up: the kernels read it at every call, and the

@@ -25,6 +25,7 @@ from myvllm.config import Config
 from myvllm.layers.linear import check_tp_divides_heads
 from myvllm.models import get_model_class
 from myvllm.utils.device import resolve_device
+from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env
 from myvllm.utils.hf_config import eos_token_ids, load_hf_config, load_tokenizer
 from myvllm.utils.model_path import resolve_model_path
 
@@ -57,13 +58,18 @@ def tokenizer_if_any(model_path: str) -> Any:
 
 
 def check_tensor_parallel(config: Config, hf_config: Any) -> None:
-    """Before any worker starts: the heads split evenly, and there are enough GPUs."""
+    """Before any worker starts: the heads split evenly, there are enough GPUs, and under
+    torchrun as many processes as ranks (the ranks on this host need this host's GPUs)."""
     tp = config.tensor_parallel_size
     heads = hf_config.num_attention_heads
     check_tp_divides_heads(tp, heads, getattr(hf_config, "num_key_value_heads", heads))
-    if tp > 1 and resolve_device(config).type == "cuda" and tp > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} "
-                         "CUDA devices are visible.")
+    launch = torchrun_env()
+    check_torchrun_world_size(launch, tp)
+    gpu_index = tp - 1 if launch is None else launch.local_rank  # the highest one used here
+    on_gpu = resolve_device(config).type == "cuda"
+    if tp > 1 and on_gpu and gpu_index >= torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} needs cuda:{gpu_index} on this host but "
+                         f"only {torch.cuda.device_count()} CUDA devices are visible.")
 
 
 def check_batch_invariant(config: Config, hf_config: Any) -> None:

@@ -23,6 +23,10 @@ on the device (seen on two H200s: rank 0 still waiting 90 s after rank 1 was kil
                                                   (Executor.watching_workers)
 
 The abort does not depend on NCCL noticing anything itself, nor on its timeout.
+
+Workers that torchrun started (engine/tp_launch.py) are no children of rank 0: each is watched
+through its liveness connection instead of a sentinel (tp_launch.RemoteWorker), and "killing"
+one closes that connection, on which the worker ends itself.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
 
 logger = logging.getLogger("myvllm")
 
@@ -58,6 +62,34 @@ def describe_exit(exitcode: int | None) -> str:
     return f"killed by {name}"
 
 
+class WorkerProcess(Protocol):
+    """What the watchdog and WorkerPool use of a worker: a multiprocessing process (spawned
+    here) or a tp_launch.RemoteWorker (started by torchrun, maybe on another host)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def sentinel(self) -> Any: ...  # what multiprocessing.connection.wait waits on
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def describe_end(process: WorkerProcess) -> str:
+    """How a worker ended, in words: its exit code or signal, or what a remote one can say."""
+    describe: Callable[[], str] | None = getattr(process, "describe_end", None)
+    return describe() if describe is not None else describe_exit(process.exitcode)
+
+
 class WorkerWatchdog:
     """Watches the worker processes of one WorkerPool from a daemon thread of rank 0.
 
@@ -67,7 +99,7 @@ class WorkerWatchdog:
     Process.join/is_alive are not meant to race each other from two threads.
     """
 
-    def __init__(self, processes: list[BaseProcess]) -> None:
+    def __init__(self, processes: Sequence[WorkerProcess]) -> None:
         self.processes = processes
         self.failure: str | None = None
         self.lock = threading.Lock()
@@ -95,7 +127,7 @@ class WorkerWatchdog:
             sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
             ready = wait(list(sentinels), timeout=wait_s)
             if ready:
-                self._record(min(sentinels[s] for s in ready))  # type: ignore[index]
+                self._record(min(sentinels[s] for s in ready))
         return self.failure
 
     # ------------------------------------------------------------------ watchdog thread
@@ -104,7 +136,7 @@ class WorkerWatchdog:
         while not self._stopped.is_set():
             ready = wait(list(sentinels), timeout=STOP_CHECK_S)
             if ready and not self._stopped.is_set():
-                self._handle_death(min(sentinels[s] for s in ready))  # type: ignore[index]
+                self._handle_death(min(sentinels[s] for s in ready))
                 return
 
     def _record(self, rank: int) -> str:
@@ -113,7 +145,7 @@ class WorkerWatchdog:
             process.join(timeout=5)  # its sentinel closed: reaping it is immediate
             if self.failure is None:
                 self.failure = (f"tensor-parallel worker rank {rank} died "
-                                f"({describe_exit(process.exitcode)})")
+                                f"({describe_end(process)})")
                 logger.error(self.failure)
             return self.failure
 

@@ -26,6 +26,11 @@ watch their parent and exit if it disappears, and WorkerPool.shutdown is registe
 weakref.finalize by the engine, so they end with exit(), garbage collection, or an error.
 A worker that dies on its own is noticed by a watchdog thread of rank 0 (tp_watchdog.py),
 which stops the others and, under NCCL, aborts the communicator so rank 0 stops waiting.
+
+Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK in the environment) nothing is spawned: torchrun
+starts every rank, on every host, and ranks 1..N-1 run run_launched_worker, the same loop,
+with TCP connections to rank 0 in place of the pipes (tp_launch.py says how they meet and how
+each side notices the other's end). The rendezvous is then torchrun's (env://).
 """
 
 from __future__ import annotations
@@ -40,14 +45,20 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from myvllm.config import Config
-from myvllm.engine.tp_watchdog import WorkerWatchdog
+from myvllm.engine.tp_launch import (connect_to_rank_0, connect_workers,
+                                     exit_when_rank_0_leaves, hang_up)
+from myvllm.engine.tp_watchdog import WorkerProcess, WorkerWatchdog
+from myvllm.utils.distributed import (TorchrunEnv, init_all_reduce, local_device_index,
+                                      release_all_reduce)
+
+if TYPE_CHECKING:
+    from myvllm.engine.model_runner import ModelRunner
 
 logger = logging.getLogger("myvllm")
 
@@ -59,7 +70,8 @@ START_TIMEOUT_S = 600.0
 
 
 def pick_init_method() -> str:
-    """MASTER_ADDR/MASTER_PORT when set (multi-host), else a free local port."""
+    """The rendezvous of workers spawned on this host: MASTER_ADDR/MASTER_PORT when set, else
+    a free local port. (A torchrun launch meets through torchrun's own store: env://.)"""
     addr = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
     if addr and port:
@@ -71,7 +83,8 @@ def pick_init_method() -> str:
 
 def init_distributed(config: Config, rank: int, init_method: str, use_cuda: bool) -> None:
     # NCCL binds the group to this rank's GPU up front (no guessing at the first collective).
-    device_id: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if use_cuda else {}
+    device_id: dict[str, Any] = ({"device_id": torch.device("cuda", local_device_index(rank))}
+                                 if use_cuda else {})
     if use_cuda:
         # When a collective fails or times out, PyTorch's NCCL watchdog by default ends the
         # whole process. Rank 0 is the caller's process (a server, a notebook): "2" makes it
@@ -86,6 +99,9 @@ def init_distributed(config: Config, rank: int, init_method: str, use_cuda: bool
         timeout=COLLECTIVE_TIMEOUT,
         **device_id,
     )
+    # Before any model or graph: the symmetric buffers are exchanged once, here.
+    init_all_reduce(device_id.get("device_id", torch.device("cpu")),
+                    enable=not config.disable_custom_all_reduce)
 
 
 def exit_when_parent_dies(parent_pid: int, check_s: float = 1.0, who: str = "") -> None:
@@ -109,19 +125,77 @@ def worker_main(config: Config, rank: int, init_method: str, model_path: str,
         torch.set_num_threads(cpu_threads)
     from myvllm.engine.model_runner import ModelRunner  # after the thread cap is set
 
-    runner = None
-    try:
+    def start() -> ModelRunner:
         conn.send(("alive", None))
         init_distributed(config, rank, init_method, use_cuda)
-        runner = ModelRunner(config, rank, model_path)
+        return ModelRunner(config, rank, model_path)
+
+    serve_rank_0(conn, start)  # returns on "exit" or a closed pipe, or ends the process
+
+
+def run_launched_worker(config: Config, env: TorchrunEnv, model_path: str,
+                        use_cuda: bool) -> int:
+    """Rank env.rank of a torchrun launch: join the group, connect to rank 0, serve its calls;
+    the exit code: 0 when rank 0 asked this rank to exit, 1 when rank 0 disappeared or this
+    rank failed (the liveness thread or serve_rank_0 may end the process with it first).
+
+    config is this process's own (its command line): it picks the backend. The ModelRunner is
+    built from rank 0's resolved config, which rank 0 sends first, so that every setting the
+    shapes depend on (max_model_length, eos) is the same on every rank; model_path is the
+    same model found on this host.
+    """
+    init_distributed(config, env.rank, "env://", use_cuda)
+    commands, liveness = connect_to_rank_0(env)
+    exiting = threading.Event()
+    threading.Thread(target=exit_when_rank_0_leaves, args=(liveness, exiting, env.rank),
+                     daemon=True, name="myvllm-rank-0-watch").start()
+    from myvllm.engine.model_runner import ModelRunner
+
+    def start() -> ModelRunner:
+        kind, detail = commands.recv()
+        if kind != "start":
+            raise RuntimeError(f"rank 0 sent {kind!r} before 'start': a rank 0 of another "
+                               "version of this engine?")
+        rank_0_config, cpu_threads = detail
+        mismatch = [f"{name}: {getattr(config, name)!r} here, {getattr(rank_0_config, name)!r} "
+                    f"on rank 0" for name in ("tensor_parallel_size", "device")
+                    if getattr(config, name) != getattr(rank_0_config, name)]
+        if mismatch:
+            raise RuntimeError(f"rank {env.rank} was started with other settings than rank 0 "
+                               f"({'; '.join(mismatch)}): torchrun must run the same command "
+                               "on every host")
+        if cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
+        return ModelRunner(rank_0_config, env.rank, model_path)
+
+    asked_to_exit = serve_rank_0(commands, start, exiting)
+    # Done with the group: tell rank 0 now rather than at the end of this interpreter's exit
+    # (seconds on a busy host; rank 0's shutdown waits for it).
+    hang_up(liveness)
+    return 0 if asked_to_exit else 1
+
+
+def serve_rank_0(conn: Connection, start: Callable[[], ModelRunner],
+                 exiting: threading.Event | None = None) -> bool:
+    """The worker loop: build this rank's runner (start), report "ready", then run each
+    method rank 0 sends until "exit" (returns True) or until rank 0 closes the connection
+    (False). Any failure is reported to rank 0 (its traceback), then the process ends with
+    code 1."""
+    runner = None
+    asked_to_exit = False
+    try:
+        runner = start()
         conn.send(("ready", None))
         while True:
             method, args = conn.recv()
             if method == "exit":
+                asked_to_exit = True
+                if exiting is not None:
+                    exiting.set()  # rank 0 closing its connections is expected from now on
                 break
             getattr(runner, method)(*args)
     except EOFError:
-        pass  # the engine closed its end of the pipe: it is gone, so are we
+        pass  # the engine closed its end of the connection: it is gone, so are we
     except BaseException:  # report any failure to rank 0, then exit non-zero
         try:
             conn.send(("error", traceback.format_exc()))
@@ -133,19 +207,30 @@ def worker_main(config: Config, rank: int, init_method: str, model_path: str,
         if runner is not None:
             runner.release_cuda_graphs()  # before the group: see release_cuda_graphs
         if dist.is_initialized():
+            release_all_reduce()
             dist.destroy_process_group()
+    return asked_to_exit
 
 
 class WorkerPool:
-    """Rank 0's handle on the worker processes. Holds no reference to the engine."""
+    """Rank 0's handle on the worker processes. Holds no reference to the engine.
 
-    def __init__(self, config: Config, model_path: str, init_method: str, use_cuda: bool,
-                 cpu_threads: int | None = None) -> None:
-        ctx = mp.get_context("spawn")
-        self.processes: list[BaseProcess] = []
-        self.conns: list[Connection] = []
+    spawn(): this host's processes over pipes; connect(): torchrun's ranks over TCP.
+    """
+
+    def __init__(self, processes: list[WorkerProcess], conns: list[Connection]) -> None:
+        self.processes = processes
+        self.conns = conns  # rank 1 first
         self.closed = False
         self.exit_requested = False
+        self.watchdog = WorkerWatchdog(self.processes)
+
+    @classmethod
+    def spawn(cls, config: Config, model_path: str, init_method: str, use_cuda: bool,
+              cpu_threads: int | None = None) -> WorkerPool:
+        ctx = mp.get_context("spawn")
+        processes: list[WorkerProcess] = []
+        conns: list[Connection] = []
         for rank in range(1, config.tensor_parallel_size):
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(
@@ -157,9 +242,19 @@ class WorkerPool:
             )
             process.start()
             child_conn.close()
-            self.processes.append(process)
-            self.conns.append(parent_conn)
-        self.watchdog = WorkerWatchdog(self.processes)
+            processes.append(process)
+            conns.append(parent_conn)
+        return cls(processes, conns)
+
+    @classmethod
+    def connect(cls, config: Config, env: TorchrunEnv,
+                cpu_threads: int | None = None) -> WorkerPool:
+        """Rank 0 of a torchrun launch, after init_process_group: the other ranks connect,
+        and each gets this config (resolved: max_model_length, eos) and its thread count."""
+        conns, workers = connect_workers(env, START_TIMEOUT_S)
+        for conn in conns:
+            conn.send(("start", (config, cpu_threads)))
+        return cls(list(workers), conns)
 
     @property
     def failure(self) -> str | None:
@@ -288,6 +383,7 @@ def release_process_group(graceful: bool) -> None:
     already: a second abort of a communicator returns at once) and drop the group's
     bookkeeping, so that a new engine can create a group; gloo's teardown is local.
     """
+    release_all_reduce()
     if graceful or dist.get_backend() != "nccl":
         dist.destroy_process_group()
         return

@@ -9,6 +9,10 @@ Every Config field is a flag of both subcommands, its name in kebab-case (max_mo
 docstring as its help. A flag that is not given leaves the Config default in place, so the
 defaults live in one place (config.py).
 
+Under torchrun (one process per tensor-parallel rank, on one host or several) the same command
+runs on every rank: rank 0 serves or chats, the other ranks serve rank 0's calls until it
+exits (docs/serving.md, "Several hosts").
+
 MODEL defaults to Qwen/Qwen3-0.6B, as main.py. When it is neither on disk nor in the local
 Hugging Face cache and the hub cannot be reached, one line says so and the bundled
 SmolLM2-135M-Instruct runs instead. A MODEL named on the command line that cannot be found is
@@ -24,9 +28,12 @@ import inspect
 import sys
 import types
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from myvllm.config import Config
+
+if TYPE_CHECKING:
+    from myvllm.utils.distributed import TorchrunEnv
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -164,12 +171,18 @@ def engine_config(args: argparse.Namespace) -> Config:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.model, name = pick_model(args.model)
+    from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env
+
     try:
         config = engine_config(args)
+        launch = torchrun_env()
+        check_torchrun_world_size(launch, config.tensor_parallel_size)
     except (ValueError, TypeError) as e:
         print(f"myvllm {args.command}: {e}", file=sys.stderr)
         return 2
     try:
+        if launch is not None and launch.rank != 0 and args.command != "export-tokenizer":
+            return serve_rank_0_calls(config, launch)
         if args.command == "export-tokenizer":
             return export_tokenizer(args.model, args.out_dir)
         if args.command == "serve":
@@ -185,6 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model loads (later, each command handles it)
         print(f"myvllm {args.command}: interrupted while starting", file=sys.stderr)
         return 130
+
+
+def serve_rank_0_calls(config: Config, launch: TorchrunEnv) -> int:
+    """Ranks 1..N-1 of a torchrun launch: this rank's shard of rank 0's engine, until rank 0
+    exits; no server and no chat here."""
+    from myvllm.engine.tp_workers import run_launched_worker
+    from myvllm.utils.device import resolve_device
+    from myvllm.utils.model_path import resolve_model_path
+
+    model_path = resolve_model_path(config.model)  # the same model, found on this host
+    use_cuda = resolve_device(config).type == "cuda"
+    return run_launched_worker(config, launch, model_path, use_cuda)
 
 
 def export_tokenizer(model: str | None, out_dir: str) -> int:

@@ -24,7 +24,7 @@ from torch import nn
 from myvllm.layers.linear import linear
 from myvllm.layers.weight_loaders import copy_checked, set_weight_attrs
 from myvllm.utils.context import get_context
-from myvllm.utils.distributed import get_tp_rank, get_tp_size
+from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -66,8 +66,7 @@ class VocabParallelEmbedding(nn.Module):
         # Both steps are needed: without the second, every rank would add its row 0.
         local_ids = torch.where(mask, input_ids - self.vocab_start_idx, 0)
         y = F.embedding(local_ids, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(y)
-        return y
+        return all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

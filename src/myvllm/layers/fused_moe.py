@@ -33,12 +33,11 @@ through the model's expert_params_mapping) hands each to weight_loader with the 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from myvllm.kernels import fused_moe
 from myvllm.layers.weight_loaders import copy_checked, divide, rank_slice, set_weight_attrs
-from myvllm.utils.distributed import get_tp_rank, get_tp_size
+from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 # Checkpoint name of an expert's matrix -> (our parameter, shard id).
 EXPERT_PARAMS_MAPPING: dict[str, tuple[str, str]] = {
@@ -106,7 +105,7 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if self.tp_size > 1:
-            dist.all_reduce(out)
+            all_reduce(out)
         return out
 
     def extra_repr(self) -> str:

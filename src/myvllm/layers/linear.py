@@ -29,7 +29,7 @@ from myvllm.kernels import (is_batch_invariant, matmul_batch_invariant, prefers_
 from myvllm.layers.fused import DeferredInput
 from myvllm.layers.weight_loaders import (check_not_packed, copy_checked, divide, load_columns,
                                           load_rows, set_weight_attrs)
-from myvllm.utils.distributed import get_tp_rank, get_tp_size
+from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 CPU_WXT_MAX_ROWS = 256
@@ -244,8 +244,7 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             return y
         if not is_batch_invariant():
-            dist.all_reduce(y)
-            return y
+            return all_reduce(y)
         parts = [torch.empty_like(y) for _ in range(self.tp_size)]
         dist.all_gather(parts, y)
         total = parts[0]
