@@ -175,23 +175,35 @@ def transformers_model(lm_eval_samples: dict[str, Any]) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-@torch.no_grad()
-def reference_loglikelihood(model: Any, tokenizer: Any, context: str,
-                            continuation: str) -> tuple[float, bool]:
-    """log P(continuation | context) and whether every continuation token is the argmax, with
-    lm-eval's tokenization: the context's trailing spaces move to the continuation, the whole
-    text is encoded once (no special tokens) and split after the context's tokens."""
+def lm_eval_split(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], int]:
+    """The tokens lm-eval sends for (context, continuation) and where the continuation starts:
+    the context's trailing spaces move to the continuation, the whole text is encoded once (no
+    special tokens) and split after the context's own tokens."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer(context + continuation, add_special_tokens=False).input_ids
-    start = len(tokenizer(context, add_special_tokens=False).input_ids)
-    logprobs = model(torch.tensor([whole])).logits[0].log_softmax(-1)
-    positions = torch.arange(start, len(whole))
-    targets = torch.tensor(whole[start:])
-    picked = logprobs[positions - 1, targets]
-    greedy = bool((logprobs[positions - 1].argmax(-1) == targets).all())
-    return float(picked.double().sum()), greedy
+    return whole, len(tokenizer(context, add_special_tokens=False).input_ids)
+
+
+@torch.no_grad()
+def reference_loglikelihoods(model: Any, tokenizer: Any,
+                             pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+    """Per (context, continuation): log P(continuation | context) and whether every continuation
+    token is the argmax. One forward for all: the sequences are padded on the right, which
+    a causal model's earlier positions never see."""
+    split = [lm_eval_split(tokenizer, context, continuation) for context, continuation in pairs]
+    longest = max(len(tokens) for tokens, _ in split)
+    batch = torch.tensor([tokens + [0] * (longest - len(tokens)) for tokens, _ in split])
+    logprobs = model(batch).logits.log_softmax(-1)
+    found = []
+    for row, (tokens, start) in zip(logprobs, split):
+        positions = torch.arange(start, len(tokens))
+        targets = torch.tensor(tokens[start:])
+        picked = row[positions - 1, targets]
+        greedy = bool((row[positions - 1].argmax(-1) == targets).all())
+        found.append((float(picked.double().sum()), greedy))
+    return found
 
 
 @torch.no_grad()
@@ -200,13 +212,13 @@ def reference_chat_answer(model: Any, tokenizer: Any, question: str) -> str:
     renders it), up to eos or MAX_GEN_TOKENS, cut at the stop string."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                          tokenize=False, add_generation_prompt=True)
-    tokens = tokenizer(text, add_special_tokens=False).input_ids
-    answer: list[int] = []
-    for _ in range(MAX_GEN_TOKENS):
-        next_token = int(model(torch.tensor([tokens + answer])).logits[0, -1].argmax())
-        if next_token == tokenizer.eos_token_id:
-            break
-        answer.append(next_token)
+    prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=MAX_GEN_TOKENS, do_sample=False,
+                               eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.eos_token_id)
+    answer = generated[0, prompt.shape[1]:].tolist()
+    if tokenizer.eos_token_id in answer:
+        answer = answer[:answer.index(tokenizer.eos_token_id)]
     return tokenizer.decode(answer, skip_special_tokens=True).split(STOP)[0]
 
 
@@ -215,18 +227,21 @@ def test_local_completions_loglikelihoods_equal_transformers(
     model, tokenizer = transformers_model
     samples = lm_eval_samples["multiple_choice"]
     assert [s["doc"]["question"] for s in samples] == [q for q, _, _ in MULTIPLE_CHOICE]
+    pairs, recorded = [], []
     for sample, (question, choices, _) in zip(samples, MULTIPLE_CHOICE):
         arguments = list(sample["arguments"].values())
         assert len(sample["resps"]) == len(arguments) == len(choices), sample
         for argument, response, choice in zip(arguments, sample["resps"], choices):
-            context, continuation = argument["arg_0"], argument["arg_1"]
-            assert continuation == " " + choice
+            assert argument["arg_1"] == " " + choice
+            pairs.append((argument["arg_0"], argument["arg_1"]))
             # lm-eval logs (loglikelihood, is_greedy), each as a string.
-            got, got_greedy = float(response[0][0]), response[0][1] == "True"
-            want, want_greedy = reference_loglikelihood(model, tokenizer, context, continuation)
-            print(f"{question!r} {continuation!r}: lm-eval {got:.6f}, transformers {want:.6f}")
-            assert got == pytest.approx(want, abs=1e-3), (question, choice)
-            assert got_greedy == want_greedy, (question, choice)
+            recorded.append((float(response[0][0]), response[0][1] == "True"))
+    wanted = reference_loglikelihoods(model, tokenizer, pairs)
+    for (context, continuation), (got, got_greedy), (want, want_greedy) in zip(
+            pairs, recorded, wanted):
+        print(f"{context!r} {continuation!r}: lm-eval {got:.6f}, transformers {want:.6f}")
+        assert got == pytest.approx(want, abs=1e-3), (context, continuation)
+        assert got_greedy == want_greedy, (context, continuation)
 
 
 def test_local_chat_completions_answers_equal_transformers_greedy(
