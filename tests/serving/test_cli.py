@@ -155,14 +155,15 @@ def health(port: int) -> int | None:
 
 
 @contextmanager
-def serve_subprocess(args: list[str], port: int) -> Iterator[subprocess.Popen[str]]:
-    """`myvllm serve ARGS --port PORT` in a subprocess, handed over once /health answers 200;
-    killed afterwards, with any engine process it left behind."""
+def serve_subprocess(args: list[str], port: int,
+                     startup_timeout_s: float = 300) -> Iterator[subprocess.Popen[str]]:
+    """`myvllm serve ARGS --port PORT` in a subprocess, handed over once /health answers 200
+    (within startup_timeout_s); killed afterwards, with any engine process it left behind."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "myvllm.entrypoints.cli", "serve", *args, "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + startup_timeout_s
         while health(port) != 200:
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "the server did not come up"
