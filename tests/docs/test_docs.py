@@ -14,6 +14,10 @@ classified and checked, from the repository root, in a CPU-only environment:
   repository path it names must exist.
 - `python examples/exercises.py ...`: run and checked by tests/docs/test_exercises.py, which also
   checks that the guide lists every probe. Skipped here so they do not run twice.
+- `python benchmark_X.py --quick` with no output excerpt: run by
+  tests/docs/test_benchmark_scripts_quick.py, which also checks that every implementation the
+  script compares is marked OK. Skipped here so it does not run twice (tens of seconds); a test
+  below checks that the benchmark test runs that script.
 - `uv run python SCRIPT ARGS` (or `python SCRIPT ARGS`): run as `sys.executable SCRIPT ARGS`.
   `uv run` would resolve the same locked environment we are running in; calling its interpreter
   directly saves uv's start-up and the lock check, and works where uv is not on PATH.
@@ -53,6 +57,7 @@ GUIDE = REPO / "HowToApproachvLLM.md"
 GPU_MARK = "# needs a GPU"
 EDITS_MARK = "# edits your checkout"
 COVERED_BY_EXERCISE_TEST = "examples/exercises.py"
+BENCHMARK_TEST = REPO / "tests" / "docs" / "test_benchmark_scripts_quick.py"
 # Scripts that load a real model (the bundled SmolLM2 GGUF or a random checkpoint built on the fly).
 SLOW_SCRIPTS = ("main.py", "main_llama32.py", "examples/prefix_cache_demo.py",
                 "benchmark_spec_decode.py")
@@ -139,6 +144,9 @@ def kind(command: Command) -> str:
     script = python_script(words)
     if script == COVERED_BY_EXERCISE_TEST:
         return "exercise"
+    if (script is not None and re.fullmatch(r"benchmark_\w+\.py", script)
+            and words[words.index(script) + 1:] == ["--quick"] and not command.output):
+        return "benchmark"
     if script is not None:
         return "python"
     return "shell"
@@ -232,6 +240,16 @@ def test_gpu_command_has_working_help(command: Command) -> None:
     result = subprocess.run([sys.executable, script, "--help"], cwd=REPO, env=ci_env(),
                             capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, f"{script} --help failed:\n{result.stderr[-3000:]}"
+
+
+def test_benchmark_quick_commands_are_run_by_the_benchmark_test() -> None:
+    """The `benchmark_X.py --quick` commands skipped above are run there instead."""
+    source = BENCHMARK_TEST.read_text()
+    for command in (c for c in all_commands() if kind(c) == "benchmark"):
+        script = python_script(command.words)
+        assert f'["{script}"]' in source, (
+            f"{command.where}: `{command.code}` is run by neither this test nor "
+            f"{BENCHMARK_TEST.name}: add [\"{script}\"] to its commands")
 
 
 def test_checkout_editing_commands_name_existing_paths() -> None:

@@ -822,20 +822,23 @@ def test_gumbel_sample_greedy_rows_are_exact_argmax(device) -> None:
     assert out[2].item() == 7 and out[3].item() == 3000
 
 
-@pytest.mark.slow  # 800 rows through the CPU interpreter: the longest test of this file
+@pytest.mark.slow  # 400 rows through the CPU interpreter: the longest test of this file
 @pytest.mark.parametrize("chunk_size", [2048, 4])
 def test_gumbel_sample_matches_softmax_distribution(device, chunk_size) -> None:
     """One chunk (2048), and three chunks of 4 tokens: a chunk, then a token inside it."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -0.5, 1.0, 0.2, -2.0], device=device)
-    temperature, n = 0.7, 800  # the interpreter runs ~60 programs (rows) per second
+    temperature, n = 0.7, 400  # the interpreter runs ~60 programs (rows) per second
     temps = torch.full((n,), temperature, device=device)
     seeds = torch.arange(n, device=device) * 7919  # one seed per row, as the sampler draws
     out = triton_mod("sample_kernel").gumbel_sample_triton(logits.repeat(n, 1), temps, seeds,
                                                            chunk_size)  # fmt: skip
     freq = torch.bincount(out.cpu(), minlength=10).float() / n
     expected = torch.softmax(logits.cpu() / temperature, dim=-1)
-    # The standard error is at most 0.017 here; 0.07 is ~4 sigma, and half the gap to the
-    # distribution without the temperature (p0 0.40 vs 0.27).
+    # The standard error is at most 0.025 here; 0.07 is ~2.8 sigma (drawn from softmax, a
+    # set of seeds fails 0.6% of the time) and under two thirds of the gap to the
+    # distribution without the temperature (p0 0.44 vs 0.33): that kernel fails 95% of seed
+    # sets, one with the temperature applied twice 99.8%, one that picks a chunk or a token
+    # inside it without its mass all of them (simulated with torch.multinomial, 4,000 sets).
     torch.testing.assert_close(freq, expected, atol=0.07, rtol=0)
 
 

@@ -13,7 +13,7 @@ import torch
 from helpers_models import load_ours, prefill_context
 
 from myvllm.utils.context import forward_context
-from myvllm.utils.hf_config import load_tokenizer
+from myvllm.utils.hf_config import gguf_parsed_once, load_tokenizer
 from myvllm.utils.model_path import resolve_model_path
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,11 @@ def gguf_path() -> str:
 def test_bundled_gguf_matches_transformers(gguf_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(gguf_path)
+    # Our side parses the file once, as LLMEngine does (the test below checks that sharing);
+    # transformers, the oracle, loads it on its own, outside the block.
+    with gguf_parsed_once():
+        tokenizer = load_tokenizer(gguf_path)
+        ours = load_ours(gguf_path)
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": "What is the capital of France?"}],
@@ -39,7 +43,6 @@ def test_bundled_gguf_matches_transformers(gguf_path: str) -> None:
     ]
     token_lists = [tokenizer(p)["input_ids"] for p in prompts]
 
-    ours = load_ours(gguf_path)
     assert ours.config.num_hidden_layers == 30 and ours.config.tie_word_embeddings
     lens = [len(t) for t in token_lists]
     with forward_context(prefill_context(lens)):
@@ -67,7 +70,7 @@ def test_config_tokenizer_and_weights_share_one_gguf_parse(gguf_path: str,
     our weight loader then parse the file once between them (each parse is ~6 s on 2 cores)."""
     import gguf
 
-    from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
+    from myvllm.utils.hf_config import load_hf_config
 
     parses: list[str] = []
 
