@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from helpers_models import record_preemptions, tiny_checkpoint
+from helpers_overlap import overlapped, record_overlap
 from test_engine import random_prompts
 
 from myvllm import LLM, Config, SamplingParams
@@ -27,29 +28,6 @@ ENGINE_KW = dict(block_size=4, max_model_length=64, max_num_batched_tokens=64,
 def engine(async_scheduling: bool, **overrides: Any) -> LLM:
     kw = {**ENGINE_KW, **overrides}
     return LLM(str(tiny_checkpoint("qwen3")), async_scheduling=async_scheduling, **kw)
-
-
-def record_overlap(llm: LLM) -> list[str]:
-    """Log the order of ModelRunner.run and Scheduler.postprocess calls."""
-    calls: list[str] = []
-    run, postprocess = llm.model_runner.run, llm.scheduler.postprocess
-
-    def logged_run(*args: Any) -> Any:
-        calls.append("run")
-        return run(*args)
-
-    def logged_postprocess(*args: Any) -> Any:
-        calls.append("post")
-        return postprocess(*args)
-
-    llm.model_runner.run = logged_run  # type: ignore[method-assign]
-    llm.scheduler.postprocess = logged_postprocess  # type: ignore[method-assign]
-    return calls
-
-
-def overlapped(calls: list[str]) -> bool:
-    """Was some step queued before the previous step's tokens were read?"""
-    return any(a == b == "run" for a, b in zip(calls, calls[1:]))
 
 
 def test_async_gives_the_sync_tokens_with_preemption_and_eos() -> None:

@@ -501,6 +501,7 @@ def soak_async_llm(path: Path, num_requests: int) -> None:
         llm.shutdown()
 
 
+@pytest.mark.slow  # ~20 s; test_soak_async_llm_long covers the same paths with more requests
 def test_soak_async_llm_short(soak_model: Path) -> None:
     soak_async_llm(soak_model, SHORT_ASYNC_REQUESTS)
 

@@ -22,7 +22,7 @@ import pytest
 from helpers_models import build_tiny_checkpoint, random_prompts, tiny_checkpoint
 from helpers_schemas import (EOS, assert_declared_order, finished_on_eos,
                              random_object_schema)
-from test_async_scheduling import record_overlap
+from helpers_overlap import record_overlap
 
 from myvllm import LLM, SamplingParams
 from myvllm.sampling_parameters import StructuredOutputsParams

@@ -61,6 +61,7 @@ def test_bad_flag_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> 
     assert "block_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~15 s: a whole chat with a real engine (the quick suite stays within 5 minutes)
 def test_chat_keeps_the_conversation_and_resets(tiny_path: Path, monkeypatch: Any,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     lines = iter(["hello", "again", "/reset", "third", "/exit"])

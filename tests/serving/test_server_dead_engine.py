@@ -162,6 +162,7 @@ def test_tensor_parallel_worker_killed(checkpoint: Path) -> None:
         assert_refused(base_url, "rank 1 died (killed by SIGKILL")
 
 
+@pytest.mark.slow  # ~10 s: a server started and shut down mid-answer
 def test_a_whole_answer_cut_by_shutdown_is_a_503(checkpoint: Path) -> None:
     """A request with stream false that the server's shutdown aborts gets a 503, not a 200
     with part of the text and finish_reason "abort" (which a client that reads only the

@@ -5,38 +5,14 @@ engine (seeded sampling)."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 from helpers_models import random_prompts, tiny_checkpoint
+from helpers_overlap import overlapped, record_overlap
 
 from myvllm import LLM, SamplingParams
 
 COMMON = dict(block_size=4, max_model_length=128, num_kvcache_blocks=160)
-
-
-def record_overlap(llm: LLM) -> list[str]:
-    """The order of ModelRunner.run and Scheduler.postprocess calls (as
-    tests/engine/test_async_scheduling.py records it)."""
-    calls: list[str] = []
-    run, postprocess = llm.model_runner.run, llm.scheduler.postprocess
-
-    def logged_run(*args: Any) -> Any:
-        calls.append("run")
-        return run(*args)
-
-    def logged_postprocess(*args: Any) -> Any:
-        calls.append("post")
-        return postprocess(*args)
-
-    llm.model_runner.run = logged_run  # type: ignore[method-assign]
-    llm.scheduler.postprocess = logged_postprocess  # type: ignore[method-assign]
-    return calls
-
-
-def overlapped(calls: list[str]) -> bool:
-    """Was some step queued before the previous step's tokens were read?"""
-    return any(a == b == "run" for a, b in zip(calls, calls[1:]))
 
 
 @pytest.mark.slow
