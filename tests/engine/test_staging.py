@@ -115,6 +115,7 @@ def test_padded_decode_rows_store_and_attend_nothing() -> None:
     assert other.context.block_tables.data_ptr() == step.context.block_tables.data_ptr()
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and builds an engine (~8 s)
 def test_building_an_engine_imports_no_triton() -> None:
     """Triton is imported on first use of a kernel, so a machine without it (no Linux wheel)
     runs the references: the engine's modules, padded steps included, must not import it."""
