@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers_kernels import DTYPES, HAS_CUDA, TOL
 from helpers_invariant import batch_invariant, gpu_like_dot
 
 from myvllm.kernels import (
@@ -28,9 +29,6 @@ from myvllm.kernels import (
 )
 from myvllm.kernels.tile_map import TileMap, build_tile_map
 
-HAS_CUDA = torch.cuda.is_available()
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture

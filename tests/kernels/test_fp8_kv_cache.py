@@ -27,6 +27,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
+from helpers_kernels import DTYPES, HAS_CUDA, TOL
 
 from myvllm.kernels import (
     flash_attention_varlen_ref,
@@ -35,11 +36,6 @@ from myvllm.kernels import (
 )
 from myvllm.kernels.reference import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
 
-HAS_CUDA = torch.cuda.is_available()
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
-# Triton against the reference on the same cache (accumulation order only), as in
-# test_kernels.py.
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 # fp8 e4m3 keeps 3 mantissa bits: each element is off by up to 1/16 of its value, and the
 # output of attention over N(0, 1) keys and values by 2.6-3.8% in norm (these shapes, three
 # seeds); reading the same cache without its scales (K_SCALE, V_SCALE) is off by 48-59%.

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_kernels import DTYPES, HAS_CUDA
 
 import myvllm.kernels as kernels
 from myvllm.kernels import fused_moe_ref
 
-HAS_CUDA = torch.cuda.is_available()
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 

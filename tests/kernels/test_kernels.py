@@ -23,6 +23,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers_kernels import DTYPES, HAS_CUDA, TOL
 
 import myvllm.kernels as kernels
 import myvllm.kernels.tile_map as tile_map
@@ -32,9 +33,6 @@ from myvllm.kernels import (
     store_kvcache_ref,
 )
 
-HAS_CUDA = torch.cuda.is_available()
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(scope="module")

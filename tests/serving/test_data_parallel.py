@@ -14,7 +14,6 @@ import http.client
 import json
 import random
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,7 @@ import pytest
 
 from myvllm import LLM, Config, SamplingParams
 from myvllm.engine.dp_async_llm import DPAsyncLLM
-from myvllm.entrypoints.openai_server import make_server
-from test_server import (MAX_MODEL_LENGTH, MODEL, fetch, free_socket, metrics,
+from test_server import (MAX_MODEL_LENGTH, MODEL, fetch, metrics, served_in_thread,
                          tiny_chat_checkpoint, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -44,20 +42,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def served(checkpoint: Path) -> Iterator[tuple[str, DPAsyncLLM]]:
     llm = DPAsyncLLM(Config(model=str(checkpoint), data_parallel_size=2, **ENGINE_KW))
-    sock = free_socket()
-    server = make_server(llm, MODEL, "127.0.0.1", sock.getsockname()[1], log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the server thread died while starting"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        llm.shutdown()
-        sock.close()
+    with served_in_thread(llm, MODEL, log_level="warning") as url:
+        yield url, llm
 
 
 def complete(base_url: str, **body: Any) -> dict[str, Any]:

@@ -10,13 +10,16 @@ server with itself (streamed against not streamed, concurrent against alone).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,30 @@ def free_socket() -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
+
+
+@contextlib.contextmanager
+def served_in_thread(llm: Any, model_name: str, join_s: float = 30.0,
+                     **server_kwargs: Any) -> Iterator[str]:
+    """llm (an AsyncLLM or DPAsyncLLM) behind `make_server` in a daemon thread on a free
+    port; yields the base URL once uvicorn accepts connections; stops the server, then the
+    engine, on the way out."""
+    from myvllm.entrypoints.openai_server import make_server
+
+    sock = free_socket()
+    server = make_server(llm, model_name, "127.0.0.1", sock.getsockname()[1], **server_kwargs)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:  # uvicorn sets it once the socket accepts connections
+            assert thread.is_alive(), "the server thread died while starting"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(join_s)
+        llm.shutdown()
+        sock.close()
 
 
 def tiny_chat_checkpoint(path: Path, **overrides: Any) -> Path:

@@ -31,7 +31,7 @@ pytest.importorskip("openai")  # test_server's module imports it
 
 from helpers_models import tiny_checkpoint  # noqa: E402
 from test_cli import engine_children  # noqa: E402
-from test_server import fetch, free_socket  # noqa: E402
+from test_server import fetch, free_socket, served_in_thread  # noqa: E402
 
 from myvllm import Config  # noqa: E402
 from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
@@ -50,21 +50,9 @@ def checkpoint() -> Path:
 @contextlib.contextmanager
 def serving(config: Config) -> Iterator[tuple[str, AsyncLLM]]:
     llm = AsyncLLM(config)
-    sock = free_socket()
-    server = make_server(llm, "tiny", "127.0.0.1", sock.getsockname()[1], log_level="critical",
-                         exit_on_core_death=False)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the server thread died while starting"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm
-    finally:
-        server.should_exit = True
-        thread.join(HANG_LIMIT_S)
-        llm.shutdown()
-        sock.close()
+    with served_in_thread(llm, "tiny", HANG_LIMIT_S, log_level="critical",
+                          exit_on_core_death=False) as url:
+        yield url, llm
 
 
 def completion(base_url: str, stream: bool = False, max_tokens: int = 8) -> tuple[int, bytes]:
