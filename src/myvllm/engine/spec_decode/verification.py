@@ -23,8 +23,9 @@ to the context up to its own position (its K/V and those before it are stored fi
     context_len   n        n+1      n+2      n+3
 
 That is the decode path's kernels and CUDA graphs (padded to a decode graph batch size),
-which on a GPU cost a few decode rows more than plain decoding, where the prefill path's
-chunk graph costs several times that. The logits of all rows are then exactly logit_rows.
+not the prefill path's chunk graph, whose attention runs the prefill kernel and the decode
+kernel (for its padding rows) over a step padded to 16 tokens. The logits of all rows are
+then exactly logit_rows.
 
 The greedy fast path (every row of the step at temperature 0, nothing that needs the
 Sampler: no logprobs, no logits processing, no grammar): a greedy row's tokens follow from
