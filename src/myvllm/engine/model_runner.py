@@ -226,14 +226,16 @@ class ModelRunner:
                                                 self.inputs.pool.tokens, self.eos_token_ids)
                       if self.rank == 0 else None)
         prompt_rows = None
-        # Speculative decoding: rows that verify proposals (always in a prefill-path step).
+        # Speculative decoding: rows that verify proposals (scheduled as a prefill-path step;
+        # with no prompt chunk beside them they run as decode rows).
         verification = VerificationRows(seqs) if has_proposals(seqs) else None
         verified = None
-        if is_prefill and not (verification is not None and not spans and verifies_as_decode(
-                seqs, self.config.max_num_sequences)):
+        as_decode_rows = (verification is not None and not spans
+                          and verifies_as_decode(seqs, self.config.max_num_sequences))
+        if is_prefill and not as_decode_rows:
             logits, prompt_rows = self.forward_prefill(seqs, spans, verification)
         else:
-            logits = self.run_decode(seqs, verification is not None)
+            logits = self.run_decode(seqs, verifies=as_decode_rows)
         num_seqs = len(seqs)
         pool = self.inputs.pool
         if (verification is not None and logits is not None and not self.broadcast_sampled
