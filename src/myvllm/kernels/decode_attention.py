@@ -216,12 +216,20 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
-def decode_config(device: torch.device, head_dim: int) -> DecodeConfig:
-    """Tile size and warps (tuning knobs). Small tiles on the CPU interpreter keep tests fast."""
+def decode_config(device: torch.device, head_dim: int,
+                  cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """Tile size and warps (tuning knobs). Small tiles on the CPU interpreter keep tests fast.
+
+    An fp8 cache gets 2 warps and a deeper pipeline: on the H200 at full-batch shapes that
+    took its kernel from ~2.0 to ~2.4 TB/s (docs/diagnostics/decode_tile_sweep.py), while the
+    bf16 cache's kernel reads at 90-96% of the copy bandwidth with any of the fast tiles.
+    """
     if device.type != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    if cache_dtype is not None and cache_dtype.itemsize == 1:
+        return DecodeConfig(block_n=64, num_warps=2, num_stages=4)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 
 
@@ -269,7 +277,7 @@ def paged_attention_decode_triton(
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, sms)
     if num_splits < 1:
         raise ValueError(f"paged_attention_decode: num_splits must be >= 1, got {num_splits}")
-    cfg = config or decode_config(q.device, head_dim)
+    cfg = config or decode_config(q.device, head_dim, k_cache.dtype)
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         # Allocated per call: inside a CUDA graph capture these come from the graph's pool.
