@@ -172,6 +172,38 @@ def test_store_kvcache_triton_fp8_bits_equal_the_reference(device, exact_fp8_cas
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_store_kvcache_triton_fp8_bits_equal_the_reference(device, exact_fp8_casts,
+                                                                     dtype, with_norm) -> None:
+    """The store fused into norm+RoPE quantizes as store_kvcache does: the cache's bits are
+    store_kvcache_ref's from the rotated k and from v, with the layer's scales."""
+    n, block_size, num_q_heads, num_kv_heads, head_dim = 9, 16, 4, 2, 24
+    num_blocks = 3
+    wide = (torch.randn(n, num_q_heads + 2 * num_kv_heads, head_dim) * 20).to(device, dtype)
+    wide[0, num_q_heads + num_kv_heads, :3] = torch.tensor([1000.0, -1000.0, 1e-4])  # v
+    q, k = wide[:, :num_q_heads], wide[:, num_q_heads:num_q_heads + num_kv_heads]
+    v = wide[:, num_q_heads + num_kv_heads:]
+    weights = [(1 + torch.randn(head_dim) * 0.1).to(device, dtype) if with_norm else None
+               for _ in range(2)]  # fmt: skip
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.outer(torch.arange(64).float(), inv_freq)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    positions = torch.randint(0, 64, (n,), device=device)
+    slots = torch.randperm(num_blocks * block_size)[:n].int()
+    slots[[1, 4]] = -1  # padding tokens
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=FP8_DTYPE, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    _, k_out = triton_mod("layer_ops_triton").norm_rope_store_kvcache_triton(
+        q, k, v, positions, table, k_cache, v_cache, slots, *weights, 1e-6, K_SCALE, V_SCALE)
+    store_kvcache_ref(k_out, v, k_ref, v_ref, slots, K_SCALE, V_SCALE)
+    assert torch.equal(bits(k_cache), bits(k_ref)) and torch.equal(bits(v_cache), bits(v_ref))
+    assert bits(k_cache).any() and bits(v_cache).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_attention_decode_triton_reads_an_fp8_cache(device, dtype, num_splits) -> None:
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16

@@ -470,6 +470,62 @@ def test_norm_rope_triton(device, dtype, head_dim, with_norm) -> None:
         assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,block_size", [(32, 1), (96, 16), (128, 4)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_store_kvcache_triton(device, dtype, head_dim, block_size, with_norm) -> None:
+    """One launch = norm_rope, then store_kvcache of its k and of v: q and k as the reference
+    rotates them, and the cache bit for bit what the store kernel writes from that k and v;
+    padding tokens (slot -1) and the slots of no token stay untouched."""
+    torch.manual_seed(head_dim + block_size)
+    num_tokens, num_q_heads, num_kv_heads = 7, 4, 2
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size).to(device=device, dtype=dtype)
+    q = qkv[:, :q_size].view(num_tokens, num_q_heads, head_dim)  # strided views, as in models
+    k = qkv[:, q_size: q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 50, 51, 300, 511], device=device)
+    table = _cos_sin_table(512, head_dim, device)
+    weights = [(1 + torch.randn(head_dim) * 0.1).to(device=device, dtype=dtype)
+               if with_norm else None for _ in range(2)]  # fmt: skip
+    num_blocks = math.ceil(num_tokens / block_size) + 2
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens].int()
+    slots[[1, 5]] = -1  # padding tokens
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, 7.0, dtype=dtype, device=device)
+    v_cache = torch.full(shape, 7.0, dtype=dtype, device=device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    got_q, got_k = triton_mod("layer_ops_triton").norm_rope_store_kvcache_triton(
+        q, k, v, positions, table, k_cache, v_cache, slots, *weights, 1e-6)
+    for got, x, w in ((got_q, q, weights[0]), (got_k, k, weights[1])):
+        assert got.shape == x.shape and got.is_contiguous()
+        assert_close(got, kernels.norm_rope_ref(x, positions, table, w, 1e-6), dtype)
+    store_kvcache_ref(got_k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # The rotation is the plain norm_rope kernel's, bit for bit.
+    plain_q, plain_k = triton_mod("layer_ops_triton").norm_rope_triton(
+        q, k, positions, table, *weights, 1e-6)
+    assert torch.equal(got_q, plain_q) and torch.equal(got_k, plain_k)
+
+
+def test_norm_rope_store_kvcache_refuses_mismatched_caches(device) -> None:
+    mod = triton_mod("layer_ops_triton")
+    q, k = torch.randn(3, 2, 16, device=device), torch.randn(3, 1, 16, device=device)
+    table = _cos_sin_table(8, 16, device)
+    positions, slots = torch.arange(3, device=device), torch.arange(3, device=device).int()
+    cache = torch.zeros(2, 4, 1, 16, device=device)
+    with pytest.raises(ValueError, match="v .* must match k"):
+        mod.norm_rope_store_kvcache_triton(q, k, k[:, :, :8], positions, table, cache, cache,
+                                           slots)  # fmt: skip
+    with pytest.raises(ValueError, match="k_cache"):
+        wrong = torch.zeros(2, 4, 2, 16, device=device)
+        mod.norm_rope_store_kvcache_triton(q, k, k, positions, table, wrong, wrong, slots)
+    with pytest.raises(ValueError, match="one slot per token"):
+        mod.norm_rope_store_kvcache_triton(q, k, k, positions, table, cache, cache, slots[:2])
+
+
 def test_norm_rope_ref_rotates_each_pair_by_its_angle() -> None:
     head_dim, position = 8, 3
     x = torch.randn(1, 1, head_dim, dtype=torch.float64)

@@ -14,6 +14,11 @@ and three small per-token ops of a decoder layer, fused into one kernel each on 
     norm_rope                (per-head RMSNorm +) rotary embedding of q and k
     silu_and_mul             silu(gate) * up
 
+with one fused form that also does store_kvcache's work, in the same launch on the GPU
+(reference: norm_rope, then store_kvcache):
+
+    norm_rope_store_kvcache  norm_rope, then the rotated k and v into the paged cache
+
 and the matmul of a small decode batch (reference in fused_reference.py):
 
     skinny_gemm              x W^T for x of 1..8 rows (layers/linear.py uses it on a GPU
@@ -90,6 +95,7 @@ __all__ = [
     "matmul_batch_invariant_ref",
     "norm_rope",
     "norm_rope_ref",
+    "norm_rope_store_kvcache",
     "paged_attention_decode",
     "paged_attention_decode_ref",
     "rms_norm",
@@ -267,6 +273,36 @@ def norm_rope(
                                             k_norm_weight, eps)
     return (norm_rope_ref(q, positions, cos_sin_cache, q_norm_weight, eps),
             norm_rope_ref(k, positions, cos_sin_cache, k_norm_weight, eps))
+
+
+def norm_rope_store_kvcache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_rope(q, k, ...) -> (q_out, k_out), and store_kvcache(k_out, v, k_cache, v_cache,
+    slot_mapping, k_scale, v_scale) (v [N, Hkv, D]; slot -1 = padding, not written). On the
+    GPU one kernel launch does both: layers/fused.py uses it where the attention layer would
+    store right after RoPE."""
+    if use_triton(q):
+        from . import layer_ops_triton as triton_impl
+
+        return triton_impl.norm_rope_store_kvcache_triton(
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            q_norm_weight, k_norm_weight, eps, k_scale, v_scale)  # fmt: skip
+    q_out, k_out = norm_rope(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    store_kvcache_ref(k_out, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

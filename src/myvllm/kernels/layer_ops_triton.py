@@ -14,15 +14,20 @@ references to float32 round-off in the reductions, not just "closely".
 
     rms_norm:     one program per row             [x (+ residual)] -> norm, new residual
     norm_rope:    one program per token, all heads of q and k   x1 | x2 -> normed -> rotated
+                  (+ this token's rotated k and its v written into the paged KV cache:
+                  norm_rope_store_kvcache_triton, the store kernel's work in the same launch)
     silu_and_mul: one program per (row, column tile)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from .fp8_kv import quantize_kv
 from .pdl import pdl_args, pdl_wait
 
 
@@ -121,9 +126,31 @@ def _norm_rope_heads(
         # Round where the reference rounds: after the norm, and after the weight multiply.
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    out1, out2 = (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
     out = dst + heads * HEAD_DIM + offs
-    tl.store(out, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(out + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    tl.store(out, out1, mask=mask)
+    tl.store(out + half, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _store_heads(
+    cache_row,  # this token's slot in the cache: its first head
+    stride_ch,
+    x1,  # [HEADS_PAD, HALF_PAD]: the first and second halves of each head, model dtype
+    x2,
+    mask,
+    scale,  # fp8 cache: stored = x / scale
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+):
+    """Write one token's heads into its cache slot, as store_kvcache does (fp8: quantized)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    cache_dtype = cache_row.dtype.element_ty
+    dst = cache_row + tl.arange(0, HEADS_PAD)[:, None] * stride_ch + tl.arange(0, HALF_PAD)[None, :]
+    tl.store(dst, quantize_kv(x1, scale, cache_dtype), mask=mask)
+    tl.store(dst + half, quantize_kv(x2, scale, cache_dtype), mask=mask)
 
 
 @triton.jit
@@ -136,10 +163,21 @@ def _norm_rope_kernel(
     k_weight_ptr,
     q_out_ptr,  # [N, Hq, D] contiguous
     k_out_ptr,  # [N, Hk, D] contiguous
+    v_ptr,  # [N, Hk, D], any token/head strides: read when STORE_KV
+    k_cache_ptr,  # [num_blocks, block_size, Hk, D], written when STORE_KV (and v_cache)
+    v_cache_ptr,
+    slot_mapping_ptr,  # [N]: cache slot per token, -1 = padding (nothing written)
+    k_scale,  # fp8 cache: stored = k / k_scale (unused for other caches)
+    v_scale,
     stride_qn,
     stride_qh,
     stride_kn,
     stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cb,  # cache strides: block, slot-in-block, head (k and v caches share them)
+    stride_cs,
+    stride_ch,
     num_q_heads,
     num_k_heads,
     eps,
@@ -148,6 +186,8 @@ def _norm_rope_kernel(
     Q_HEADS_PAD: tl.constexpr,  # next power of two >= num_q_heads (and the same for k)
     K_HEADS_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per cache block, when STORE_KV
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -163,9 +203,25 @@ def _norm_rope_kernel(
     _norm_rope_heads(q_ptr + token * stride_qn, stride_qh, num_q_heads, q_weight_ptr,
                      q_out_ptr + token * num_q_heads * HEAD_DIM, cos, sin, eps,
                      HEAD_DIM, HALF_PAD, Q_HEADS_PAD, HAS_NORM)  # fmt: skip
-    _norm_rope_heads(k_ptr + token * stride_kn, stride_kh, num_k_heads, k_weight_ptr,
-                     k_out_ptr + token * num_k_heads * HEAD_DIM, cos, sin, eps,
-                     HEAD_DIM, HALF_PAD, K_HEADS_PAD, HAS_NORM)  # fmt: skip
+    k1, k2 = _norm_rope_heads(k_ptr + token * stride_kn, stride_kh, num_k_heads, k_weight_ptr,
+                              k_out_ptr + token * num_k_heads * HEAD_DIM, cos, sin, eps,
+                              HEAD_DIM, HALF_PAD, K_HEADS_PAD, HAS_NORM)  # fmt: skip
+    if STORE_KV:
+        # The store kernel's work, while the rotated k is still in registers: one launch
+        # less per layer. The cache gets the rounded k that k_out holds.
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        heads = tl.arange(0, K_HEADS_PAD)[:, None]
+        # slot -1: no memory traffic. (Broadcast first: the CPU interpreter rejects a
+        # scalar-and-tile mask.)
+        mask = (heads < num_k_heads) & (offs < half) & ((heads * 0 + slot) >= 0)
+        v_row = v_ptr + token * stride_vn + heads * stride_vh + offs
+        v1 = tl.load(v_row, mask=mask, other=0.0)
+        v2 = tl.load(v_row + half, mask=mask, other=0.0)
+        cache_row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        _store_heads(k_cache_ptr + cache_row, stride_ch, k1, k2, mask, k_scale,
+                     HEAD_DIM, HALF_PAD, K_HEADS_PAD)  # fmt: skip
+        _store_heads(v_cache_ptr + cache_row, stride_ch, v1, v2, mask, v_scale,
+                     HEAD_DIM, HALF_PAD, K_HEADS_PAD)  # fmt: skip
 
 
 def norm_rope_triton(
@@ -176,6 +232,65 @@ def norm_rope_triton(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_rope(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, None)
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """Where norm_rope_store_kvcache_triton writes k (rotated) and v: store_kvcache's
+    arguments."""
+
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: float
+    v_scale: float
+
+
+def norm_rope_store_kvcache_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_rope_triton, then store_kvcache of its k and of v, in one launch."""
+    num_tokens, num_k_heads, head_dim = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1:
+        raise ValueError(f"norm_rope_store_kvcache: v {tuple(v.shape)} {v.dtype} must match k "
+                         f"{tuple(k.shape)} {k.dtype}, with a contiguous head_dim axis")
+    if (k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (num_k_heads, head_dim)
+            or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(-1) != 1):
+        raise ValueError(f"norm_rope_store_kvcache: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must be [num_blocks, block_size, {num_k_heads}, "
+                         f"{head_dim}] with equal strides and a contiguous head_dim axis")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"norm_rope_store_kvcache: slot_mapping {tuple(slot_mapping.shape)} "
+                         f"must hold one slot per token ({num_tokens})")
+    store = KVStore(v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return _norm_rope(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, store)
+
+
+def _norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    store: KVStore | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
@@ -195,16 +310,27 @@ def norm_rope_triton(
     if num_tokens == 0:
         return q_out, k_out
     has_norm = q_norm_weight is not None
+    if store is None:  # the store's pointers and strides are not read (STORE_KV=False)
+        v, k_cache, v_cache, slots, k_scale, v_scale = k, k_out, k_out, positions, 1.0, 1.0
+        cache_strides, page = (0, 0, 0), 1
+    else:
+        v, k_cache, v_cache = store.v, store.k_cache, store.v_cache
+        slots, k_scale, v_scale = store.slot_mapping, store.k_scale, store.v_scale
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        page = k_cache.shape[1]
     _norm_rope_kernel[(num_tokens,)](
         q, k, positions, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
-        q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        num_q_heads, num_k_heads, eps,
+        q_out, k_out, v, k_cache, v_cache, slots, k_scale, v_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *cache_strides, num_q_heads, num_k_heads, eps,
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HAS_NORM=has_norm,
+        STORE_KV=store is not None,
+        PAGE=page,
         **pdl_args(q),
         num_warps=4,
     )  # fmt: skip

@@ -8,6 +8,10 @@ flat and stored to its slot:
 slot -1 marks a padding token (CUDA-graph batches are padded up to a captured size): that
 program writes nothing. The slot is read on the device, so the launch needs no host sync.
 An fp8 cache stores key / k_scale and value / v_scale, rounded to fp8 (fp8_kv.quantize_kv).
+
+Where RoPE runs right before it (every model here, on a GPU with a cache: layers/fused.py),
+the rotary kernel does this store itself (layer_ops_triton.norm_rope_store_kvcache_triton)
+and this kernel is not launched.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 The layer owns no weights; it routes q/k/v to the right kernel using the per-step context:
 
     new tokens' k, v --store_kvcache--> k_cache/v_cache[block, offset]   (slot_mapping)
+      (on a GPU the RoPE kernel stores them as it rotates k: layers/fused.py)
 
     prefill, no cached prefix   flash_attention_varlen(q, k, v, cu_seqlens ...)   K/V from k, v
     prefill, cached prefix      flash_attention_varlen(..., block_tables, caches) K/V from cache
@@ -27,7 +28,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from myvllm.kernels import flash_attention_varlen, paged_attention_decode, store_kvcache
+from myvllm.kernels import (flash_attention_varlen, paged_attention_decode, store_kvcache,
+                            use_triton)
+from myvllm.layers.fused import RotaryInput, rotate_and_store
 from myvllm.utils.context import get_context
 
 
@@ -50,18 +53,25 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq*D] or [N, Hq, D]; k, v [N, Hkv*D] or [N, Hkv, D] -> o [N, Hq*D]."""
+    def forward(self, q: torch.Tensor | RotaryInput, k: torch.Tensor | RotaryInput,
+                v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq*D] or [N, Hq, D]; k, v [N, Hkv*D] or [N, Hkv, D] -> o [N, Hq*D]. q and k
+        come as RotaryInputs where RoPE left its work to this layer's store (layers/fused.py)."""
         context = get_context()
-        n = q.shape[0]
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        n = v.shape[0]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.k_cache, self.v_cache
         has_cache = k_cache.numel() > 0
-        if has_cache and context.slot_mapping is not None:
-            store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, self.k_scale,
-                          self.v_scale)
+        if isinstance(q, RotaryInput) or isinstance(k, RotaryInput):  # see Attention.fuses
+            # RoPE and the store below in one kernel -> q, k [N, H, D], the cache written.
+            q, k = rotate_and_store(q, k, v, k_cache, v_cache, context.slot_mapping, self.k_scale,
+                                    self.v_scale)  # fmt: skip
+        else:
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            if has_cache and context.slot_mapping is not None:
+                store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, self.k_scale,
+                              self.v_scale)
 
         if context.is_prefill:
             if context.cu_seqlens_q is None or context.cu_seqlens_k is None:
@@ -106,6 +116,12 @@ class Attention(nn.Module):
                 self.k_scale, self.v_scale,
             )
         return o.reshape(n, self.num_heads * self.head_dim)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether RoPE, for input x, can leave its work to this layer's store, whose kernel
+        then rotates q and k too (layers/fused.py): a Triton store with a cache to write."""
+        has_slots = get_context().slot_mapping is not None
+        return use_triton(x) and self.k_cache.numel() > 0 and has_slots
 
     def extra_repr(self) -> str:
         return (

@@ -18,6 +18,7 @@ reads all of that input anyway, so on a GPU that kernel applies the op as it loa
     post_attention_layernorm   gate_up_proj   kernels.rms_norm_skinny_gemm      skinny_gemm (a
     act_fn (SiLU and mul)      down_proj      kernels.silu_and_mul_skinny_gemm  GPU, 1-4 rows)
     q_norm, k_norm             rotary_emb     kernels.norm_rope (q and k)       on a GPU
+    rotary_emb (+ the norms)   attn's store   kernels.norm_rope_store_kvcache   a GPU, a cache
 
 How, in three steps:
 
@@ -28,7 +29,13 @@ How, in three steps:
    left to do, its input and its weights: a NormedInput (RMSNorm) or a GatedInput
    (SiluAndMul). Otherwise it computes its output as usual.
 3. The next layer, handed one of those, runs its fused kernel (LinearBase.forward,
-   RowParallelLinear.forward, RotaryEmbedding.forward).
+   RowParallelLinear.forward, RotaryEmbedding.forward, Attention.forward).
+
+RoPE defers too, to the attention layer, whose first act is to store k and v in the paged
+cache: rotary_emb returns two RotaryInputs (q and k still to normalise and rotate), and
+Attention.forward runs norm_rope_store_kvcache, which rotates them and writes the rotated k
+and v at the step's slots in the same launch, instead of its own store_kvcache. It defers only
+where there is a cache to write (not in a warm-up forward before the cache is sized).
 
 An RMSNorm with a residual also returns the new residual stream, x + residual. When it defers,
 that tensor is allocated here, empty, and the fused kernel writes it; nothing reads it before:
@@ -48,7 +55,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from myvllm.kernels import rms_norm_skinny_gemm, silu_and_mul_skinny_gemm
+from myvllm.kernels import (norm_rope_store_kvcache, rms_norm_skinny_gemm,
+                            silu_and_mul_skinny_gemm)
 
 # (op, next layer), as module names under the module that holds both.
 FUSED_PAIRS: tuple[tuple[str, str], ...] = (
@@ -57,6 +65,7 @@ FUSED_PAIRS: tuple[tuple[str, str], ...] = (
     ("act_fn", "down_proj"),                       # in a GatedMLP
     ("q_norm", "rotary_emb"),                      # in Qwen3's attention
     ("k_norm", "rotary_emb"),
+    ("rotary_emb", "attn"),                        # in every model's attention
 )
 
 
@@ -95,6 +104,35 @@ class GatedInput(DeferredInput):
 
     def matmul(self, weight: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_skinny_gemm(self.gate_up, weight)
+
+
+@dataclass(eq=False)
+class RotaryInput:
+    """RoPE of x [N, H, D] at positions (after a per-head RMSNorm with norm_weight and eps when
+    norm_weight is given), not computed yet: the attention layer's store does it."""
+
+    x: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    norm_weight: torch.Tensor | None
+    eps: float
+
+
+def rotate_and_store(
+    q: torch.Tensor | RotaryInput, k: torch.Tensor | RotaryInput, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor | None,
+    k_scale: float, v_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k (RotaryInputs) rotated, [N, H, D] each, and k and v [N, Hkv, D] written into
+    the caches at slot_mapping as store_kvcache writes them, in one kernel."""
+    if not (isinstance(q, RotaryInput) and isinstance(k, RotaryInput)):
+        raise TypeError("rotate_and_store: RoPE leaves q and k to the attention layer together")
+    if slot_mapping is None or k_cache.numel() == 0:
+        raise RuntimeError("rotate_and_store: RoPE was left to the KV store, but this step has "
+                           "no cache or no slot_mapping to write to")
+    return norm_rope_store_kvcache(q.x, k.x, v, q.positions, q.cos_sin_cache, k_cache, v_cache,
+                                   slot_mapping, q.norm_weight, k.norm_weight, q.eps, k_scale,
+                                   v_scale)  # fmt: skip
 
 
 def defer_rms_norm(

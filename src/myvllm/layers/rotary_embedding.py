@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from myvllm.kernels import norm_rope, use_triton
-from myvllm.layers.fused import NormedInput
+from myvllm.layers.fused import NormedInput, RotaryInput
 from myvllm.layers.rope_scaling import inverse_frequencies
 
 class RotaryEmbedding(nn.Module):
@@ -39,6 +39,9 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         # Not persistent: it is derived from the config, not a checkpoint tensor.
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+        # Set by layers/fused.py: whether, for input x, the attention layer after this one
+        # rotates q and k in the kernel that stores k and v.
+        self.next_layer_fuses: Callable[[torch.Tensor], bool] | None = None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any,
                **kwargs: Any) -> RotaryEmbedding:
@@ -52,11 +55,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor | NormedInput, k: torch.Tensor | NormedInput
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[RotaryInput, RotaryInput]:
         """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes.
 
         q and k come as NormedInputs when q_norm and k_norm left their work to this kernel
-        (layers/fused.py): it normalises each head, then rotates it.
+        (layers/fused.py): it normalises each head, then rotates it. Where the attention layer
+        after it rotates them as it stores k and v, it returns two RotaryInputs instead.
         """
         q_weight = k_weight = None
         eps = 0.0
@@ -67,6 +71,11 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("RotaryEmbedding: q_norm and k_norm are fused into it together, "
                              "with one eps")  # fmt: skip
         n = positions.shape[0]
+        if self.next_layer_fuses is not None and self.next_layer_fuses(q):
+            return (RotaryInput(q.view(n, -1, self.head_dim), positions, self.cos_sin_cache,
+                                q_weight, eps),
+                    RotaryInput(k.view(n, -1, self.head_dim), positions, self.cos_sin_cache,
+                                k_weight, eps))  # fmt: skip
         q_out, k_out = norm_rope(q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim),
                                  positions, self.cos_sin_cache, q_weight, k_weight, eps)
         return q_out.view(q.shape), k_out.view(k.shape)
