@@ -51,6 +51,14 @@ def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
                              f"vocabulary [0, {vocab_size}).")
 
 
+def check_request(token_ids: Any, params: Any, vocab_size: int) -> list[int]:
+    """A prompt of token ids and its SamplingParams checked: the prompt as a list of ints."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    check_sampling_token_ids(params, vocab_size)
+    return check_token_ids(token_ids, vocab_size)
+
+
 def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
     """Raise ValueError if seq could never run on this scheduler: not a new request, another
     block size, an empty prompt, no room for one completion token, more blocks than the whole

@@ -124,3 +124,16 @@ def resolve_engine(config: Config) -> ResolvedEngine:
         logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
     return ResolvedEngine(config, model_path, hf_config, tokenizer,
                           fit_length_to_cache=user_max_len is None)
+
+
+def fit_max_model_length(config: Config, num_blocks: int, fit_length_to_cache: bool) -> int:
+    """config.max_model_length, lowered to what num_blocks of KV cache hold when it is the
+    checkpoint's (fit_length_to_cache): one sequence could never grow longer here. A length
+    the caller chose stays (a request that can never fit is refused when it is added)."""
+    assert config.max_model_length is not None, "resolve max_model_length first"
+    capacity = num_blocks * config.block_size
+    if not fit_length_to_cache or config.max_model_length <= capacity:
+        return config.max_model_length
+    logger.info(f"max_model_length {config.max_model_length} -> {capacity}: what the KV cache "
+                f"holds ({num_blocks} blocks of {config.block_size} tokens)")
+    return capacity
