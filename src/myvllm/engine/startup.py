@@ -91,6 +91,14 @@ def to_config(model: Config | str | None, **kwargs: Any) -> Config:
     return Config.from_dict({"model": model, **kwargs})
 
 
+def check_in_process(config: Config) -> None:
+    """LLM runs one engine in the caller's process: no data-parallel replicas."""
+    if config.data_parallel_size != 1:
+        raise ValueError(f"LLM runs one engine in this process; data_parallel_size="
+                         f"{config.data_parallel_size} is for `myvllm serve` (one LLM per "
+                         "GPU, each in its own process, is the offline equivalent)")
+
+
 def resolve_engine(config: Config) -> ResolvedEngine:
     # Dummy weights need only config.json (and a tokenizer, when there is one).
     model_path = resolve_model_path(config.model, weights=config.load_format != "dummy")
