@@ -33,11 +33,8 @@ class StepInputs:
 
 @dataclass
 class SamplingArgs:
-    """Per-row sampling settings on the device, plus what the host knows about them.
-
-    The host flags save the Sampler a device sync (all_greedy: the whole batch is one
-    argmax) and the sort that top-k/top-p need (None when no row uses them).
-    """
+    """Per-row sampling settings on the device. What the host knows saves the Sampler a
+    device sync (all_greedy: one argmax) and top-k/top-p's sort (None when no row uses it)."""
 
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     top_ks: torch.Tensor | None  # [B] int64, <= 0 = off; None when no row filters

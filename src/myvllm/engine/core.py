@@ -38,18 +38,15 @@ class _QueuedStep:
     seqs: list[Sequence]
     num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
     sampled: SampledTokens  # rank 0's run() result
-    # Which of seqs get their token (chunked prefill: not those whose prompt goes on).
-    samples: list[bool]
-    # A row that got its token has a grammar: its next bitmask needs that token on the host.
-    constrained: bool = False
+    samples: list[bool]  # which of seqs get their token (not a chunk short of its prompt's end)
+    constrained: bool = False  # the next step must wait for these tokens on the host
 
 
 class EngineCore:
     def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
                  fit_length_to_cache: bool = False) -> None:
         """config as the client resolved it (eos and max_model_length known); model_path a
-        local checkpoint. The KV cache is sized here. fit_length_to_cache: max_model_length
-        is the checkpoint's, not the user's, and may be shortened to what the cache holds."""
+        local checkpoint. fit_length_to_cache: see startup.fit_max_model_length."""
         with gguf_parsed_once():  # config and weights share one parse of a GGUF
             if hf_config is None:
                 hf_config = load_hf_config(model_path)
@@ -68,13 +65,12 @@ class EngineCore:
                                           max_model_length=max_len)
         self.max_model_length: int = max_len
         self.scheduler = Scheduler(self.config)
-        # Grammars of SamplingParams.structured_outputs (the tokenizer is read at the first).
         self.structured_outputs = StructuredOutputManager(
             model_path, hf_config.vocab_size, sorted(self.scheduler.eos_token_ids))
         self.async_scheduling = bool(config.async_scheduling)
         self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
-        # The requests added and not yet finished or aborted, by request id (= the first
-        # completion's seq_id): each request's sequences, one per completion (SamplingParams.n).
+        # Requests not yet finished or aborted, by request id (its first completion's seq_id):
+        # its sequences, one per completion (SamplingParams.n).
         self._requests: dict[int, list[Sequence]] = {}
 
     @property
@@ -97,18 +93,17 @@ class EngineCore:
         return seq
 
     def add_sequence(self, seq: Sequence) -> int:
-        """Queue a sequence made by make_sequence (and its other completions, n > 1: the
-        scheduler makes them); returns its request id."""
+        """Queue a sequence made by make_sequence (and its other completions, n > 1);
+        returns its request id."""
         self.scheduler.add_sequence(seq)
         self._requests[seq.seq_id] = [seq, *seq.forks]
         return seq.seq_id
 
     def add_request(self, token_ids: Any, sampling_params: SamplingParams, *,
                     streamed: bool = True) -> int:
-        """Queue one prompt of token ids; returns its request id. Bad input raises here,
-        before anything is queued. streamed=False: nobody reads its tokens before it
-        finishes (a server's non-streaming request), so the steps it decodes in need not
-        stay short (see Config.max_prefill_tokens_while_decoding)."""
+        """Queue one prompt of token ids; returns its request id. streamed=False: nobody
+        reads its tokens before it finishes, so the steps it decodes in need not stay short
+        (Config.max_prefill_tokens_while_decoding)."""
         self.executor.check_alive()
         seq = self.make_sequence(token_ids, sampling_params)
         seq.streamed = streamed
@@ -116,8 +111,8 @@ class EngineCore:
 
     def abort(self, request_id: int, index: int | None = None) -> None:
         """Drop a request wherever it is and free its blocks now; unknown or finished ids
-        are ignored (a request may finish while its client gives up on it). index: only that
-        completion of it (n > 1; a stop string ended it), the others go on."""
+        are ignored (it may finish while its client gives up on it). index: only that
+        completion of it (n > 1; a stop string ended it)."""
         seqs = self._requests.get(request_id)
         if seqs is None:
             return
@@ -149,16 +144,14 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[RequestOutput], int]:
-        """One scheduler step, reported per request: every request that received tokens or
-        finished in it, and the signed count of tokens computed: positive for a step that
-        computes prompt tokens (decode rows beside them count too), negative for a pure
-        decode step (one per sequence); never above max_num_batched_tokens.
+        """One scheduler step: a RequestOutput per request that received tokens or finished
+        in it, and the signed count of tokens computed: positive for a step that computes
+        prompt tokens, negative for a pure decode step (one per sequence).
 
         With async_scheduling both describe the step queued by the previous call: this call
         queues step N+1 before it waits for step N's tokens (the guide's Step 6, "Async
-        scheduling", draws the timeline). A row with a grammar needs its token on the host
-        before its next bitmask, and a row that verified proposals or will look up the next
-        ones its accepted tokens: then step N is read back before N+1 is planned.
+        scheduling"), unless step N must be on the host first (a grammar's next bitmask,
+        speculation's accepted tokens).
         """
         self.executor.check_alive()
         waited = None
@@ -176,7 +169,7 @@ class EngineCore:
             except BaseException:
                 self._undo_step(seqs)
                 raise
-            constrained = False  # a row with a grammar sampled: the next step waits for it
+            constrained = False
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
                     seq.add_pending_token()
@@ -208,7 +201,7 @@ class EngineCore:
 
     def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
         """Wait for a queued step's tokens and hand them to the scheduler."""
-        with self.executor.watching_workers("run"):  # under NCCL, rank 0 waits for its peers
+        with self.executor.watching_workers("run"):  # it may wait for a peer: a death raises
             token_ids = step.sampled.token_ids()
         logprobs = read_step_logprobs(step.seqs, step.sampled.logprobs)  # came with the tokens
         sampling = [i for i, sample in enumerate(step.samples) if sample]

@@ -45,9 +45,8 @@ class InputBuilder:
 
     def pad_steps(self, chunk_tiles: tuple[int, int] | None,
                   max_chunk_tokens: int = MAX_CHUNK_GRAPH_TOKENS) -> PaddedSteps:
-        """From now on pad decode steps to graph batch sizes and (with chunk_tiles, the
-        prefill kernel's query and key tile) chunked steps of up to max_chunk_tokens to graph
-        token counts, on fixed buffers (the ModelRunner on a GPU; tests on a CPU)."""
+        """From now on pad decode steps, and (with chunk_tiles, the prefill kernel's query and
+        key tile) chunked steps of up to max_chunk_tokens, to graph sizes on fixed buffers."""
         config = self.config
         self.padded = PaddedSteps(config.max_num_sequences, self.max_blocks_per_seq,
                                   min(max_chunk_tokens, config.max_num_batched_tokens),
@@ -89,8 +88,7 @@ class InputBuilder:
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             if not seq.block_table:  # the warm-up's made-up sequences: no cache to write to
                 continue
-            # Slots block by block (one range per block, not one Python step per token: a
-            # chunk can be 16k tokens long).
+            # One range per block, not one Python step per token: a chunk can be 16k long.
             pos = start
             while pos < end:
                 offset = pos % self.block_size

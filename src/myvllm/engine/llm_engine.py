@@ -59,8 +59,8 @@ class LLMEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        """Why this engine can run no more steps (under tensor parallelism: a worker died, a
-        step failed, or exit() was called), or None."""
+        """Why this engine can run no more steps (tensor parallelism: a worker died, a step
+        failed, or exit() was called), or None."""
         return self.engine_core.dead_reason
 
     def check_alive(self) -> None:
@@ -132,7 +132,6 @@ class LLMEngine:
             # Its outputs come back together at the end: no step's length is seen on its own,
             # only the total, so prompts need not wait beside its decoding sequences.
             seq.streamed = False
-        for seq in seqs:
             self._add_sequence(seq)
 
         outputs: dict[int, dict[str, Any]] = {}

@@ -6,7 +6,7 @@
                     (prompt_logprobs), which the sampling LM head skips
       -> gather_logprobs (layers/logprobs.py) -> StepLogprobs, copied to the host with the
          step's tokens (SampledTokens)
-    EngineCore._read_back
+    EngineCore._read_back, request_outputs
       -> per request: LogprobsLists in its RequestOutput (and CoreOutput, over the socket)
 
 Row r of a prefill chunk holds the logits after token r, which predict token r + 1: a chunk

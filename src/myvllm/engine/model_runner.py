@@ -1,13 +1,9 @@
 """Step 4: the ModelRunner runs one step of the model: a batch in, one token per sequence out.
 
-One ModelRunner lives in every tensor-parallel rank. Rank 0 (the Executor's, beside the
-EngineCore) also samples; ranks 1..N-1 (engine/tp_workers.py) only compute their shard of
-every layer. One step, run(seqs, is_prefill): the InputBuilder's tensors, the model, the LM
-head, the Sampler; the tokens land in the sampled-token pool (engine/token_pool.py) and are
-copied back as SampledTokens. What the rows' features do with the logits (sampling controls,
-grammars, logprobs) is one object, LogitsFeatures; speculative verification is
-engine/spec_decode/. On a GPU both kinds of step are padded onto fixed buffers and replayed
-from a CUDA graph where one fits: graphs appear here only in run_graph_or_eager.
+One lives in every tensor-parallel rank; rank 0 (beside the EngineCore) also samples. One
+step, run(seqs, is_prefill): the InputBuilder's tensors, the model, the LM head, the Sampler,
+the tokens into the sampled-token pool and back as SampledTokens. On a GPU a step is padded
+and replayed from a CUDA graph where one fits: graphs appear here only in run_graph_or_eager.
 """
 
 from __future__ import annotations
@@ -39,8 +35,8 @@ from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models.config import get_head_dim
 from myvllm.utils.context import forward_context
-from myvllm.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from myvllm.utils.distributed import get_tp_size, local_device_index
+from myvllm.utils.device import rank_device, resolve_dtype, resolve_kv_cache_dtype
+from myvllm.utils.distributed import get_tp_size
 from myvllm.utils.hf_config import load_hf_config
 
 logger = logging.getLogger("myvllm")
@@ -51,24 +47,19 @@ class ModelRunner:
                  hf_config: Any | None = None) -> None:
         self.config = config
         self.rank = rank
-        self.device = resolve_device(config)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", local_device_index(rank))  # LOCAL_RANK: torchrun
-            torch.cuda.set_device(self.device)
+        self.device = rank_device(config, rank)
         self.dtype = resolve_dtype(config, self.device)
-        # Before the model is built and warmed up: the kernels read it at every call, and the
-        # CUDA graphs captured below bake in what they read (kernels/batch_invariant.py).
+        # Before the model is built: the CUDA graphs captured below bake in what kernels read.
         set_batch_invariant(config.batch_invariant)
         # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
         self.inputs = InputBuilder(config, self.device, rank)
         self.graphs = GraphCache()
-        # With one GPU a decode graph runs the whole step: model, LM head and the sampling
-        # kernels. With tensor parallelism the LM head gathers the logits to rank 0 over
-        # NCCL, and that gather stays outside the graph.
+        # With one GPU a decode graph runs the whole step, sampling included; with tensor
+        # parallelism the LM head's gather to rank 0 (NCCL) stays outside the graph.
         self.sample_in_graph = get_tp_size() == 1
-        # Async scheduling under tensor parallelism: the ranks that do not sample read the
-        # next step's pending tokens from their own pool, so rank 0 shares its (see run).
+        # Async scheduling under tensor parallelism: every rank reads pending tokens from its
+        # own pool, so rank 0 shares its sampled tokens (see run).
         self.broadcast_sampled = get_tp_size() > 1 and bool(config.async_scheduling)
 
         # Rank 0 gets the config the engine already parsed (a GGUF parse takes seconds).
@@ -87,9 +78,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
-        """Warm up, size and allocate the KV cache, capture graphs; returns the block count.
-        What only a GPU does here is in engine/warmup.py. Collective under tensor
-        parallelism: every rank calls it."""
+        """Warm up (GPU: engine/warmup.py), size and allocate the KV cache, capture graphs;
+        returns the block count. Collective under tensor parallelism."""
         start = time.perf_counter()
         on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
         if on_gpu:
@@ -112,15 +102,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
                         verification: VerificationRows | None = None) -> torch.Tensor | None:
-        """The model and LM head over each sequence's scheduled chunk -> the logits of each
-        sequence's last token computed, on rank 0 (None elsewhere); with verification rows,
-        those of verification.logit_rows. features gets the prompt rows' logprobs."""
+        """The model and LM head over each sequence's chunk -> on rank 0 the logits of each
+        one's last token (verification rows: of verification.logit_rows), else None."""
         step = self.inputs.prepare_prefill(seqs)
         key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
         with forward_context(step.context):
             hidden = self.run_graph_or_eager(key, step, self.body_forward)
-            # The LM head reads the last row of each sequence (context.cu_seqlens_q): padding
-            # rows are never read.
+            # The LM head reads each sequence's last row (context.cu_seqlens_q), never padding.
             logits = self.model.compute_logits(hidden) if verification is None else None
         if verification is not None:
             # Outside the context the LM head keeps every row it is given (collective under
@@ -141,15 +129,14 @@ class ModelRunner:
         return forward(step)
 
     def body_forward(self, step: StepInputs) -> torch.Tensor:
-        """The model's body on one step (what a chunk graph captures)."""
+        """The model's body (what a chunk graph captures)."""
         return self.model(step.input_ids, step.positions)
 
     def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
                        ) -> torch.Tensor:
         """One decode step (what a decode graph captures): the hidden states of all (padded)
-        rows. With `sample`, the LM head and the temperature-only sampler too (on a GPU two
-        Triton kernels), into the pool. Graphs are captured with all_greedy=False, which
-        serves greedy batches alike."""
+        rows; with `sample`, the LM head and the temperature-only sampler into the pool too
+        (a graph, captured with all_greedy=False, serves greedy batches alike)."""
         hidden = self.model(step.input_ids, step.positions)
         if sample:
             assert step.sampled is not None and step.temperatures is not None
@@ -164,8 +151,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
         """Queue one step that computes a token for every sequence; rank 0 returns them as
-        SampledTokens (token_ids() waits for them), other ranks None. Nothing here waits for
-        the device (NCCL collectives are queued on the stream like any kernel)."""
+        SampledTokens, other ranks None. Nothing here waits for the device."""
         # Again at every step: a second engine in this process may have set its own mode.
         set_batch_invariant(self.config.batch_invariant)
         to_device = self.inputs.fresh.tensor
@@ -209,10 +195,8 @@ class ModelRunner:
         return sampled
 
     def run_decode(self, seqs: list[Sequence], verifies: bool = False) -> torch.Tensor | None:
-        """A decode step; returns the logits when the Sampler must still run on them, None
-        when the step sampled into the pool itself (one GPU, temperature-only rows).
-        verifies: the step's verification rows run as decode rows (verify reads the logits
-        of every row)."""
+        """A decode step -> its logits, or None when it sampled into the pool itself.
+        verifies: the step's verification rows run as decode rows."""
         step = (verification_decode_step(self.inputs, seqs) if verifies
                 else self.inputs.prepare_decode(seqs))
         full_sampler = verifies or not self.sample_in_graph or needs_full_sampler(seqs)
@@ -225,8 +209,7 @@ class ModelRunner:
                 key, step, lambda step: self.decode_forward(step, sample, all_greedy))
             if not full_sampler:
                 return None
-            # On every rank: with tensor parallelism the LM head is collective. All rows, as
-            # in decode_forward, so that both paths compute the same.
+            # On every rank (the LM head is collective); all rows, as in decode_forward.
             return self.model.compute_logits(hidden)
 
     def release_cuda_graphs(self) -> None:
