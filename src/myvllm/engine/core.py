@@ -145,8 +145,9 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[RequestOutput], int]:
         """One scheduler step: a RequestOutput per request that received tokens or finished
-        in it, and the signed count of tokens computed: positive for a step that computes
-        prompt tokens, negative for a pure decode step (one per sequence).
+        in it, and the signed count of tokens computed (never above max_num_batched_tokens):
+        positive for a step that computes prompt tokens (decode rows beside them count too),
+        negative for a pure decode step (one per sequence).
 
         With async_scheduling both describe the step queued by the previous call: this call
         queues step N+1 before it waits for step N's tokens (the guide's Step 6, "Async
