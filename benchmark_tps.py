@@ -603,7 +603,7 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
     """
     import myvllm.engine.model_runner as runner_module
     from benchmarks.roofline import ModelShape, measure_ceilings, step_work, summarize
-    from myvllm.engine.model_runner import SampledTokens
+    from myvllm.engine.token_pool import SampledTokens
     from myvllm.engine.sampling import samples_this_step
 
     runner, scheduler = llm.model_runner, llm.scheduler

@@ -53,13 +53,13 @@ import zmq
 import zmq.asyncio
 
 from myvllm.config import Config
-from myvllm.engine.core import check_sampling_token_ids, check_token_ids
 from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreMessage, CoreOutput, CoreOutputs, Heartbeat,
                                          LogprobsLists, Shutdown, SpecDecodeCounts)
 from myvllm.engine.core_process import run_engine_core
 from myvllm.engine.detokenizer import IncrementalDetokenizer
 from myvllm.engine.errors import EngineDeadError
+from myvllm.engine.request_checks import check_sampling_token_ids, check_token_ids
 from myvllm.engine.startup import ResolvedEngine, resolve_engine
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.hf_config import gguf_parsed_once

@@ -33,11 +33,8 @@ class StepInputs:
 
 @dataclass
 class SamplingArgs:
-    """Per-row sampling settings on the device, plus what the host knows about them.
-
-    The host flags save the Sampler a device sync (all_greedy: the whole batch is one
-    argmax) and the sort that top-k/top-p need (None when no row uses them).
-    """
+    """Per-row sampling settings on the device. What the host knows saves the Sampler a
+    device sync (all_greedy: one argmax) and top-k/top-p's sort (None when no row uses it)."""
 
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     top_ks: torch.Tensor | None  # [B] int64, <= 0 = off; None when no row filters
@@ -45,9 +42,6 @@ class SamplingArgs:
     generators: list[torch.Generator | None] | None  # per-row seeded generators, or None
     min_ps: torch.Tensor | None  # [B] float32, 0 = off; None when no row uses min-p
     all_greedy: bool
-    # [B, ceil(V / 32)] int32, bit t of row i: token t may be sampled (structured outputs,
-    # engine/structured_output.py); None when no row has a grammar.
-    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -58,16 +52,13 @@ class RequestOutput:
     new_token_ids: list[int]  # completion tokens that reached the host in this step
     token_ids: list[int]  # the whole completion so far
     finished: bool
-    finish_reason: FinishReason | None  # "stop" (eos), "length" (max_tokens or
-    #                                     max_model_length), "abort"; None while running
+    finish_reason: FinishReason | None  # "stop", "length", "abort"; None while running
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
-    # SamplingParams.logprobs: one entry per new token; None when not asked.
+    # Asked for in SamplingParams, else None: one entry per new token; prompt tokens 1, 2, ...
+    # (in the first output of each completion only).
     logprobs: LogprobsLists | None = None
-    # SamplingParams.prompt_logprobs: prompt tokens 1, 2, ... (the first has none), in the
-    # first output of each completion only; None otherwise.
     prompt_logprobs: LogprobsLists | None = None
-    # SamplingParams.n > 1: which completion these tokens are of (finished: that one), and
-    # whether all of them have finished. One completion: 0, and the same as finished.
+    # n > 1: which completion these tokens are of, and whether all n have finished.
     index: int = 0
     request_finished: bool = False

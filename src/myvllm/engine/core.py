@@ -1,45 +1,34 @@
 """Step 6, the inner loop: the EngineCore turns token ids into token ids, one step at a time.
 
-    core = EngineCore(config, model_path)        resolved settings (eos, max_model_length)
-    request_id = core.add_request(token_ids, SamplingParams(...))
-    while core.has_unfinished_requests():
-        outputs, num_tokens = core.step()        every request that got tokens, and how many
-                                                 tokens the step computed
-
 It owns the Scheduler and the Executor (the model runner and any tensor-parallel workers) and
-nothing else: no tokenizer, no text, no HTTP. Two clients drive it: LLMEngine (llm_engine.py)
-in this process, and AsyncLLM (async_llm.py), which runs it in a process of its own
-(core_process.py). One step:
+nothing else: no tokenizer, no text. Its clients are LLMEngine (llm_engine.py), in this
+process, and AsyncLLM (async_llm.py), which runs it in a process of its own. One step:
 
     seqs, is_prefill = scheduler.schedule()
     sampled = executor.call("run", seqs, is_prefill)     (and every TP worker)
-    scheduler.postprocess(seqs, sampled.token_ids())
-
-With async_scheduling the last line runs one step later (see step()). The executor is
-created before the Scheduler because only the runner can tell how many KV-cache blocks fit.
+    scheduler.postprocess(seqs, sampled.token_ids())     (async_scheduling: one step later)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.executor import Executor
-from myvllm.engine.logprobs import read_step_logprobs, take_prompt_logprobs
-from myvllm.engine.model_runner import SampledTokens
-from myvllm.engine.request_checks import check_sampling_token_ids, check_token_ids
+from myvllm.engine.logprobs import read_step_logprobs
+from myvllm.engine.request_checks import check_request
+from myvllm.engine.request_outputs import request_outputs
 from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.startup import fit_max_model_length
 from myvllm.engine.structured_output import StructuredOutputManager
+from myvllm.engine.token_pool import SampledTokens
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
-
-logger = logging.getLogger("myvllm")
 
 
 @dataclasses.dataclass
@@ -49,18 +38,15 @@ class _QueuedStep:
     seqs: list[Sequence]
     num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
     sampled: SampledTokens  # rank 0's run() result
-    # Which of seqs get their token (chunked prefill: not those whose prompt goes on).
-    samples: list[bool]
-    # A row that got its token has a grammar: its next bitmask needs that token on the host.
-    constrained: bool = False
+    samples: list[bool]  # which of seqs get their token (not a chunk short of its prompt's end)
+    constrained: bool = False  # the next step must wait for these tokens on the host
 
 
 class EngineCore:
     def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
                  fit_length_to_cache: bool = False) -> None:
         """config as the client resolved it (eos and max_model_length known); model_path a
-        local checkpoint. The KV cache is sized here. fit_length_to_cache: max_model_length
-        is the checkpoint's, not the user's, and may be shortened to what the cache holds."""
+        local checkpoint. fit_length_to_cache: see startup.fit_max_model_length."""
         with gguf_parsed_once():  # config and weights share one parse of a GGUF
             if hf_config is None:
                 hf_config = load_hf_config(model_path)
@@ -72,28 +58,19 @@ class EngineCore:
         except BaseException:
             self.executor.stop_workers_now()
             raise
-        assert config.max_model_length is not None, "resolve max_model_length first"
-        max_len = config.max_model_length
-        capacity = num_blocks * config.block_size
-        if fit_length_to_cache and max_len > capacity:
-            # The checkpoint's length, but one sequence could never grow so long here. (A
-            # length the caller chose stays: add_request refuses what can never fit.)
-            logger.info(f"max_model_length {max_len} -> {capacity}: what the KV cache holds "
-                        f"({num_blocks} blocks of {config.block_size} tokens)")
-            max_len = capacity
+        max_len = fit_max_model_length(config, num_blocks, fit_length_to_cache)
         # The engine's settings, resolved: max_model_length and eos from the checkpoint,
         # num_kvcache_blocks from memory.
         self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks,
                                           max_model_length=max_len)
         self.max_model_length: int = max_len
         self.scheduler = Scheduler(self.config)
-        # Grammars of SamplingParams.structured_outputs (the tokenizer is read at the first).
         self.structured_outputs = StructuredOutputManager(
             model_path, hf_config.vocab_size, sorted(self.scheduler.eos_token_ids))
         self.async_scheduling = bool(config.async_scheduling)
         self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
-        # The requests added and not yet finished or aborted, by request id (= the first
-        # completion's seq_id): each request's sequences, one per completion (SamplingParams.n).
+        # Requests not yet finished or aborted, by request id (its first completion's seq_id):
+        # its sequences, one per completion (SamplingParams.n).
         self._requests: dict[int, list[Sequence]] = {}
 
     @property
@@ -108,32 +85,25 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def make_sequence(self, token_ids: Any, sampling_params: SamplingParams) -> Sequence:
         """A request checked and made a Sequence, not queued (bad input raises here)."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got "
-                            f"{type(sampling_params).__name__}")
-        check_sampling_token_ids(sampling_params, self.vocab_size)
-        seq = Sequence(check_token_ids(token_ids, self.vocab_size), self.config.block_size,
-                       sampling_params)
+        seq = Sequence(check_request(token_ids, sampling_params, self.vocab_size),
+                       self.config.block_size, sampling_params)
         # An empty or too long prompt, one that can never fit the KV cache: refused here.
         self.scheduler.check_sequence(seq)
-        if sampling_params.structured_outputs is not None:  # a bad schema raises here
-            seq.grammar_matcher = self.structured_outputs.matcher_for(
-                sampling_params.structured_outputs)
+        self.structured_outputs.add_matcher(seq)
         return seq
 
     def add_sequence(self, seq: Sequence) -> int:
-        """Queue a sequence made by make_sequence (and its other completions, n > 1: the
-        scheduler makes them); returns its request id."""
+        """Queue a sequence made by make_sequence (and its other completions, n > 1);
+        returns its request id."""
         self.scheduler.add_sequence(seq)
         self._requests[seq.seq_id] = [seq, *seq.forks]
         return seq.seq_id
 
     def add_request(self, token_ids: Any, sampling_params: SamplingParams, *,
                     streamed: bool = True) -> int:
-        """Queue one prompt of token ids; returns its request id. Bad input raises here,
-        before anything is queued. streamed=False: nobody reads its tokens before it
-        finishes (a server's non-streaming request), so the steps it decodes in need not
-        stay short (see Config.max_prefill_tokens_while_decoding)."""
+        """Queue one prompt of token ids; returns its request id. streamed=False: nobody
+        reads its tokens before it finishes, so the steps it decodes in need not stay short
+        (Config.max_prefill_tokens_while_decoding)."""
         self.executor.check_alive()
         seq = self.make_sequence(token_ids, sampling_params)
         seq.streamed = streamed
@@ -141,8 +111,8 @@ class EngineCore:
 
     def abort(self, request_id: int, index: int | None = None) -> None:
         """Drop a request wherever it is and free its blocks now; unknown or finished ids
-        are ignored (a request may finish while its client gives up on it). index: only that
-        completion of it (n > 1; a stop string ended it), the others go on."""
+        are ignored (it may finish while its client gives up on it). index: only that
+        completion of it (n > 1; a stop string ended it)."""
         seqs = self._requests.get(request_id)
         if seqs is None:
             return
@@ -157,8 +127,7 @@ class EngineCore:
 
     def drop_in_flight(self) -> None:
         """Forget a step in flight (after an error or Ctrl-C): its sequences forget their
-        pending token and the next step recomputes it (the device runs steps in order, so
-        nothing it still writes can land on a later step's data)."""
+        pending token, which the next step recomputes (the device runs steps in order)."""
         if self._in_flight is not None:
             for seq in self._in_flight.seqs:
                 seq.drop_pending_tokens()
@@ -175,24 +144,15 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[RequestOutput], int]:
-        """One scheduler step, reported per request: every request that received tokens or
-        finished in it, and the signed count of tokens computed: positive for a step that
-        computes prompt tokens (decode rows beside them count too), negative for a pure
-        decode step (one per sequence); never above max_num_batched_tokens.
+        """One scheduler step: a RequestOutput per request that received tokens or finished
+        in it, and the signed count of tokens computed (never above max_num_batched_tokens):
+        positive for a step that computes prompt tokens (decode rows beside them count too),
+        negative for a pure decode step (one per sequence).
 
         With async_scheduling both describe the step queued by the previous call: this call
-        queues the next step before it waits for the previous one's tokens, so the device
-        always has work (the guide's Step 6, "Async scheduling", draws the timeline):
-
-            host:    schedule N+1 | queue N+1 | wait N, postprocess N | schedule N+2 | ...
-            device:  ....... step N ........ | ........ step N+1 ......... | ...
-
-        Each sequence of step N counts its token as pending (Sequence.add_pending_token), and
-        one that ends on eos has one surplus step computed, whose token is dropped. A row with
-        a grammar (structured outputs) needs its token on the host before its next bitmask,
-        and a row that verified proposals or will look up the next ones (speculative
-        decoding) its accepted tokens: then step N is read back first and this call reports
-        it, N+1 staying in flight.
+        queues step N+1 before it waits for step N's tokens (the guide's Step 6, "Async
+        scheduling"), unless step N must be on the host first (a grammar's next bitmask,
+        speculation's accepted tokens).
         """
         self.executor.check_alive()
         waited = None
@@ -210,7 +170,7 @@ class EngineCore:
             except BaseException:
                 self._undo_step(seqs)
                 raise
-            constrained = False  # a row with a grammar sampled: the next step waits for it
+            constrained = False
             for seq, sample in zip(seqs, samples, strict=True):
                 if sample:
                     seq.add_pending_token()
@@ -229,12 +189,9 @@ class EngineCore:
 
     def _undo_step(self, seqs: list[Sequence]) -> None:
         """A step failed before it ran (Ctrl-C, out of memory): none of its K/V was written.
-        The blocks it was to fill were registered for prefix hits when it was scheduled, so
-        they are unregistered, and its sequences go back to waiting to be recomputed (one
-        admitted in this step may hold a hit on a block that another row of this step was to
-        write).
-
-        What was written before the step: every position below each sequence's chunk."""
+        The blocks it was to fill (registered for prefix hits when it was scheduled) are
+        unregistered, and its sequences go back to waiting, to be recomputed (one admitted in
+        this step may hold a hit on a block that another row of this step was to write)."""
         block_manager = self.scheduler.block_manager
         for seq in seqs:
             seq.num_computed_tokens -= seq.num_new_tokens
@@ -245,11 +202,9 @@ class EngineCore:
 
     def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
         """Wait for a queued step's tokens and hand them to the scheduler."""
-        with self.executor.watching_workers("run"):  # under NCCL, rank 0 waits for its peers
+        with self.executor.watching_workers("run"):  # it may wait for a peer: a death raises
             token_ids = step.sampled.token_ids()
-        # Only where some row asked; the copy arrived with the tokens.
-        logprobs = ({} if step.sampled.logprobs is None
-                    else read_step_logprobs(step.seqs, step.sampled.logprobs))
+        logprobs = read_step_logprobs(step.seqs, step.sampled.logprobs)  # came with the tokens
         sampling = [i for i, sample in enumerate(step.samples) if sample]
         seqs = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in seqs]
@@ -258,26 +213,8 @@ class EngineCore:
             by_row = step.sampled.verified.token_lists()
             verified = {j: by_row[i] for j, i in enumerate(sampling) if i in by_row}
         self.scheduler.postprocess(seqs, [token_ids[i] for i in sampling], verified)
-        outputs = []
-        for index, seq, num_known in zip(sampling, seqs, known, strict=True):
-            new_token_ids = seq.token_ids[num_known:]
-            if not new_token_ids:  # a surplus token of a sequence that had finished
-                continue
-            prompt_logprobs = take_prompt_logprobs(seq, self._requests.get(seq.request_id, []))
-            outputs.append(RequestOutput(
-                request_id=seq.request_id, new_token_ids=new_token_ids,
-                token_ids=seq.completion_token_ids, finished=seq.is_finished,
-                finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_prompt_tokens or 0,
-                logprobs=logprobs.get(index), prompt_logprobs=prompt_logprobs,
-                index=seq.index))
-        # A request ends with the last output of its last completion to finish.
-        for out in reversed(outputs):
-            completions = self._requests.get(out.request_id)
-            if (out.finished and completions is not None
-                    and all(s.is_finished for s in completions)):
-                del self._requests[out.request_id]
-                out.request_finished = True
+        outputs = request_outputs(seqs, known, [logprobs.get(i) for i in sampling],
+                                  self._requests)
         return outputs, step.num_tokens
 
     def kv_cache_usage(self) -> float:

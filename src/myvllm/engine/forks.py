@@ -19,7 +19,7 @@ from myvllm.engine.sequence import Sequence, SequenceStatus
 def make_forks(seq: Sequence) -> None:
     """Make seq's request's other completions, into seq.forks. Each has the same prompt and
     its own sampling stream (SamplingParams.for_completion); the prompt's logprobs, if
-    asked, are computed by seq alone and handed to them (EngineCore._read_back)."""
+    asked, are computed by seq alone and handed to them (take_prompt_logprobs)."""
     for index in range(1, seq.sampling_params.n):
         fork = Sequence(seq.prompt_token_ids, seq.block_size,
                         seq.sampling_params.for_completion(index))

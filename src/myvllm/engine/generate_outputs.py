@@ -1,4 +1,5 @@
-"""The dicts LLMEngine.step() and generate() return, built from the core's RequestOutputs.
+"""The dicts LLMEngine.step() and generate() return, built from the core's RequestOutputs, and
+generate()'s progress bar.
 
 A finished request's dict has seq_id, token_ids (completion only), finish_reason,
 num_cached_tokens, logprobs (one {token id: logprob} per completion token, the token's own and
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core_messages import LogprobsLists
@@ -88,6 +91,28 @@ class FinishedOutputs:
                 assert completions.first is not None  # all n have finished, 0 too
                 finished.append({**completions.first, "outputs": completions.outputs})
         return finished
+
+
+class GenerateProgress:
+    """generate()'s progress bar: prompts finished, and the last prefill and decode step's
+    tokens per second (a step's sign tells them apart)."""
+
+    def __init__(self, num_prompts: int, enabled: bool) -> None:
+        self.bar = tqdm(total=num_prompts, desc="Generating", dynamic_ncols=True,
+                        disable=not enabled)
+        self.prefill_tps = self.decode_tps = 0.0
+
+    def step(self, num_finished: int, num_tokens: int, elapsed: float) -> None:
+        if num_tokens > 0:
+            self.prefill_tps = num_tokens / elapsed
+        else:
+            self.decode_tps = -num_tokens / elapsed
+        self.bar.set_postfix(prefill=f"{self.prefill_tps:.0f}tok/s",
+                             decode=f"{self.decode_tps:.0f}tok/s")
+        self.bar.update(num_finished)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def generate_result(out: dict[str, Any], stop_token_ids: list[int] | None,

@@ -1,12 +1,9 @@
 """Step 4a: the InputBuilder turns a scheduled batch into the tensors of one forward pass.
 
-It computes each step's inputs on the host (token ids, positions, slots, block tables) and
-hands them to a staging object (engine/staging.py) that puts them on the device. On a CPU
-those are plain tensors. On a GPU a step that fits a CUDA graph is padded onto fixed
-buffers instead (engine/padded_steps.py, switched on by pad_steps), the same arrays with
-padding.
-
-A token's slot in the paged KV cache is block_id * block_size + offset:
+It computes each step's inputs on the host and stages them on the device (engine/staging.py;
+on a GPU a step that fits a CUDA graph is padded onto fixed buffers instead,
+engine/padded_steps.py). A token's slot in the paged KV cache is block_id * block_size +
+offset:
 
     block_table of a sequence = [7, 2, 9], block_size 4, 10 tokens
     token:   0  1  2  3 | 4  5  6  7 | 8  9
@@ -28,10 +25,8 @@ from myvllm.utils.device import resolve_device
 
 
 class InputBuilder:
-    """Builds StepInputs for prefill and decode steps.
-
-    Needs no model: the examples use it alone to show what a step's tensors look like.
-    """
+    """Builds StepInputs for prefill and decode steps (no model needed: the examples use it
+    alone to show a step's tensors)."""
 
     def __init__(self, config: Config, device: torch.device | None = None, rank: int = 0) -> None:
         self.config = config
@@ -43,16 +38,15 @@ class InputBuilder:
                              "None from the checkpoint)")
         self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
         self.fresh = FreshTensors(self.device)
-        # Where each step's sampled tokens land, and a pending token is read (token_pool.py).
+        # Where each step's sampled tokens land, and a pending token is read.
         self.pool = TokenPool(torch.zeros(config.max_num_sequences, dtype=torch.int64,
                                           device=self.device))
         self.padded: PaddedSteps | None = None  # pad_steps switches it on
 
     def pad_steps(self, chunk_tiles: tuple[int, int] | None,
                   max_chunk_tokens: int = MAX_CHUNK_GRAPH_TOKENS) -> PaddedSteps:
-        """From now on pad decode steps to graph batch sizes and (with chunk_tiles, the
-        prefill kernel's query and key tile) chunked steps of up to max_chunk_tokens to graph
-        token counts, on fixed buffers. The ModelRunner does it on a GPU; tests on a CPU."""
+        """From now on pad decode steps, and (with chunk_tiles, the prefill kernel's query and
+        key tile) chunked steps of up to max_chunk_tokens, to graph sizes on fixed buffers."""
         config = self.config
         self.padded = PaddedSteps(config.max_num_sequences, self.max_blocks_per_seq,
                                   min(max_chunk_tokens, config.max_num_batched_tokens),
@@ -61,38 +55,19 @@ class InputBuilder:
         return self.padded
 
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Block tables padded with -1 to a rectangle (the kernels never read past the context).
-
-        The width is a multiple of 16: Triton compiles a kernel variant per "divisible by 16 or
-        not" of each int argument, the rows' stride among them, and a variant met first in
-        the middle of a run took ~2 s there (engine/warmup.py compiles this one).
-        """
+        """Block tables padded with -1 to a rectangle, as wide as a multiple of 16: Triton
+        compiles a kernel variant per "divisible by 16 or not" of each int argument (the
+        rows' stride too), and one met first mid-run took ~2 s (engine/warmup.py compiles
+        this one)."""
         width = -(-max(len(seq.block_table) for seq in seqs) // 16) * 16
         return self.fresh.tensor(block_table_array([seq.block_table for seq in seqs], width),
                                  torch.int32)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         """A prefill step: each sequence computes its next num_new_tokens tokens, the ones
-        just below num_computed_tokens (the scheduler advanced it past them). A whole prompt
-        after its cached prefix is one such chunk; with chunked prefill, a part of one.
-
-        Prompt chunks and decode rows (chunks of one token) go through the same varlen
-        attention. Two sequences, A with 4 cached tokens and a chunk of 3, B decoding:
-
-            A: [a0 a1 a2 a3 | a4 a5 a6]   num_cached_tokens = 4, num_new_tokens = 3
-            B: 6 tokens so far, its last one b5 new
-
-            input_ids    = [a4 a5 a6 | b5]      only what must be computed
-            positions    = [ 4  5  6 |  5]      RoPE starts after what is cached
-            cu_seqlens_q = [0, 3, 4]            new tokens per sequence
-            cu_seqlens_k = [0, 7, 10]           context per sequence: up to the chunk's end
-            slot_mapping = one slot per entry of input_ids (the cached ones are already there)
-
-        When any cu_seqlens_k entry exceeds its cu_seqlens_q entry, some context is in the
-        cache and the prefill kernel reads K/V through block_tables instead of the fresh
-        tensors. A decode row whose token is still pending (overlapped scheduling) takes it
-        from the sampled-token pool on the device (engine/token_pool.py).
-        """
+        just below num_computed_tokens (a whole prompt after its cached prefix, a chunk of
+        one, or a decode row's one token), all in one varlen batch (the guide's Step 4 draws
+        one). Block tables only when some context is in the cache."""
         input_ids: list[int] = []
         positions: list[int] = []
         cu_seqlens_q, cu_seqlens_k = [0], [0]
@@ -113,8 +88,7 @@ class InputBuilder:
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             if not seq.block_table:  # the warm-up's made-up sequences: no cache to write to
                 continue
-            # Slots block by block (one range per block, not one Python step per token: a
-            # chunk can be 16k tokens long).
+            # One range per block, not one Python step per token: a chunk can be 16k long.
             pos = start
             while pos < end:
                 offset = pos % self.block_size
@@ -149,11 +123,7 @@ class InputBuilder:
         return self.pool.gather(self.pool.with_host_ids(ids), index)
 
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-        """One new token per sequence; its K/V goes to the slot after the last one used.
-
-        A sequence whose last token is still pending (overlapped scheduling) reads it from
-        the sampled-token pool on the device, without a round trip to the host.
-        """
+        """One new token per sequence; its K/V goes to the slot after the last one used."""
         pending: list[tuple[int, int]] = []
         input_ids = [self.pool.last_token(seq, row, pending) for row, seq in enumerate(seqs)]
         positions = [len(seq) - 1 for seq in seqs]
@@ -170,8 +140,8 @@ class InputBuilder:
     def decode_rows(self, input_ids: list[int], pending: list[tuple[int, int]],
                     positions: list[int], slot_mapping: list[int], context_lens: list[int],
                     temperatures: list[float], tables: list[list[int]]) -> StepInputs:
-        """A decode step's host arrays, one entry per row, on the device (padded on a GPU).
-        Speculative decoding's verification rows come here too (spec_decode/verification.py)."""
+        """A decode step's host arrays, one entry per row, on the device (padded on a GPU);
+        speculative decoding's verification rows too."""
         if self.padded is not None:
             return self.padded.decode(input_ids, pending, positions, slot_mapping,
                                       context_lens, temperatures, tables)

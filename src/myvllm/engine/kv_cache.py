@@ -1,12 +1,6 @@
-"""Step 4b: how many KV-cache blocks fit, and the cache tensors themselves.
-
-The paged KV cache is one tensor for K and one for V, shaped
-
-    (num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim)
-
-and every Attention module gets a view of its layer. On a GPU the number of blocks is what is
-left of gpu_memory_utilization after the weights and the peak of the largest step (measured
-by the warm-up, warmup.warmup_model); on a CPU it is capped by a fixed budget.
+"""Step 4b: how many KV-cache blocks fit, and the cache tensors themselves: one for K and one
+for V, (num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim), every Attention
+module given a view of its layer.
 """
 
 from __future__ import annotations
@@ -20,15 +14,13 @@ from myvllm.config import Config
 from myvllm.layers.attention import Attention
 from myvllm.utils.distributed import get_tp_size
 
-# Used when the KV cache is sized on a CPU: there is no "GPU memory" to take a fraction of,
-# so we cap the cache at this many bytes (and at what max_num_sequences full-length
-# sequences could ever need).
+# A CPU has no "GPU memory" to take a fraction of: its cache is capped at this many bytes.
 CPU_KV_CACHE_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """One rank's shape of the cache, from the model's config and Config.block_size."""
+    """One rank's shape of the cache."""
 
     num_layers: int
     block_size: int
@@ -38,7 +30,7 @@ class KVCacheLayout:
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        """(block_size, KV heads of this rank, head_dim): one block of one layer's K (or V)."""
+        """One block of one layer's K (or V)."""
         return self.block_size, self.num_kv_heads, self.head_dim
 
     @property
@@ -50,8 +42,8 @@ class KVCacheLayout:
 
 def count_blocks(config: Config, layout: KVCacheLayout, device: torch.device,
                  max_blocks_per_seq: int) -> int:
-    """The number of blocks to allocate; under tensor parallelism the minimum over ranks
-    (collective: every rank calls it)."""
+    """The number of blocks to allocate (the guide's Step 4, "Start-up"); collective under
+    tensor parallelism."""
     if config.num_kvcache_blocks > 0:
         num_blocks = config.num_kvcache_blocks
     elif device.type == "cuda":
@@ -66,8 +58,7 @@ def count_blocks(config: Config, layout: KVCacheLayout, device: torch.device,
         num_blocks = min(config.max_num_sequences * max_blocks_per_seq,
                          CPU_KV_CACHE_BYTES // layout.block_bytes)
     if get_tp_size() > 1:
-        # Every rank must agree on the block count, or the block tables of rank 0 would
-        # point past the end of another rank's cache: take the minimum.
+        # The minimum, or rank 0's block tables would point past another rank's cache.
         count = torch.tensor([num_blocks], dtype=torch.int64, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN)
         num_blocks = int(count.item())

@@ -6,7 +6,7 @@
                     (prompt_logprobs), which the sampling LM head skips
       -> gather_logprobs (layers/logprobs.py) -> StepLogprobs, copied to the host with the
          step's tokens (SampledTokens)
-    EngineCore._read_back
+    EngineCore._read_back, request_outputs
       -> per request: LogprobsLists in its RequestOutput (and CoreOutput, over the socket)
 
 Row r of a prefill chunk holds the logits after token r, which predict token r + 1: a chunk
@@ -157,13 +157,17 @@ def prompt_logprobs(seqs: list[Sequence], spans: list[PromptSpan], hidden: torch
     return LogprobRows(*(torch.cat(parts) for parts in zip(*pieces, strict=True)))
 
 
-def read_step_logprobs(seqs: list[Sequence], step: StepLogprobs) -> dict[int, LogprobsLists]:
+def read_step_logprobs(seqs: list[Sequence], step: StepLogprobs | None
+                       ) -> dict[int, LogprobsLists]:
     """On the host, once the step's copy arrived: each prompt span's rows are appended to its
-    sequence's prompt_logprobs, and the sampled rows returned by index in the batch.
+    sequence's prompt_logprobs, and the sampled rows returned by index in the batch ({} when
+    no row asked: step is None).
 
     A span may repeat rows already read (a preempted sequence's prompt computed again while
     the first pass was still in flight); only positions not yet known are kept.
     """
+    if step is None:
+        return {}
     if step.prompt is not None:
         offsets = [0]
         for span in step.prompt_spans:

@@ -1,23 +1,9 @@
 """Step 4: the ModelRunner runs one step of the model: a batch in, one token per sequence out.
 
-One ModelRunner lives in every tensor-parallel rank. Rank 0 (the Executor's, beside the
-EngineCore) also samples; ranks 1..N-1 run in worker processes (engine/tp_workers.py) and only
-compute their shard of every layer. One step, run(seqs, is_prefill):
-
-    prefill   InputBuilder.prepare_prefill (prompt chunks, whole prompts, and the decode rows
-              beside them in one varlen batch), the model and the LM head, the Sampler
-    decode    InputBuilder.prepare_decode, then decode_forward; on one GPU with
-              temperature-only sampling it includes the LM head and the sampling kernels
-    both      the rows' sampling controls (engine/sampling_controls.py), logprobs
-              (engine/logprobs.py) and speculative verification (engine/spec_decode/), each
-              one call; the tokens land in the sampled-token pool (engine/token_pool.py) and
-              are copied back as SampledTokens
-
-On a GPU both kinds of step are padded onto fixed buffers (engine/padded_steps.py) and
-replayed from a CUDA graph where one fits (engine/cuda_graphs.py): the only place graphs
-appear here is run_graph_or_eager. Under tensor parallelism with async scheduling, rank 0
-broadcasts the pool's rows at the end of each step, so every rank reads a pending token from
-its own pool.
+One lives in every tensor-parallel rank; rank 0 (beside the EngineCore) also samples. One
+step, run(seqs, is_prefill): the InputBuilder's tensors, the model, the LM head, the Sampler,
+the tokens into the sampled-token pool and back as SampledTokens. On a GPU a step is padded
+and replayed from a CUDA graph where one fits: graphs appear here only in run_graph_or_eager.
 """
 
 from __future__ import annotations
@@ -25,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,10 +21,9 @@ from myvllm.engine.batch import StepInputs
 from myvllm.engine.cuda_graphs import GraphCache, GraphKey
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
-from myvllm.engine.logprobs import (LogprobRows, PromptSpan, StepLogprobs, prompt_logprobs,
-                                    prompt_spans, sampled_logprobs)
+from myvllm.engine.logits_features import LogitsFeatures
+from myvllm.engine.model_loading import CausalLM, build_model
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
-from myvllm.engine.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTokens,
                                                     greedy_fast_path_applies, greedy_verify,
@@ -47,29 +32,14 @@ from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTo
 from myvllm.engine.token_pool import SampledTokens
 from myvllm.kernels import set_batch_invariant
 from myvllm.layers.attention import Attention
-from myvllm.layers.logits_processors import process_logits
 from myvllm.layers.sampler import Sampler
-from myvllm.models import get_model_class
 from myvllm.models.config import get_head_dim
 from myvllm.utils.context import forward_context
-from myvllm.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from myvllm.utils.distributed import get_tp_size, local_device_index
-from myvllm.utils.dummy_weights import initialize_dummy_weights
+from myvllm.utils.device import rank_device, resolve_dtype, resolve_kv_cache_dtype
+from myvllm.utils.distributed import get_tp_size
 from myvllm.utils.hf_config import load_hf_config
-from myvllm.utils.loader import load_model
 
 logger = logging.getLogger("myvllm")
-
-__all__ = ["ModelRunner", "SampledTokens", "StepInputs"]
-
-
-class CausalLM(Protocol):
-    """What the runner needs of a model class (models/decoder.py's CausalLM, which every model
-    file builds on)."""
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class ModelRunner:
@@ -77,41 +47,24 @@ class ModelRunner:
                  hf_config: Any | None = None) -> None:
         self.config = config
         self.rank = rank
-        self.device = resolve_device(config)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", local_device_index(rank))  # LOCAL_RANK: torchrun
-            torch.cuda.set_device(self.device)
+        self.device = rank_device(config, rank)
         self.dtype = resolve_dtype(config, self.device)
-        # Before the model is built and warmed up: the kernels read it at every call, and the
-        # CUDA graphs captured below bake in what they read (kernels/batch_invariant.py).
+        # Before the model is built: the CUDA graphs captured below bake in what kernels read.
         set_batch_invariant(config.batch_invariant)
         # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
         self.inputs = InputBuilder(config, self.device, rank)
         self.graphs = GraphCache()
-        # With one GPU a decode graph runs the whole step: model, LM head and the sampling
-        # kernels. With tensor parallelism the LM head gathers the logits to rank 0 over
-        # NCCL, and that gather stays outside the graph.
+        # With one GPU a decode graph runs the whole step, sampling included; with tensor
+        # parallelism the LM head's gather to rank 0 (NCCL) stays outside the graph.
         self.sample_in_graph = get_tp_size() == 1
-        # Async scheduling under tensor parallelism: the ranks that do not sample read the
-        # next step's pending tokens from their own pool, so rank 0 shares its (see run).
+        # Async scheduling under tensor parallelism: every rank reads pending tokens from its
+        # own pool, so rank 0 shares its sampled tokens (see run).
         self.broadcast_sampled = get_tp_size() > 1 and bool(config.async_scheduling)
 
         # Rank 0 gets the config the engine already parsed (a GGUF parse takes seconds).
         self.hf_config = hf_config if hf_config is not None else load_hf_config(model_path)
-        model_class = get_model_class(getattr(self.hf_config, "architectures", None) or [])
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                module = model_class(self.hf_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            initialize_dummy_weights(module)  # no checkpoint read: config.json is enough
-        else:
-            load_model(module, model_path)
-        module.eval()
+        module = build_model(config, self.hf_config, model_path, self.device, self.dtype)
         self.model: CausalLM = module  # type: ignore[assignment]  # nn.Module hides its methods
         self.sampler = Sampler()
         self.eos_token_ids = stop_token_ids(config.eos)  # masked until min_tokens (rank 0)
@@ -125,11 +78,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
-        """Warm up, size and allocate the KV cache, capture graphs; returns the block count.
-        What only a GPU does here is in engine/warmup.py.
-
-        Collective under tensor parallelism: every rank must call it (engine/tp_workers.py).
-        """
+        """Warm up (GPU: engine/warmup.py), size and allocate the KV cache, capture graphs;
+        returns the block count. Collective under tensor parallelism."""
         start = time.perf_counter()
         on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
         if on_gpu:
@@ -150,31 +100,25 @@ class ModelRunner:
         return num_blocks
 
     # ------------------------------------------------------------------ one step
-    def forward_prefill(self, seqs: list[Sequence], spans: list[PromptSpan] | None = None,
-                        verification: VerificationRows | None = None
-                        ) -> tuple[torch.Tensor | None, LogprobRows | None]:
-        """The model and LM head over each sequence's scheduled chunk (num_new_tokens tokens
-        up to num_computed_tokens) -> (logits of each sequence's last token computed, the
-        logprobs of the prompt rows in spans) on rank 0; (None, None) on other ranks.
-        With verification rows (speculative decoding), the logits of verification.logit_rows
-        instead: every position of a row that verifies proposals."""
+    def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
+                        verification: VerificationRows | None = None) -> torch.Tensor | None:
+        """The model and LM head over each sequence's chunk -> on rank 0 the logits of each
+        one's last token (verification rows: of verification.logit_rows), else None."""
         step = self.inputs.prepare_prefill(seqs)
         key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
         with forward_context(step.context):
             hidden = self.run_graph_or_eager(key, step, self.body_forward)
-            # The LM head reads the last row of each sequence (context.cu_seqlens_q): padding
-            # rows are never read.
+            # The LM head reads each sequence's last row (context.cu_seqlens_q), never padding.
             logits = self.model.compute_logits(hidden) if verification is None else None
         if verification is not None:
             # Outside the context the LM head keeps every row it is given (collective under
             # tensor parallelism: every rank has the same rows).
             rows = self.inputs.fresh.tensor(verification.logit_rows, torch.int64)
             logits = self.model.compute_logits(hidden[rows])
-        if not spans:
-            return logits, None
-        # Outside the context, where the LM head keeps every row it is given.
-        return logits, prompt_logprobs(seqs, spans, hidden, self.model.compute_logits,
-                                       self.inputs.fresh.tensor, self.config.max_num_sequences)
+        if features is not None:
+            features.add_prompt_logprobs(hidden, self.model.compute_logits,
+                                         self.config.max_num_sequences)
+        return logits
 
     def run_graph_or_eager(self, key: GraphKey | None, step: StepInputs,
                            forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
@@ -185,19 +129,14 @@ class ModelRunner:
         return forward(step)
 
     def body_forward(self, step: StepInputs) -> torch.Tensor:
-        """The model's body on one step: hidden states of all its rows (what a chunk graph
-        captures)."""
+        """The model's body (what a chunk graph captures)."""
         return self.model(step.input_ids, step.positions)
 
     def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
                        ) -> torch.Tensor:
-        """One decode step: what a decode CUDA graph captures.
-
-        Returns the model's hidden states for all (padded) rows. With `sample`, the LM head
-        and the sampler (temperature only: on a GPU two Triton kernels; greedy rows take the
-        argmax) also run, and the tokens go to the sampled-token pool. A graph is captured
-        with all_greedy=False, so it serves greedy and sampled batches alike.
-        """
+        """One decode step (what a decode graph captures): the hidden states of all (padded)
+        rows; with `sample`, the LM head and the temperature-only sampler into the pool too
+        (a graph, captured with all_greedy=False, serves greedy batches alike)."""
         hidden = self.model(step.input_ids, step.positions)
         if sample:
             assert step.sampled is not None and step.temperatures is not None
@@ -211,73 +150,53 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
-        """Queue one step that computes a token for every sequence.
-
-        Rank 0 returns the tokens as SampledTokens (call .token_ids() to wait for them),
-        other ranks None. Nothing here waits for the device (NCCL collectives are queued on
-        the stream like any kernel).
-        """
+        """Queue one step that computes a token for every sequence; rank 0 returns them as
+        SampledTokens, other ranks None. Nothing here waits for the device."""
         # Again at every step: a second engine in this process may have set its own mode.
         set_batch_invariant(self.config.batch_invariant)
-        spans = prompt_spans(seqs) if is_prefill else []
+        to_device = self.inputs.fresh.tensor
         # Before the forward: it reads pending tokens from the pool, which a decode graph
-        # overwrites with its own samples (engine/sampling_controls.py).
-        processing = (prepare_logits_processing(seqs, self.inputs.fresh.tensor,
-                                                self.inputs.pool.tokens, self.eos_token_ids)
-                      if self.rank == 0 else None)
-        prompt_rows = None
+        # overwrites with its own samples.
+        features = LogitsFeatures(seqs, is_prefill, self.rank, to_device,
+                                  self.inputs.pool.tokens, self.eos_token_ids)
         # Speculative decoding: rows that verify proposals (scheduled as a prefill-path step;
         # with no prompt chunk beside them they run as decode rows).
         verification = VerificationRows(seqs) if has_proposals(seqs) else None
         verified = None
-        as_decode_rows = (verification is not None and not spans
+        as_decode_rows = (verification is not None and not features.prompt_spans
                           and verifies_as_decode(seqs, self.config.max_num_sequences))
         if is_prefill and not as_decode_rows:
-            logits, prompt_rows = self.forward_prefill(seqs, spans, verification)
+            logits = self.forward_prefill(seqs, features, verification)
         else:
             logits = self.run_decode(seqs, verifies=as_decode_rows)
         num_seqs = len(seqs)
         pool = self.inputs.pool
         if (verification is not None and logits is not None and not self.broadcast_sampled
-                and greedy_fast_path_applies(seqs, processing, bool(spans))):
-            return greedy_verify(seqs, verification, logits, pool, self.inputs.fresh.tensor)
-        step_logprobs = None
+                and greedy_fast_path_applies(seqs, features.processing,
+                                             bool(features.prompt_spans))):
+            return greedy_verify(seqs, verification, logits, pool, to_device)
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
-            args = prepare_sample(seqs, self.inputs.fresh.tensor, self.device,
-                                  self.hf_config.vocab_size)
+            args = prepare_sample(seqs, to_device, self.device)
             if verification is not None:
-                verified = VerifiedTokens(*verify(seqs, verification, logits, args,
-                                                  self.inputs.fresh.tensor))
+                verified = VerifiedTokens(*verify(seqs, verification, logits, args, to_device))
                 # The one-token-per-row sampling below reads each row's last logits.
-                logits = logits[self.inputs.fresh.tensor(verification.last_rows, torch.int64)]
-            # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
-            # Logprobs (below) stay those of the raw logits, as vLLM's default.
-            to_sample = (logits[:num_seqs] if processing is None
-                         else process_logits(logits[:num_seqs], processing))
-            tokens = self.sampler(to_sample, args.temperatures, args.top_ks, args.top_ps,
-                                  args.generators, all_greedy=args.all_greedy,
-                                  min_ps=args.min_ps, token_bitmask=args.token_bitmask)
+                logits = logits[to_device(verification.last_rows, torch.int64)]
+            tokens = features.sample(self.sampler, logits[:num_seqs], args,
+                                     self.hf_config.vocab_size)
             pool.tokens[:num_seqs].copy_(tokens)
-            asked, sampled_rows = sampled_logprobs(seqs, logits[:num_seqs], tokens,
-                                                   self.inputs.fresh.tensor)
-            if sampled_rows is not None or prompt_rows is not None:
-                step_logprobs = StepLogprobs(asked, sampled_rows, spans, prompt_rows)
         if self.broadcast_sampled:
-            # Every rank's pool now holds this step's tokens, in the rows where the next
-            # step's pending tokens are read (Sequence.sampled_row, shipped with the
-            # sequences); the host does not wait for it.
+            # Every rank's pool gets this step's tokens, in the rows where the next step reads
+            # its pending tokens; the host does not wait for it.
             pool.share(num_seqs)
         if self.rank != 0:
             return None
-        sampled = pool.read_back(seqs, step_logprobs)
+        sampled = pool.read_back(seqs, features.logprobs)
         sampled.verified = verified
         return sampled
 
     def run_decode(self, seqs: list[Sequence], verifies: bool = False) -> torch.Tensor | None:
-        """A decode step; returns the logits when the Sampler must still run on them, None
-        when the step sampled into the pool itself (one GPU, temperature-only rows).
-        verifies: the step's verification rows run as decode rows (verify reads the logits
-        of every row)."""
+        """A decode step -> its logits, or None when it sampled into the pool itself.
+        verifies: the step's verification rows run as decode rows."""
         step = (verification_decode_step(self.inputs, seqs) if verifies
                 else self.inputs.prepare_decode(seqs))
         full_sampler = verifies or not self.sample_in_graph or needs_full_sampler(seqs)
@@ -290,8 +209,7 @@ class ModelRunner:
                 key, step, lambda step: self.decode_forward(step, sample, all_greedy))
             if not full_sampler:
                 return None
-            # On every rank: with tensor parallelism the LM head is collective. All rows, as
-            # in decode_forward, so that both paths compute the same.
+            # On every rank (the LM head is collective); all rows, as in decode_forward.
             return self.model.compute_logits(hidden)
 
     def release_cuda_graphs(self) -> None:

@@ -51,6 +51,37 @@ def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
                              f"vocabulary [0, {vocab_size}).")
 
 
+def check_request(token_ids: Any, params: Any, vocab_size: int) -> list[int]:
+    """A prompt of token ids and its SamplingParams checked: the prompt as a list of ints."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    check_sampling_token_ids(params, vocab_size)
+    return check_token_ids(token_ids, vocab_size)
+
+
+def check_generate_args(prompts: Any, sampling_params: Any) -> list[SamplingParams]:
+    """generate()'s arguments checked: prompts a list, sampling_params None (the defaults),
+    one SamplingParams for all or one per prompt. Returns one per prompt."""
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list (of strings or token-id lists), "
+                        "not a single string.")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a list of strings or token-id lists, got "
+                        f"{type(prompts).__name__}")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * len(prompts)
+    if not isinstance(sampling_params, (list, tuple)):
+        # A dict would otherwise be iterated as its keys and reported as a str.
+        raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(sampling_params).__name__}")
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(sampling_params)} sampling_params for "
+                         f"{len(prompts)} prompts; pass one, or one per prompt.")
+    return list(sampling_params)
+
+
 def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
     """Raise ValueError if seq could never run on this scheduler: not a new request, another
     block size, an empty prompt, no room for one completion token, more blocks than the whole

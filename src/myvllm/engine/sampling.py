@@ -1,13 +1,8 @@
 """Sampling set-up: each sequence's SamplingParams as the Sampler's per-row arguments.
 
-Rank 0 alone samples. A decode step on one GPU with temperature-only rows samples inside
-its CUDA graph (two Triton kernels, layers/sampler.py); top-k, top-p, min-p, per-request
-seeds and the controls on the logits (penalties, logit bias, min_tokens:
-engine/sampling_controls.py) need the PyTorch sampler on the logits, outside the graph,
-logprobs need the logits themselves (engine/logprobs.py), and a grammar's token bitmask is
-built on the host each step (engine/structured_output.py): such a step runs the graph, then
-the LM head, the controls, the bitmask, the Sampler and the logprobs eagerly. Steps with no
-such row keep the graph's path.
+Rank 0 alone samples. A decode step on one GPU whose rows only use temperature samples inside
+its CUDA graph (layers/sampler.py); a row with more (needs_full_sampler) makes the step run
+the LM head and the Sampler outside the graph, on the logits.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import torch
 from myvllm.engine.batch import SamplingArgs
 from myvllm.engine.sampling_controls import ToDevice, prepare_min_ps, uses_sampling_controls
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.structured_output import fill_token_bitmask
 
 
 def uses_filters_or_seeds(seq: Sequence) -> bool:
@@ -50,14 +44,12 @@ def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None
     return seq.generator
 
 
-def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device,
-                   vocab_size: int | None = None) -> SamplingArgs:
+def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device
+                   ) -> SamplingArgs:
     """Sampling settings as device tensors, plus host-side hints for the fast paths.
 
-    A sequence whose chunk stops short of its last token gets a row whose token is dropped;
-    it must not draw from its seeded generator, or its later tokens would depend on how its
-    prompt was cut. vocab_size (the model's, the grammars' bitmask width) is needed when a
-    row has a grammar.
+    A row whose chunk stops short of its last token draws nothing from its seeded generator,
+    or its later tokens would depend on how its prompt was cut.
     """
     params = [seq.sampling_params for seq in seqs]
     generators: list[torch.Generator | None] | None = None
@@ -68,12 +60,6 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
                       for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
-    bitmask = None
-    if any(seq.grammar_matcher is not None for seq in seqs):
-        if vocab_size is None:
-            raise ValueError("prepare_sample needs vocab_size for a row with a grammar")
-        bitmask = fill_token_bitmask(seqs, [samples_this_step(seq) for seq in seqs],
-                                     vocab_size)
     return SamplingArgs(
         temperatures=to_device([p.temperature for p in params], torch.float32),
         top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
@@ -81,5 +67,4 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
         generators=generators,
         min_ps=prepare_min_ps(seqs, to_device),
         all_greedy=all(p.temperature == 0 for p in params),
-        token_bitmask=bitmask.to(device) if bitmask is not None else None,
     )

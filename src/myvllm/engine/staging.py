@@ -1,16 +1,9 @@
 """Staging: one step's host arrays become the device tensors its forward pass reads.
 
-The InputBuilder computes a step's inputs on the host as named numpy arrays (token ids,
-positions, slots, ...). A staging object sends them to the device:
-
-    FreshTensors    a new tensor per array and step. On a CPU that is all there is (the
-                    "device" is the host). On a GPU, for steps too large for a CUDA graph,
-                    each array goes through pinned memory with a non_blocking copy, so the
-                    host does not wait for the device.
-    StaticBuffers   GPU only (engine/static_buffers.py): every field has a fixed place in
-                    device memory, which a CUDA graph captured on it reads in place.
-
-    fresh.tensor(positions, torch.int64)              # one array -> one new device tensor
+    FreshTensors    a new tensor per array and step: all a CPU uses; on a GPU, for steps
+                    too large for a CUDA graph, through pinned memory (non_blocking)
+    StaticBuffers   GPU only (engine/static_buffers.py): fixed places in device memory,
+                    which a CUDA graph captured on them reads in place
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ class FreshTensors:
     def tensor(self, values: np.ndarray | list[int] | list[float], dtype: torch.dtype
                ) -> torch.Tensor:
         """One host array on the device, without making the host wait. Through numpy:
-        torch.tensor() of a long Python list is ~3x slower (a 32k-token chunk's ids,
-        positions and slots took ~7 ms on the development machine)."""
+        torch.tensor() of a long Python list is ~3x slower (~7 ms for a 32k-token chunk)."""
         host = torch.from_numpy(np.asarray(values, dtype=NUMPY_DTYPES[dtype]))
         if not self.pin_memory:
             return host.to(self.device)
@@ -42,8 +34,7 @@ class FreshTensors:
 def block_table_array(tables: list[list[int]], width: int, num_rows: int | None = None,
                       out: np.ndarray | None = None) -> np.ndarray:
     """Block tables as an int32 rectangle [num_rows (default: one per table), width], -1
-    past each table's end (the kernels never read past a sequence's context); written into
-    out when given."""
+    past each table's end (never read by the kernels); written into out when given."""
     shape = (len(tables) if num_rows is None else num_rows, width)
     if out is None:
         array = np.full(shape, -1, dtype=np.int32)

@@ -91,6 +91,14 @@ def to_config(model: Config | str | None, **kwargs: Any) -> Config:
     return Config.from_dict({"model": model, **kwargs})
 
 
+def check_in_process(config: Config) -> None:
+    """LLM runs one engine in the caller's process: no data-parallel replicas."""
+    if config.data_parallel_size != 1:
+        raise ValueError(f"LLM runs one engine in this process; data_parallel_size="
+                         f"{config.data_parallel_size} is for `myvllm serve` (one LLM per "
+                         "GPU, each in its own process, is the offline equivalent)")
+
+
 def resolve_engine(config: Config) -> ResolvedEngine:
     # Dummy weights need only config.json (and a tokenizer, when there is one).
     model_path = resolve_model_path(config.model, weights=config.load_format != "dummy")
@@ -124,3 +132,16 @@ def resolve_engine(config: Config) -> ResolvedEngine:
         logger.info("No GPU: CUDA graphs are off, decoding runs eagerly on the CPU.")
     return ResolvedEngine(config, model_path, hf_config, tokenizer,
                           fit_length_to_cache=user_max_len is None)
+
+
+def fit_max_model_length(config: Config, num_blocks: int, fit_length_to_cache: bool) -> int:
+    """config.max_model_length, lowered to what num_blocks of KV cache hold when it is the
+    checkpoint's (fit_length_to_cache): one sequence could never grow longer here. A length
+    the caller chose stays (a request that can never fit is refused when it is added)."""
+    assert config.max_model_length is not None, "resolve max_model_length first"
+    capacity = num_blocks * config.block_size
+    if not fit_length_to_cache or config.max_model_length <= capacity:
+        return config.max_model_length
+    logger.info(f"max_model_length {config.max_model_length} -> {capacity}: what the KV cache "
+                f"holds ({num_blocks} blocks of {config.block_size} tokens)")
+    return capacity

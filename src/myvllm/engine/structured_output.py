@@ -5,8 +5,8 @@ JSON object) is compiled by xgrammar against the model's vocabulary into a Compi
 cached by its spec, so that a thousand requests with one schema compile it once. Each
 Sequence gets a GrammarMatcher of its own: the state of its output in that grammar.
 
-    make_sequence       StructuredOutputManager.matcher_for(params) -> seq.grammar_matcher
-    prepare_sample      fill_token_bitmask(seqs): one row of bits per sequence, bit t of a
+    make_sequence       StructuredOutputManager.add_matcher(seq) -> seq.grammar_matcher
+    LogitsFeatures      fill_token_bitmask(seqs): one row of bits per sequence, bit t of a
                         row = token t may come next (the matcher's fill_next_token_bitmask;
                         rows without a grammar, or whose chunk does not sample, allow all)
     Sampler             apply_token_bitmask: the disallowed logits become -inf, then the
@@ -118,6 +118,13 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self.compiled_grammar(params))
+
+    def add_matcher(self, seq: Sequence) -> None:
+        """seq's matcher, if its SamplingParams ask for structured outputs (a bad schema
+        raises here, before the request is queued)."""
+        params = seq.sampling_params.structured_outputs
+        if params is not None:
+            seq.grammar_matcher = self.matcher_for(params)
 
 
 # Keys whose values are JSON data, not subschemas.

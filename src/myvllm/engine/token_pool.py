@@ -1,20 +1,11 @@
-"""The sampled-token pool: where each step's tokens land on the device, and the one place
-where a pending token is read.
-
-Every step writes its sampled tokens, row by row, into the pool (a decode CUDA graph
-itself, or ModelRunner.run after the Sampler), and the host copies them back from there.
-With async scheduling the host plans step N+1 before step N's tokens reach it: each
-sequence of step N counts one token it cannot see yet (Sequence.num_pending_tokens), held
-in row Sequence.sampled_row of the pool. Step N+1's input ids are then gathered on the
-device from the pool and the ids the host knows, in one index_select:
+"""The sampled-token pool: where each step's tokens land on the device, row by row, and the
+one place where a pending token (async scheduling: sampled, not yet on the host; the guide's
+Step 6) is read, in row Sequence.sampled_row. A step's input ids are gathered on the device:
 
     source      = [ pool (size rows) | host ids (n) ]
     token_index = [ size + i   where the host knows token i (its id is in host ids)
                     row        where token i is pending: that row of the pool ]
     input_ids   = source[token_index]
-
-Under tensor parallelism only rank 0 samples; it broadcasts the pool's rows at the end of
-each step (share), so every rank's pool holds the same tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +30,7 @@ class TokenPool:
         the StaticBuffers, so that decode graphs write into it)."""
         self.tokens = tokens
         self.size = tokens.numel()
-        # The way back on a GPU: two pinned host slots that alternate
-        # (engine/static_buffers.py).
+        # The way back on a GPU: two pinned host slots that alternate.
         self.host_slots = (PinnedSlots({torch.int64: self.size}, on_gpu=True)
                            if tokens.device.type == "cuda" else None)
 
@@ -74,15 +64,14 @@ class TokenPool:
 
     # ------------------------------------------------------------------ after the step
     def share(self, num_seqs: int) -> None:
-        """Collective (tensor parallelism): rank 0's rows to every rank. Under NCCL it is
-        queued on the stream after rank 0's sampler and before the next step's reads."""
+        """Collective (tensor parallelism): rank 0's rows to every rank, queued on the stream
+        after its sampler and before the next step's reads."""
         dist.broadcast(self.tokens[:num_seqs], src=0)
 
     def read_back(self, seqs: list[Sequence], logprobs: StepLogprobs | None = None
                   ) -> SampledTokens:
-        """Queue the copy of this step's tokens (rows 0..len(seqs)-1), and of the logprobs
-        some rows asked for, to the host and note each sequence's row for the next step;
-        returns at once."""
+        """Queue the copy of this step's tokens (rows 0..len(seqs)-1) and logprobs to the host,
+        and note each sequence's row for the next step; returns at once."""
         for row, seq in enumerate(seqs):
             seq.sampled_row = row
         num_seqs = len(seqs)
@@ -95,24 +84,16 @@ class TokenPool:
 
 
 class SampledTokens:
-    """The token ids of one step, on their way from the device to the host.
-
-    ModelRunner.run returns as soon as the step is queued; token_ids() waits for the copy.
-    Between the two the host can plan the next step (overlapped scheduling, see
-    EngineCore.step). On a GPU the host memory is one of two slots that alternate, so a
-    step's tokens must be read before two more steps are run; reading them later raises
-    (the engine reads each step right after queuing the next).
-    """
+    """The token ids of one step, on their way to the host: token_ids() waits for the copy.
+    On a GPU the host memory is one of two slots that alternate, so they must be read before
+    two more steps run (later raises; the engine reads each step right after the next)."""
 
     def __init__(self, host: torch.Tensor, logprobs: StepLogprobs | None = None,
                  slots: PinnedSlots | None = None, slot: int = 0, turn: int = 0) -> None:
         self.host = host
         self._slots, self._slot, self._turn = slots, slot, turn
-        # Host tensors of their own (not the alternating slots), valid once token_ids()
-        # has waited for the copy.
-        self.logprobs = logprobs
-        # Speculative decoding: the tokens of the rows that verified proposals (several
-        # per row; token_ids() then holds a plain sample for them, unused).
+        self.logprobs = logprobs  # valid once token_ids() has waited
+        # Speculative decoding: the rows' verified tokens (their token_ids() entry is unused).
         self.verified: VerifiedTokens | None = None
 
     def token_ids(self) -> list[int]:

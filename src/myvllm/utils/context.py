@@ -1,18 +1,6 @@
-"""The per-step batch description that layers and kernels read.
-
-The ModelRunner knows, for every forward pass, how the flat batch of tokens splits into
-sequences and where each token's K/V lives in the paged cache. Passing that through every
-``forward`` signature would clutter every module of the model, so (like vLLM and nano-vllm)
-we keep it in one module-level object:
-
-    ModelRunner.run()                  Attention.forward()          ParallelLMHead.forward()
-        with forward_context(ctx):  ->     ctx = get_context()  ->     ctx.is_prefill?
-            model(input_ids, positions)    store K/V at ctx.slot_mapping, attend ...
-
-The cost is implicit global state: a layer called outside ``forward_context`` sees the
-empty default context, and two engines in one process must not run a forward at the same
-time. ``forward_context`` always resets the context, even when the forward raises, so a
-failed step cannot leak its batch into the next one.
+"""The per-step batch description that layers and kernels read (get_context), set by the
+ModelRunner around each forward pass (forward_context), so that no model's forward signature
+carries it. The cost, implicit global state, is the guide's Step 4, "The per-step context".
 
 Shapes (N = tokens in the step, B = sequences in the step):
 
@@ -23,8 +11,8 @@ Shapes (N = tokens in the step, B = sequences in the step):
               block_tables   [B, max_blocks] int32, -1 padded; only set when a prefix is cached
                              (or the step is padded, below)
               q_tiles, decode_rows   GPU only, a padded chunked-prefill step: its query
-                             tiles (a fixed launch grid) and its one-token rows, which the
-                             decode kernel computes instead (kernels/tile_map.py)
+                             tiles and its one-token rows, for the decode kernel
+                             (kernels/tile_map.py)
     decode    slot_mapping   [B]   int32  slot of the one new token per sequence (-1 = padding)
               context_lens   [B]   int32  tokens of context including the new one
               block_tables   [B, max_blocks] int32, -1 padded
@@ -67,12 +55,9 @@ def get_context() -> Context:
 
 @contextmanager
 def forward_context(context: Context) -> Iterator[Context]:
-    """Make ``context`` the one layers read for the forward pass inside the block, and always
-    clear it afterwards.
-
-    Nesting is refused: an inner forward would silently replace the outer step's batch, and
-    the outer forward would then run on the wrong slots after the inner one reset it.
-    """
+    """Make ``context`` the one layers read inside the block, and always clear it after (a
+    failed step cannot leak its batch into the next). Nesting is refused: an inner forward
+    would replace the outer step's batch."""
     global _CONTEXT
     if _CONTEXT is not _EMPTY:
         raise RuntimeError("forward_context is already set: one forward pass at a time")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from myvllm.config import Config
+from myvllm.utils.distributed import local_device_index
 
 
 def resolve_device(config: Config) -> torch.device:
@@ -16,6 +17,17 @@ def resolve_device(config: Config) -> torch.device:
             raise RuntimeError("Config.device='cuda' but torch sees no CUDA device.")
         return torch.device("cuda")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rank_device(config: Config, rank: int) -> torch.device:
+    """A tensor-parallel rank's device; on a GPU its GPU on this host (LOCAL_RANK under
+    torchrun), made the current one."""
+    device = resolve_device(config)
+    if device.type != "cuda":
+        return device
+    device = torch.device("cuda", local_device_index(rank))
+    torch.cuda.set_device(device)
+    return device
 
 
 def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
