@@ -98,3 +98,15 @@ def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
             f"sequence {seq.seq_id} can grow to {need_tokens} tokens, more than "
             f"max_num_batched_tokens={scheduler.max_num_batched_tokens}: after a preemption it "
             "could never be prefilled again; raise max_num_batched_tokens or shorten it")
+
+
+def no_progress_error(scheduler: Scheduler) -> RuntimeError:
+    """What Scheduler.schedule raises when a step schedules and preempts nothing while work
+    remains (every later step would do the same)."""
+    bm = scheduler.block_manager
+    return RuntimeError(
+        f"Scheduler made no progress: {len(scheduler.waiting)} waiting and "
+        f"{len(scheduler.running)} running sequences, {len(bm.free_block_ids)} of "
+        f"{len(bm.blocks)} blocks free. Either a sequence cannot fit in the KV cache "
+        "(add_sequence should have rejected it), or blocks leaked because their "
+        "ref_count never returned to 0.")

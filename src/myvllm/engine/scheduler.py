@@ -15,7 +15,8 @@ from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
 from myvllm.engine.forks import fork, fork_source, make_forks, release_forks
-from myvllm.engine.request_checks import check_schedulable
+from myvllm.engine.request_checks import check_schedulable, no_progress_error
+from myvllm.engine.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.engine.spec_decode.scheduling import make_speculator
 
@@ -90,7 +91,7 @@ class Scheduler:
             # (it frees blocks, finishes sequences, resolves the tokens a prefill needs).
             return [], False
         if not preempted:
-            self._raise_no_progress()  # rule 4
+            raise no_progress_error(self)  # rule 4
         # Everything running was preempted (only one sequence was left and it could not grow).
         # Its blocks are free now, so try again: the next call prefills it or raises above.
         return self.schedule()
@@ -187,15 +188,6 @@ class Scheduler:
             # K/V before attention reads any).
             release_forks(seq, self.waiting)
 
-    def _raise_no_progress(self) -> None:
-        bm = self.block_manager
-        raise RuntimeError(
-            f"Scheduler made no progress: {len(self.waiting)} waiting and "
-            f"{len(self.running)} running sequences, {len(bm.free_block_ids)} of "
-            f"{len(bm.blocks)} blocks free. Either a sequence cannot fit in the KV cache "
-            "(add_sequence should have rejected it), or blocks leaked because their "
-            "ref_count never returned to 0.")
-
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop seq's blocks (no K/V copied) and queue it at the FRONT
         of waiting."""
@@ -233,7 +225,7 @@ class Scheduler:
                     self.speculator.observe(seq, len(proposals), len(new_tokens) - 1)
             for token in new_tokens:
                 seq.append_token(token)
-                if self.is_stop_token(seq, token):
+                if is_stop_token(seq, token, self.eos_token_ids):
                     self.finish(seq, "stop")
                 elif self.reaches_stop_length(seq, len(seq.token_ids)):
                     self.finish(seq, "length")
@@ -252,17 +244,6 @@ class Scheduler:
                     # is written by the next step, so it does not count yet.
                     self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
-
-    def is_stop_token(self, seq: Sequence, token_id: int) -> bool:
-        """eos (unless ignore_eos) or one of stop_token_ids, once min_tokens completion
-        tokens are there (before, the sampler masks them out: vLLM's rule)."""
-        params = seq.sampling_params
-        # Known tokens only (num_tokens may count one pending after token_id).
-        if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
-            return False
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return True
-        return params.stop_token_ids is not None and token_id in params.stop_token_ids
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
