@@ -30,8 +30,7 @@ class Block:
         self.token_ids = list(token_ids)
 
     def reset(self) -> None:
-        # Handed out as a fresh block IS the first reference (its sequence deallocates it
-        # once): from 0 that deallocate would leave it at -1, never free again.
+        # Being handed out IS the first reference (the guide's "Why ref_count starts at 1").
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
@@ -56,9 +55,7 @@ class BlockManager:
     # ------------------------------------------------------------------ hashing
     @staticmethod
     def compute_hash(token_ids: SequenceOf[int], prefix: int = -1) -> int:
-        """xxhash64 over the previous block's hash (if any) then the tokens as little-endian
-        int64. Chaining makes a block's hash depend on the whole prefix, not just its own
-        tokens: the same 16 tokens after different prompts have different K/V."""
+        """xxhash64 over the previous block's hash (if any), then the tokens as int64."""
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))

@@ -97,8 +97,8 @@ class Scheduler:
         return self.schedule()
 
     def _schedule_running(self, budget: StepBudget, scheduled: list[Sequence]) -> bool:
-        """Step 2 of schedule(): the running sequences' decode rows and next chunks, in
-        order; returns whether any was preempted."""
+        """The running sequences' decode rows and next chunks; returns whether any was
+        preempted."""
         preempted = False
         visited: list[Sequence] = []  # running sequences looked at, in their order
         while self.running and budget.tokens > 0 and len(scheduled) < self.max_num_sequences:
@@ -141,11 +141,9 @@ class Scheduler:
 
     def _admit_waiting(self, budget: StepBudget, scheduled: list[Sequence],
                        whole_prompts: bool) -> None:
-        """Admit from the head of waiting while budget, sequence slots and blocks last. FIFO:
-        when the head does not fit, nobody behind it jumps the queue (the head is kept).
-
-        whole_prompts (prefill first): a prompt must fit the budget whole, counted with its
-        cached prefix, as it is when prefilled again after a preemption."""
+        """Admit from the head of waiting, FIFO, while budget, sequence slots and blocks last.
+        whole_prompts (prefill first): a prompt must fit the budget whole, its cached prefix
+        counted (as it is when prefilled again after a preemption)."""
         while (self.waiting and min(budget.tokens, budget.prompt) > 0
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
@@ -183,9 +181,7 @@ class Scheduler:
         seq.num_computed_tokens += num_tokens
         self.block_manager.register_full_blocks(seq, num_written=seq.num_computed_tokens)
         if seq.forks and seq.num_computed_tokens == seq.num_tokens:
-            # Its prompt's K/V is all written by this step (or an earlier one): its other
-            # completions can share it from this very step on (store_kvcache writes a step's
-            # K/V before attention reads any).
+            # Its prompt's K/V is written by this step at the latest: its forks may share it.
             release_forks(seq, self.waiting)
 
     def preempt(self, seq: Sequence) -> None:
