@@ -93,7 +93,7 @@ def random_batch(rng: random.Random, prefixes: list[list[int]], max_model_length
 
 
 def max_kv_blocks(req: Request, block_size: int, max_model_length: int) -> int:
-    """Blocks the sequence can ever hold (Scheduler.max_kv_tokens, rounded up to blocks)."""
+    """Blocks the sequence can ever hold (request_checks.max_kv_tokens, rounded up to blocks)."""
     longest = min(len(req.prompt) + req.max_tokens, max_model_length)
     return -(-max(len(req.prompt), longest - 1) // block_size)
 

@@ -1,29 +1,9 @@
 """BlockManager: the KV cache's bookkeeping (which block belongs to whom), not its contents.
 
-The GPU holds one big K/V tensor cut into ``num_blocks`` blocks of ``block_size`` tokens.
-This class decides which physical blocks a sequence uses (its ``block_table``) and how many
-sequences share each block (``ref_count``). It never touches tensor memory: the ModelRunner
-turns block tables into slot numbers and ``store_kvcache`` writes the values.
-
-Prefix caching. A *full* block is identified by a hash chained over everything before it:
-
-    tokens   [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9]
-    hash     h0 = H(-, b0)  h1 = H(h0, b1)   -1 (partial: no hash, never shared)
-
-so equal hashes mean equal blocks *at the same position after the same prefix* (up to a
-2^-64 collision in the chain; the block's own tokens are compared exactly). A new sequence
-walks its blocks in order and reuses every block found in ``hash_to_block_id`` until the
-first miss; it then only computes the rest.
-
-Free blocks keep their hash and tokens. A sequence that finished leaves its full blocks
-findable: the next request with the same prefix "revives" them, until the block is needed as
-a fresh block for someone else. ``free_block_ids`` is ordered as an LRU list:
-
-    free_block_ids:  [ partial/unhashed ... | hashed, least recently freed ... most recent ]
-                       ^ handed out first from here                 deallocate appends here ^
-
-Reviving takes a block out of the middle of that list, so it is a FreeBlockQueue (a deque
-whose remove() is O(1): engine/free_block_queue.py).
+It decides which physical blocks a sequence uses (its ``block_table``) and how many sequences
+share each (``ref_count``); the ModelRunner turns block tables into slots. Prefix caching: a
+full block is found by a hash chained over every block before it. Freed blocks keep their hash
+and tokens until handed out again, least recently freed first (the guide's Step 3 draws both).
 """
 
 from __future__ import annotations
@@ -50,8 +30,7 @@ class Block:
         self.token_ids = list(token_ids)
 
     def reset(self) -> None:
-        # Handed out as a fresh block IS the first reference (its sequence deallocates it
-        # once): from 0 that deallocate would leave it at -1, never free again.
+        # Being handed out IS the first reference (the guide's "Why ref_count starts at 1").
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
@@ -76,9 +55,7 @@ class BlockManager:
     # ------------------------------------------------------------------ hashing
     @staticmethod
     def compute_hash(token_ids: SequenceOf[int], prefix: int = -1) -> int:
-        """xxhash64 over the previous block's hash (if any) then the tokens as little-endian
-        int64. Chaining makes a block's hash depend on the whole prefix, not just its own
-        tokens: the same 16 tokens after different prompts have different K/V."""
+        """xxhash64 over the previous block's hash (if any), then the tokens as int64."""
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))
@@ -86,21 +63,15 @@ class BlockManager:
         return h.intdigest()  # unsigned 64-bit: never -1
 
     def _match_prefix(self, seq: Sequence, hash_all: bool = True) -> tuple[list[int], list[int]]:
-        """Hash the blocks of ``seq`` and find the leading run of cache hits.
-
-        Returns (hashes, hits): hashes[i] is block i's chained hash (-1 when partial or prefix
-        caching is off); hits are the block ids serving blocks 0..len(hits)-1. Without
-        hash_all, hashing stops at the first miss (-1 after it): enough to find the hits,
-        and a 16k-token prompt's thousand hashes are then computed chunk by chunk, as its
-        chunks register their blocks, not all in the step that admits it.
+        """(hashes, hits): block i's chained hash (-1: partial, or caching off) and the block
+        ids serving the leading run of hits. Without hash_all, hashing stops at the first miss:
+        a long prompt's hashes are then computed chunk by chunk, as its chunks register them.
         """
         hashes: list[int] = []
         hits: list[int] = []
         hit_set: set[int] = set()
         h = -1
-        # A request that wants its prompt's logprobs needs the logits of every prompt token,
-        # and a cached one has none: it reads no hit (vLLM's rule), though its blocks are
-        # registered for later requests as any other's.
+        # A cached prompt token has no logits, so prompt logprobs read no hit (vLLM's rule).
         missed = not self.enable_prefix_caching or seq.needs_prompt_logprobs
         for i in range(seq.num_blocks):
             if missed and not hash_all:  # nothing after the first miss is needed
@@ -116,14 +87,10 @@ class BlockManager:
                 h = self.compute_hash(token_ids, h)
                 seq.block_hashes.append(h)
             hashes.append(h)
-            if missed:
-                # The runner can skip only a leading run of cached tokens (the prefill
-                # computes token_ids[num_cached_tokens:]), so after the first miss every
-                # later block is computed, even if an equal block happens to be cached.
+            if missed:  # only a leading run of hits can be skipped
                 continue
             block_id = self.hash_to_block_id.get(h, -1) if h != -1 else -1
-            # A hit needs the hash AND the same tokens; a block already used by this sequence
-            # can't serve a second position (only possible through a hash collision).
+            # A hit needs the hash AND the same tokens, and a block serves one position only.
             if (block_id == -1 or self.blocks[block_id].token_ids != token_ids
                     or block_id in hit_set):
                 missed = True
@@ -131,10 +98,8 @@ class BlockManager:
                 hits.append(block_id)
                 hit_set.add(block_id)
         if hits and len(hits) == seq.num_blocks:
-            # Fully cached: the runner must still compute at least the last token (its logits
-            # give the next token), so the last block is treated as a miss and recomputed in a
-            # fresh block. Recomputing inside the cached block instead would write into a block
-            # other sequences may be reading at that moment.
+            # Fully cached: the last token's logits are still needed, so the last block is
+            # recomputed, in a fresh block (others may be reading the cached one).
             hits.pop()
         return hashes, hits
 
@@ -148,8 +113,7 @@ class BlockManager:
         if block.ref_count != 0:
             raise RuntimeError(f"free list holds block {block_id} with ref_count "
                                f"{block.ref_count}: the ref counts are corrupt")
-        # Evict: remove the cache entry only if it still names this block (a later block with
-        # the same hash may have taken the entry over).
+        # Evict, unless a later block with the same hash took the entry over.
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
         block.reset()
@@ -159,8 +123,7 @@ class BlockManager:
         """Take one more reference to a cached block; revive it if it was free."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            # Freed but still cached: take it out of the free list (O(1), see above).
-            self.free_block_ids.remove(block_id)
+            self.free_block_ids.remove(block_id)  # freed but still cached: revived
         block.ref_count += 1
 
     def _release_block(self, block_id: int) -> None:
@@ -171,11 +134,9 @@ class BlockManager:
         if block.ref_count > 0:
             return  # another sequence still reads this block
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            # Findable cached block: keep its hash and tokens, append at the MRU end.
-            self.free_block_ids.append(block_id)
+            self.free_block_ids.append(block_id)  # still findable: evicted last
         else:
-            # Partial or no longer findable: no cache value, reuse it first.
-            self.free_block_ids.appendleft(block_id)
+            self.free_block_ids.appendleft(block_id)  # caches nothing: handed out first
 
     # ------------------------------------------------------------------ prefill
     def can_allocate(self, seq: Sequence) -> bool:
@@ -187,96 +148,58 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_computable: int | None = None) -> None:
         """Give seq a block table covering all its tokens, reusing cached prefix blocks.
-        Hits come first and misses after, so reviving hit blocks (out of the middle of the
-        free list) never races with popleft() handing the same block out as fresh.
 
         A fresh full block is registered (findable by later requests) when the step being
         scheduled writes it: every block, unless num_computable says that only the positions
         below it are (chunked prefill: register_full_blocks registers the rest later).
         """
-        if seq.block_table:
-            raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
-        # Registration needs every hash only when all blocks are registered now (num_computable
-        # None); otherwise register_full_blocks hashes the rest as chunks write them.
         hashes, hits = self._match_prefix(seq, hash_all=num_computable is None)
-        shared = sum(1 for b in hits if self.blocks[b].ref_count > 0)
-        if len(self.free_block_ids) < seq.num_blocks - shared:
-            raise RuntimeError(f"cannot allocate {seq.num_blocks - shared} blocks for sequence "
-                               f"{seq.seq_id}: {len(self.free_block_ids)} free "
-                               "(call can_allocate first)")
-        for block_id in hits:
-            self._reuse_block(block_id)
-            seq.block_table.append(block_id)
+        self.allocate_blocks(seq, hits)
         limit = seq.num_tokens if num_computable is None else num_computable
         for i in range(len(hits), seq.num_blocks):
-            block_id = self._allocate_fresh_block()
             if hashes[i] != -1 and (i + 1) * self.block_size <= limit:
-                # Register now: the K/V of this block is written in this very prefill step,
-                # before any later step can read it through another block table. (Within the
-                # step, store_kvcache writes all new K/V before attention reads any.)
+                # Registered before its K/V exists: this very step writes it, and within a
+                # step store_kvcache writes all new K/V before attention reads any.
+                block_id = seq.block_table[i]
                 self.blocks[block_id].update(hashes[i], seq.block(i))
                 self.hash_to_block_id[hashes[i]] = block_id
-            seq.block_table.append(block_id)
-        seq.num_cached_tokens = len(hits) * self.block_size
         # block_hashes lists the registered blocks only (register_full_blocks goes on from it).
         del seq.block_hashes[max(len(hits), limit // self.block_size):]
 
-    # ------------------------------------------------------------------ forking (n > 1)
-    # The completions of one prompt share its full prompt blocks (engine/forks.py): a block
-    # is never written by two sequences, and no K/V is copied.
-    def can_fork(self, seq: Sequence) -> bool:
-        return len(self.free_block_ids) >= seq.num_blocks - num_shared_prompt_blocks(seq)
-
-    def fork(self, source: Sequence, seq: Sequence) -> None:
-        """Give seq, another completion of source's prompt, source's shared prompt blocks
-        and fresh blocks for the rest. The caller makes sure source's K/V of those blocks is
-        written by a step already scheduled (the first completion's last prompt chunk)."""
+    def allocate_blocks(self, seq: Sequence, computed_blocks: list[int]) -> None:
+        """seq's block table: computed_blocks (K/V already there: one more reference each),
+        then fresh blocks for the rest. Shared blocks are taken first, so reviving one (out of
+        the free list's middle) never races with popleft() handing it out as fresh."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks {seq.block_table}")
-        if seq.token_ids[:seq.num_prompt_tokens] != source.token_ids[:source.num_prompt_tokens]:
-            raise ValueError(f"sequence {seq.seq_id} is no completion of sequence "
-                             f"{source.seq_id}'s prompt")
-        num_shared = num_shared_prompt_blocks(seq)
-        if len(source.block_table) < num_shared:
-            raise ValueError(f"sequence {source.seq_id} holds {len(source.block_table)} "
-                             f"blocks, fewer than the {num_shared} to share")
-        needed = seq.num_blocks - num_shared
+        needed = seq.num_blocks - sum(1 for b in computed_blocks if self.blocks[b].ref_count > 0)
         if len(self.free_block_ids) < needed:
-            raise RuntimeError(f"cannot fork {needed} blocks for sequence {seq.seq_id}: "
-                               f"{len(self.free_block_ids)} free (call can_fork first)")
-        for block_id in source.block_table[:num_shared]:
+            raise RuntimeError(f"cannot allocate {needed} blocks for sequence {seq.seq_id}: "
+                               f"{len(self.free_block_ids)} free (call can_allocate first)")
+        for block_id in computed_blocks:
             self._reuse_block(block_id)
             seq.block_table.append(block_id)
-        for _ in range(num_shared, seq.num_blocks):
+        for _ in range(len(computed_blocks), seq.num_blocks):
             seq.block_table.append(self._allocate_fresh_block())
-        seq.num_cached_tokens = num_shared * self.block_size
-        # The shared blocks are registered already (source's prompt chunks registered them);
-        # register_full_blocks goes on after them for seq's own.
-        seq.block_hashes = source.block_hashes[:num_shared]
+        seq.num_cached_tokens = len(computed_blocks) * self.block_size
+
+    def can_fork(self, seq: Sequence) -> bool:
+        """Room for seq, another completion of a running prompt (n > 1, engine/forks.py)?"""
+        return len(self.free_block_ids) >= seq.num_blocks - num_shared_prompt_blocks(seq)
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop seq's references. Blocks reaching 0 go back to the free list, still cached.
-
-        The walk is in reverse so that, among one sequence's blocks, the LAST block is freed
-        first and thus evicted first: a prefix's first blocks are the ones most likely to be
-        shared again (every longer prompt with that prefix needs them), so they live longest.
-        """
+        """Drop seq's references; blocks reaching 0 go back to the free list, still cached.
+        In reverse, so a prefix's first blocks, the likeliest to be shared again, are freed
+        last and thus evicted last. seq.num_cached_tokens stays (a finished sequence's)."""
         for block_id in reversed(seq.block_table):
             self._release_block(block_id)
         seq.block_table.clear()
-        # seq.num_cached_tokens is left as it was: for a finished sequence it still says how
-        # much of its (last) prefill came from the cache. Scheduler.preempt zeroes it, and
-        # allocate() always sets it again.
 
     # ------------------------------------------------------------------ decode
-    # Both are called AFTER the new token was counted in seq.num_tokens (appended, or
-    # pending) but before its K/V is written. Its block is new exactly when the table is one
-    # short, `len(seq.block_table) < seq.num_blocks`; the article's modulo test
-    # `num_tokens % block_size == 1` says the same except at block_size 1, where every token
-    # needs a new block and x % 1 is never 1 (the guide's "Growing by one token").
-    # num_lookahead (speculative decoding): the step also writes the K/V of that many
-    # proposed tokens after the last one, which may need blocks of their own; those are
-    # released after the step (free_lookahead_blocks) and never registered.
+    # Called after the new token is counted in seq.num_tokens, before its K/V is written: it
+    # needs a block exactly when the table is one short (the guide's "Growing by one token").
+    # num_lookahead (speculative decoding): blocks for that many proposed tokens too, released
+    # after the step (free_lookahead_blocks) and never registered.
     def _lookahead_blocks(self, seq: Sequence, num_lookahead: int) -> int:
         """Blocks past seq.num_blocks that num_lookahead more positions reach into."""
         return -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
@@ -315,16 +238,9 @@ class BlockManager:
         del seq.block_hashes[keep:]
 
     def register_full_blocks(self, seq: Sequence, num_written: int) -> None:
-        """Make seq's newly full blocks findable by later requests.
-
-        A block may be registered once its tokens are all known (a pending token's value is
-        not) and the K/V of all of them is written by a step queued before any later one
-        (num_written: positions below it). append() calls this as it schedules the step that
-        writes the block's last slot; with overlapped scheduling that slot's token is often
-        still pending then, and Scheduler.postprocess calls this again once it is known.
-        A running sequence's block_hashes are those of its full blocks registered so far
-        (allocate() registered every full block of the prompt), in order.
-        """
+        """Make seq's newly full blocks findable: once all their tokens are known (a pending
+        token's value is not) and a step queued before any later one writes their K/V (the
+        positions below num_written). seq.block_hashes: its registered blocks, in order."""
         if not self.enable_prefix_caching:
             return
         num_full = min(len(seq.token_ids), num_written) // self.block_size

@@ -2,7 +2,7 @@
 
 The first completion is prefilled as any prompt; the others wait in its `forks` until its
 last prompt chunk is scheduled, then join the front of waiting with `fork_source` naming it.
-At their first admission BlockManager.fork gives each the first's full prompt blocks (one
+At their first admission `fork` gives each the first's full prompt blocks (one
 more reference each) and fresh blocks from the one holding the last prompt token, which
 every completion recomputes in a block of its own, since each writes its own tokens after
 it (the guide's Step 3, "n completions", draws it). After that they are sequences like any
@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from typing import TYPE_CHECKING
+
 from myvllm.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from myvllm.engine.block_manager import BlockManager
 
 
 def make_forks(seq: Sequence) -> None:
@@ -40,6 +45,26 @@ def fork_source(seq: Sequence) -> Sequence | None:
         return None
     num_shared = num_shared_prompt_blocks(seq) * seq.block_size
     return source if source.num_computed_tokens >= num_shared else None
+
+
+def fork(block_manager: BlockManager, source: Sequence, seq: Sequence) -> None:
+    """Give seq, another completion of source's prompt, source's shared prompt blocks and
+    fresh blocks for the rest: a block is never written by two sequences, and no K/V is
+    copied. The caller makes sure source's K/V of those blocks is written by a step already
+    scheduled (the first completion's last prompt chunk)."""
+    if seq.token_ids[:seq.num_prompt_tokens] != source.token_ids[:source.num_prompt_tokens]:
+        raise ValueError(f"sequence {seq.seq_id} is no completion of sequence "
+                         f"{source.seq_id}'s prompt")
+    num_shared = num_shared_prompt_blocks(seq)
+    if len(source.block_table) < num_shared:
+        raise ValueError(f"sequence {source.seq_id} holds {len(source.block_table)} "
+                         f"blocks, fewer than the {num_shared} to share")
+    block_manager.allocate_blocks(seq, source.block_table[:num_shared])
+    # The shared blocks are registered already (source's prompt chunks registered them);
+    # register_full_blocks goes on after them for seq's own.
+    seq.block_hashes = source.block_hashes[:num_shared]
+    # Its shared prefix is no prefix-cache hit: it reports the first's.
+    seq.num_cached_prompt_tokens = source.num_cached_prompt_tokens
 
 
 def release_forks(seq: Sequence, waiting: deque[Sequence]) -> None:

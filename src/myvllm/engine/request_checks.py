@@ -82,6 +82,19 @@ def check_generate_args(prompts: Any, sampling_params: Any) -> list[SamplingPara
     return list(sampling_params)
 
 
+def max_kv_tokens(seq: Sequence, max_model_length: int) -> int:
+    """Most tokens seq can ever need in the KV cache (and in one prefill).
+
+    A sequence is only scheduled while unfinished, i.e. with fewer than max_tokens
+    completion tokens and fewer than max_model_length tokens. The token sampled by its
+    last step is never written to the cache. So it needs room for its prompt, and for at
+    most min(prompt + max_tokens, max_model_length) - 1 tokens once it decodes (a
+    re-prefill after preemption covers the same tokens).
+    """
+    longest = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, max_model_length)
+    return max(seq.num_prompt_tokens, longest - 1)
+
+
 def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
     """Raise ValueError if seq could never run on this scheduler: not a new request, another
     block size, an empty prompt, no room for one completion token, more blocks than the whole
@@ -103,7 +116,7 @@ def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
         raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is {what} "
                          f"max_model_length={scheduler.max_model_length}; the prompt and at "
                          "least one completion token must fit")
-    need_tokens = scheduler.max_kv_tokens(seq)
+    need_tokens = max_kv_tokens(seq, scheduler.max_model_length)
     need_blocks = (need_tokens + scheduler.block_size - 1) // scheduler.block_size
     total_blocks = len(scheduler.block_manager.blocks)
     if need_blocks > total_blocks:
@@ -116,3 +129,15 @@ def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
             f"sequence {seq.seq_id} can grow to {need_tokens} tokens, more than "
             f"max_num_batched_tokens={scheduler.max_num_batched_tokens}: after a preemption it "
             "could never be prefilled again; raise max_num_batched_tokens or shorten it")
+
+
+def no_progress_error(scheduler: Scheduler) -> RuntimeError:
+    """What Scheduler.schedule raises when a step schedules and preempts nothing while work
+    remains (every later step would do the same)."""
+    bm = scheduler.block_manager
+    return RuntimeError(
+        f"Scheduler made no progress: {len(scheduler.waiting)} waiting and "
+        f"{len(scheduler.running)} running sequences, {len(bm.free_block_ids)} of "
+        f"{len(bm.blocks)} blocks free. Either a sequence cannot fit in the KV cache "
+        "(add_sequence should have rejected it), or blocks leaked because their "
+        "ref_count never returned to 0.")

@@ -39,6 +39,18 @@ def short_of_min_tokens(seq: Sequence) -> bool:
     return seq.num_tokens - seq.num_prompt_tokens < seq.sampling_params.min_tokens
 
 
+def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+    """eos (unless ignore_eos) or one of stop_token_ids, once min_tokens completion tokens
+    are there (before, the sampler bans them, _banned_tokens: vLLM's rule)."""
+    params = seq.sampling_params
+    # Known tokens only (num_tokens may count one pending after token_id).
+    if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
+        return False
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return True
+    return params.stop_token_ids is not None and token_id in params.stop_token_ids
+
+
 def processes_logits(seq: Sequence) -> bool:
     """A control of process_logits acts on this row's logits this step."""
     return uses_penalties(seq) or bool(seq.sampling_params.logit_bias) or short_of_min_tokens(seq)

@@ -1,28 +1,10 @@
 """Scheduler: which sequences run in the next forward pass, and whether it is a prefill.
 
-Two queues, and four rules:
-
-    waiting  [s5 s6 s7]  --admit (prefill)-->  running  [s1 s2 s3 s4]
-             ^                                              |
-             +---- preempt: the TAIL of running goes back --+
-                   to the FRONT of waiting, blocks freed
-
-1. Prefill first. If any waiting sequence can be admitted, this step is a prefill of the
-   waiting head(s), and running sequences skip their decode step. Time-to-first-token is what
-   a user notices first, and one prefill step serves many tokens.
-2. Prefills are batched: admit from the head of waiting while the batch stays within
-   max_num_sequences, max_num_batched_tokens and the free blocks. FIFO: when the head does
-   not fit, nobody behind it jumps the queue (and the head is kept, never dropped).
-3. Preemption is by recompute and the victim is the tail of running (the latest admitted):
-   its blocks are freed and it is prefilled again later over prompt + completion so far.
-4. No progress is an error: if a step schedules nothing and preempts nothing while work
-   remains, every later step would do the same, so raise instead of spinning forever.
-
-These rules are Config(enable_chunked_prefill=False), a policy of the one loop below. The
-default replaces rules 1 and 2 by a token budget (engine/chunk_budget.py): every running
-sequence's decode token first, then chunks of prompts fill what is left of
-max_num_batched_tokens. Rules 3 and 4 are the same for both. A request of n > 1 completions
-is queued as its first; the others are forked from it (engine/forks.py).
+Two queues, waiting and running, and four rules (the guide's Step 5): 1. prefill first,
+2. prefills batched FIFO within the step's budgets, 3. preemption by recompute, of the tail
+of running, to the front of waiting, 4. no progress while work remains is an error.
+Rules 1 and 2 are Config(enable_chunked_prefill=False); the default replaces them by a token
+budget (engine/chunk_budget.py, Step 5b): decode rows first, then chunks of prompts.
 """
 
 from __future__ import annotations
@@ -32,8 +14,9 @@ from collections import deque
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
-from myvllm.engine.request_checks import check_schedulable
-from myvllm.engine.forks import fork_source, make_forks, release_forks
+from myvllm.engine.forks import fork, fork_source, make_forks, release_forks
+from myvllm.engine.request_checks import check_schedulable, no_progress_error
+from myvllm.engine.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.engine.spec_decode.scheduling import make_speculator
 
@@ -62,28 +45,13 @@ class Scheduler:
         self.speculator = make_speculator(config)
 
     # ------------------------------------------------------------------ admission
-    def max_kv_tokens(self, seq: Sequence) -> int:
-        """Most tokens this sequence can ever need in the KV cache (and in one prefill).
-
-        A sequence is only scheduled while unfinished, i.e. with fewer than max_tokens
-        completion tokens and fewer than max_model_length tokens. The token sampled by its
-        last step is never written to the cache. So it needs room for its prompt, and for at
-        most min(prompt + max_tokens, max_model_length) - 1 tokens once it decodes (a
-        re-prefill after preemption covers the same tokens).
-        """
-        longest = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens,
-                      self.max_model_length)
-        return max(seq.num_prompt_tokens, longest - 1)
-
     def check_sequence(self, seq: Sequence) -> None:
-        """Raise ValueError if seq could never run here (engine/request_checks.py); queue
-        nothing."""
+        """Raise ValueError if seq could never run here; queue nothing."""
         check_schedulable(seq, self)
 
     def add_sequence(self, seq: Sequence) -> None:
-        """Queue a request. With SamplingParams.n > 1, seq is its first completion and the
-        others are made here (seq.forks): they wait until seq's prefill is scheduled and are
-        then forked from it (engine/forks.py)."""
+        """Queue a request; with SamplingParams.n > 1, seq is its first completion and the
+        others wait in seq.forks (engine/forks.py)."""
         self.check_sequence(seq)
         if seq.sampling_params.n > 1 and not seq.forks:
             make_forks(seq)
@@ -94,19 +62,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch. Never returns an empty batch while work remains.
-
-        One loop for both policies, under a StepBudget of max_num_batched_tokens:
-        1. Prefill first only: admit waiting prompts whole (rule 2); if any fits, that is the
-           step (a prefill, flag True) and the running sequences wait.
-        2. Running sequences, in order: a decode row costs one token (growing it may preempt
-           the tail of running, rule 3); a prompt part-way through gets its next chunk.
-        3. Chunked only: waiting sequences, each admitted with a first chunk after its
-           cached prefix, while budget, sequence slots and blocks last.
-
-        Each scheduled sequence gets num_new_tokens and its num_computed_tokens is advanced
-        past them; the flag is False only for a pure decode step, where every row computes
-        its sequence's last token (the decode kernel, CUDA graphs).
+        """Pick the next batch, one loop for both policies, under a StepBudget: (prefill
+        first only) whole waiting prompts, and if any fits that is the step; the running
+        sequences' decode rows and next chunks; (chunked only) waiting prompts' first chunks.
+        The flag is False only for a pure decode step. Never empty while work remains.
         """
         if self.is_finished():
             return [], False
@@ -132,14 +91,14 @@ class Scheduler:
             # (it frees blocks, finishes sequences, resolves the tokens a prefill needs).
             return [], False
         if not preempted:
-            self._raise_no_progress()  # rule 4
+            raise no_progress_error(self)  # rule 4
         # Everything running was preempted (only one sequence was left and it could not grow).
         # Its blocks are free now, so try again: the next call prefills it or raises above.
         return self.schedule()
 
     def _schedule_running(self, budget: StepBudget, scheduled: list[Sequence]) -> bool:
-        """Step 2 of schedule(): the running sequences' decode rows and next chunks, in
-        order; returns whether any was preempted."""
+        """The running sequences' decode rows and next chunks; returns whether any was
+        preempted."""
         preempted = False
         visited: list[Sequence] = []  # running sequences looked at, in their order
         while self.running and budget.tokens > 0 and len(scheduled) < self.max_num_sequences:
@@ -182,16 +141,14 @@ class Scheduler:
 
     def _admit_waiting(self, budget: StepBudget, scheduled: list[Sequence],
                        whole_prompts: bool) -> None:
-        """Admit from the head of waiting while budget, sequence slots and blocks last. FIFO:
-        when the head does not fit, nobody behind it jumps the queue (the head is kept).
-
-        whole_prompts (prefill first): a prompt must fit the budget whole, counted with its
-        cached prefix, as it is when prefilled again after a preemption."""
+        """Admit from the head of waiting, FIFO, while budget, sequence slots and blocks last.
+        whole_prompts (prefill first): a prompt must fit the budget whole, its cached prefix
+        counted (as it is when prefilled again after a preemption)."""
         while (self.waiting and min(budget.tokens, budget.prompt) > 0
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
-            source = fork_source(seq)  # n > 1: share the first completion's prompt
+            source = fork_source(seq)  # n > 1: share the first completion's prompt blocks
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
                     or not (self.block_manager.can_fork(seq) if source is not None
@@ -200,9 +157,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.fork_source = None  # a fork at the first admission only
             if source is not None:
-                self.block_manager.fork(source, seq)
-                # Its shared prefix is no prefix-cache hit: it reports the first's.
-                seq.num_cached_prompt_tokens = source.num_cached_prompt_tokens
+                fork(self.block_manager, source, seq)
             else:
                 # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
                 self.block_manager.allocate(seq, num_computable=0)
@@ -226,26 +181,12 @@ class Scheduler:
         seq.num_computed_tokens += num_tokens
         self.block_manager.register_full_blocks(seq, num_written=seq.num_computed_tokens)
         if seq.forks and seq.num_computed_tokens == seq.num_tokens:
-            # Its prompt's K/V is all written by this step (or an earlier one): its other
-            # completions can share it from this very step on (store_kvcache writes a step's
-            # K/V before attention reads any).
+            # Its prompt's K/V is written by this step at the latest: its forks may share it.
             release_forks(seq, self.waiting)
 
-    def _raise_no_progress(self) -> None:
-        bm = self.block_manager
-        raise RuntimeError(
-            f"Scheduler made no progress: {len(self.waiting)} waiting and "
-            f"{len(self.running)} running sequences, {len(bm.free_block_ids)} of "
-            f"{len(bm.blocks)} blocks free. Either a sequence cannot fit in the KV cache "
-            "(add_sequence should have rejected it), or blocks leaked because their "
-            "ref_count never returned to 0.")
-
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop seq's blocks and queue it at the FRONT of waiting.
-
-        No K/V is copied anywhere; a block shared with another sequence just loses one
-        reference and the other sequence keeps reading it unchanged.
-        """
+        """Recompute preemption: drop seq's blocks (no K/V copied) and queue it at the FRONT
+        of waiting."""
         if seq in self.running:  # the scheduler pops victims itself; direct callers may not
             self.running.remove(seq)
         self.block_manager.deallocate(seq)
@@ -254,24 +195,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the forward
     def reaches_stop_length(self, seq: Sequence, num_tokens: int) -> bool:
-        """Would seq at num_tokens tokens have reached max_tokens or max_model_length?
-
-        schedule() counts a pending token (seq.num_tokens), postprocess only known ones.
-        """
+        """Would seq at num_tokens tokens have reached max_tokens or max_model_length?"""
         return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
                 or num_tokens >= self.max_model_length)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int],
                     verified: dict[int, list[int]] | None = None) -> list[Sequence]:
-        """Append each sequence's new token; finish and release the ones that stop (eos
-        unless ignore_eos, a stop token, max_tokens, max_model_length). Returns the sequences
-        that finished in this step. A sequence that finished after this step was queued
-        (overlapped scheduling) drops its surplus token.
-
-        verified (speculative decoding): for the index in seqs of each row that verified
-        proposals, the tokens it emitted, appended one by one, each checked for a stop; the
-        row then rolls back to what its accepted tokens wrote.
-        """
+        """Append each sequence's new token, finish the ones that stop; returns those. One
+        already finished (overlapped scheduling) drops its surplus token. verified
+        (speculative decoding): per row index, the tokens a verification row emitted."""
         if len(seqs) != len(token_ids):
             raise ValueError(f"postprocess got {len(token_ids)} tokens for {len(seqs)} sequences")
         finished: list[Sequence] = []
@@ -289,7 +221,7 @@ class Scheduler:
                     self.speculator.observe(seq, len(proposals), len(new_tokens) - 1)
             for token in new_tokens:
                 seq.append_token(token)
-                if self.is_stop_token(seq, token):
+                if is_stop_token(seq, token, self.eos_token_ids):
                     self.finish(seq, "stop")
                 elif self.reaches_stop_length(seq, len(seq.token_ids)):
                     self.finish(seq, "length")
@@ -309,17 +241,6 @@ class Scheduler:
                     self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
 
-    def is_stop_token(self, seq: Sequence, token_id: int) -> bool:
-        """eos (unless ignore_eos) or one of stop_token_ids, once min_tokens completion
-        tokens are there (before, the sampler masks them out: vLLM's rule)."""
-        params = seq.sampling_params
-        # Known tokens only (num_tokens may count one pending after token_id).
-        if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
-            return False
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return True
-        return params.stop_token_ids is not None and token_id in params.stop_token_ids
-
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -331,9 +252,8 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop seq wherever it is (a client went away, generate() interrupted); its blocks
-        are released at once. A step already queued for it still runs, and its token is
-        dropped by postprocess (the sequence is finished by then)."""
+        """Drop seq wherever it is, its blocks released at once; a step already queued for it
+        still runs, and postprocess drops its token."""
         if seq.is_finished:
             return
         if seq in self.running:

@@ -1,15 +1,8 @@
 """Sequence: one request's tokens, its place in the queues, and its block table.
 
-A sequence is the prompt followed by the tokens generated so far. Its K/V lives in the
-paged cache in blocks of ``block_size`` tokens; ``block_table[i]`` is the physical block that
-holds tokens ``i*block_size .. (i+1)*block_size - 1``:
-
-    block_size = 4, 10 tokens          t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .  .
-    block_table = [7, 2, 9]              block 7       block 2       block 9 (2 of 4 used)
-    num_blocks = ceil(10 / 4) = 3,  last_block_num_tokens = 2
-
-The Sequence only *describes* that layout; the BlockManager fills ``block_table`` and
-``num_cached_tokens`` and the ModelRunner turns them into slot numbers.
+``block_table[i]`` is the physical block that holds tokens ``i*block_size ..
+(i+1)*block_size - 1``; the BlockManager fills it and ``num_cached_tokens``, the ModelRunner
+turns them into slot numbers (the guide's Step 3 draws the layout).
 """
 
 from __future__ import annotations
@@ -18,16 +11,13 @@ import operator
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int
 
-from myvllm.engine.core_messages import LogprobsLists
+from myvllm.engine.request_features import RequestFeatures
 from myvllm.engine.sequence_pickling import restore_worker_copy, worker_state
-
-if TYPE_CHECKING:
-    import torch
 
 
 # Why a sequence finished: eos or a stop token, max_tokens or max_model_length, or aborted by
@@ -41,7 +31,7 @@ class SequenceStatus(Enum):
     FINISHED = auto()  # stopped (eos, a stop token, max_tokens, max_model_length); blocks freed
 
 
-class Sequence:
+class Sequence(RequestFeatures):
     # One counter for the process: seq_id is the request's id (EngineCore), orders the
     # outputs, and names the sequence in the steps sent to tensor-parallel workers.
     _ids = count()
@@ -50,9 +40,8 @@ class Sequence:
                  sampling_params: SamplingParams | None = None) -> None:
         if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        # A copy: the caller may reuse or mutate its list; our tokens must not change under us.
-        # operator.index accepts ints and numpy integers but rejects floats and strings (plain
-        # ints skip the per-token call: a prompt can be 40k tokens long).
+        # A copy: the caller may reuse or mutate its list. operator.index accepts numpy
+        # integers but rejects floats and strings (plain ints skip it: prompts can be long).
         tokens = list(token_ids)
         if set(map(type, tokens)) - {int}:
             tokens = [operator.index(t) for t in tokens]
@@ -66,60 +55,29 @@ class Sequence:
         self.last_token: int = tokens[-1] if tokens else -1
         self.num_tokens: int = len(tokens)
         self.num_prompt_tokens: int = len(tokens)
-        # Leading tokens whose K/V came from the prefix cache at the last allocation; always a
-        # multiple of block_size. The runner computes only token_ids[num_cached_tokens:].
-        # 0 while waiting (again) after a preemption; kept after the sequence finishes.
+        # Leading tokens whose K/V came from the prefix cache at the last allocation (a
+        # multiple of block_size); the runner computes only token_ids[num_cached_tokens:].
         self.num_cached_tokens: int = 0
-        # Chunked prefill: leading tokens whose K/V is written by a step already scheduled
-        # (num_cached_tokens at admission, then advanced chunk by chunk), and the tokens the
-        # step being scheduled computes for this sequence (its chunk; 1 for a decode row).
+        # Leading tokens whose K/V a step already scheduled writes, and the tokens the step
+        # being scheduled computes (its chunk; 1 for a decode row).
         self.num_computed_tokens: int = 0
         self.num_new_tokens: int = 0
         # Speculative decoding: the tokens proposed after the last one for the step being
-        # scheduled (its row computes the last token and these: num_new_tokens = 1 + len).
-        # Never in token_ids: only the accepted ones are appended (engine/spec_decode/).
+        # scheduled; never in token_ids (engine/spec_decode/).
         self.spec_token_ids: list[int] = []
         self.block_table: list[int] = []
-        # Chained prefix-cache hashes of the leading full blocks, memoised by the BlockManager
-        # (a full block's tokens never change, so neither does its hash). Rank 0 only: not
-        # shipped to tensor-parallel workers.
+        # Chained prefix-cache hashes of the leading registered full blocks (BlockManager).
         self.block_hashes: list[int] = []
         self.sampling_params: SamplingParams = (sampling_params if sampling_params is not None
                                                 else SamplingParams())
-        # SamplingParams.prompt_logprobs still to compute: the prefill's LM head runs over its
-        # prompt rows too (on every rank), and it reads no prefix-cache hit (a cached token
-        # has no logits). Cleared once all of them reached the host.
-        self.needs_prompt_logprobs: bool = self.sampling_params.prompt_logprobs is not None
         # The next forward is a prefill (new, or after a preemption): a worker gets all tokens.
         self.needs_prefill: bool = True
-        # Counted in num_tokens, not yet in token_ids (add_pending_token); a count because a
-        # worker's copy has no token_ids.
+        # Tokens counted in num_tokens, not yet in token_ids (add_pending_token).
         self.num_pending_tokens: int = 0
-        # Rank 0's per-request state, which ends with the request: num_cached_tokens at the
-        # first admission (a re-prefill's hits on its own freed blocks are no prompt hits);
-        # the prompt logprobs read back so far, until an output carries them away; the seeded
-        # generator (made at the first sampled step); the prompt's distinct ids for
-        # repetition_penalty (engine/sampling_controls.py); the grammar's matcher
-        # (engine/structured_output.py); the row of its token in the last step's sampled-token
-        # pool (engine/token_pool.py); why it finished; and whether someone reads its tokens
-        # as they come (then the steps it decodes in stay short; generate() reads them at
-        # the end: Config.max_prefill_tokens_while_decoding).
-        self.num_cached_prompt_tokens: int | None = None
-        self.prompt_logprobs: LogprobsLists | None = (
-            LogprobsLists([], [], []) if self.needs_prompt_logprobs else None)
-        self.generator: torch.Generator | None = None
-        self.penalty_prompt_ids: torch.Tensor | None = None
-        self.grammar_matcher: Any = None
+        # The row of its token in the last step's sampled-token pool (engine/token_pool.py).
         self.sampled_row: int | None = None
         self.finish_reason: FinishReason | None = None
-        self.streamed: bool = True
-        # SamplingParams.n > 1 (engine/forks.py): the request this sequence is one completion
-        # of (its first completion's seq_id), which completion it is, the others (held by the
-        # first until its prefill's last chunk is scheduled) and, for those, the first.
-        self.request_id: int = self.seq_id
-        self.index: int = 0
-        self.forks: list[Sequence] = []
-        self.fork_source: Sequence | None = None
+        super().__init__(self.seq_id, self.sampling_params)
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -129,15 +87,8 @@ class Sequence:
         return self.token_ids[key]
 
     def append_token(self, token_id: int) -> None:
-        """Record the next sampled token.
-
-        If a slot was reserved for it (add_pending_token), the token fills the oldest
-        reserved slot; otherwise the sequence grows by one.
-        """
-        if self.grammar_matcher is not None and not self.grammar_matcher.accept_token(token_id):
-            # The sampler only picks tokens the matcher's bitmask allowed, so this is a bug.
-            raise RuntimeError(f"sequence {self.seq_id}: token {token_id} was sampled but its "
-                               "grammar does not accept it")
+        """Record the next sampled token, in the oldest pending slot if there is one."""
+        self.check_grammar_accepts(token_id)
         self.token_ids.append(token_id)
         self.last_token = token_id
         if self.num_pending_tokens:
@@ -156,15 +107,9 @@ class Sequence:
         self.spec_token_ids = []
         self.needs_prefill = True
 
-    # A pending token has been sampled on the device but not yet read by the host. With
-    # overlapped ("async") scheduling the engine plans step N+1 before step N's tokens reach
-    # the host, so each sequence of step N counts one token it cannot see yet:
-    #
-    #     token_ids  = [t0 t1 t2 t3 t4]      what the host knows
-    #     num_tokens = 6                     + 1 pending: its K/V slot, its place in a block
-    #
-    # The scheduler and the BlockManager plan with num_tokens (lengths are all they need);
-    # the runner feeds a pending token from the device; postprocess fills it in.
+    # Async scheduling plans step N+1 before step N's tokens reach the host: each sequence of
+    # step N counts one pending token (its K/V slot, its place in a block) that the runner
+    # feeds from the device and postprocess fills in (the guide's Step 6).
     def add_pending_token(self) -> None:
         self.num_tokens += 1
         self.num_pending_tokens += 1
@@ -210,14 +155,12 @@ class Sequence:
         return self.num_tokens - (self.num_blocks - 1) * self.block_size
 
     def block(self, i: int) -> list[int]:
-        """Token ids of logical block i (the last one may be partial, or short by the
-        pending tokens)."""
+        """Token ids of logical block i (the last one may be partial)."""
         if not 0 <= i < self.num_blocks:
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    # Tensor parallelism: what a worker gets of the sequence each step, a partial copy
-    # (sequence_pickling.py says what and why).
+    # Tensor parallelism: a worker gets a partial copy each step (sequence_pickling.py).
     def __getstate__(self) -> tuple[Any, ...]:
         return worker_state(self)
 
