@@ -40,6 +40,7 @@ from myvllm.engine.logprobs import (LogprobRows, PromptSpan, StepLogprobs, promp
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.spec_decode.draft_proposer import make_draft_proposer
 from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTokens,
                                                     greedy_fast_path_applies, greedy_verify,
                                                     has_proposals, verification_decode_step,
@@ -122,6 +123,8 @@ class ModelRunner:
             head_dim=get_head_dim(self.hf_config),
             dtype=resolve_kv_cache_dtype(config, self.dtype))
         self.num_kvcache_blocks = 0  # set by initialize_cache
+        # speculative_method "draft": the draft model and its own KV cache (rank 0 only).
+        self.draft = make_draft_proposer(config, self.hf_config)
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
@@ -134,10 +137,14 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
         if on_gpu:
             warmup.warmup_model(self)
+        # A draft model's cache has a block for each of the target's (same block tables).
+        draft_bytes = self.draft.block_bytes if self.draft is not None else 0
         num_blocks = count_blocks(self.config, self.kv_layout, self.device,
-                                  self.inputs.max_blocks_per_seq)
+                                  self.inputs.max_blocks_per_seq, draft_bytes)
         self.k_cache, self.v_cache = allocate_kv_cache(self.attention_layers, self.kv_layout,
                                                        num_blocks, self.device)
+        if self.draft is not None:
+            self.draft.allocate_cache(num_blocks)
         self.num_kvcache_blocks = num_blocks
         if on_gpu:
             warmup.warmup_cached_prefix_prefill(self)
@@ -229,6 +236,8 @@ class ModelRunner:
         # Speculative decoding: rows that verify proposals (scheduled as a prefill-path step;
         # with no prompt chunk beside them they run as decode rows).
         verification = VerificationRows(seqs) if has_proposals(seqs) else None
+        # A draft model fills the rows' proposal slots first (and gives their q).
+        draft_probs = self.draft.propose(seqs) if self.draft is not None else None
         verified = None
         as_decode_rows = (verification is not None and not spans
                           and verifies_as_decode(seqs, self.config.max_num_sequences))
@@ -247,7 +256,7 @@ class ModelRunner:
                                   self.hf_config.vocab_size)
             if verification is not None:
                 verified = VerifiedTokens(*verify(seqs, verification, logits, args,
-                                                  self.inputs.fresh.tensor))
+                                                  self.inputs.fresh.tensor, draft_probs))
                 # The one-token-per-row sampling below reads each row's last logits.
                 logits = logits[self.inputs.fresh.tensor(verification.last_rows, torch.int64)]
             # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.

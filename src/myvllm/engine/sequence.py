@@ -79,6 +79,9 @@ class Sequence:
         # scheduled (its row computes the last token and these: num_new_tokens = 1 + len).
         # Never in token_ids: only the accepted ones are appended (engine/spec_decode/).
         self.spec_token_ids: list[int] = []
+        # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
+        # (engine/spec_decode/draft_proposer.py).
+        self.num_preemptions: int = 0
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading full blocks, memoised by the BlockManager
         # (a full block's tokens never change, so neither does its hash). Rank 0 only: not
@@ -154,6 +157,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.spec_token_ids = []
+        self.num_preemptions += 1
         self.needs_prefill = True
 
     # A pending token has been sampled on the device but not yet read by the host. With
