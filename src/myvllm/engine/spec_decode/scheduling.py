@@ -84,6 +84,7 @@ class Speculator:
     def state(self, seq: Sequence) -> SequenceSpecState:
         state = self.states.get(seq)
         if state is None:
+            assert isinstance(self.proposer, NgramProposer), "prompt lookup's state only"
             state = self.states[seq] = SequenceSpecState(self.proposer.new_index())
         return state
 
