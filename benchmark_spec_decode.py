@@ -1,7 +1,11 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding: ms per output token.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding: ms
+per output token.
 
     uv run python benchmark_spec_decode.py --quick      # tiny CPU run: correctness, counts
     python benchmark_spec_decode.py                     # on a GPU: the bundled SmolLM2
+    python benchmark_spec_decode.py --method draft      # a draft model proposes (default:
+                                                        # the target itself, which measures
+                                                        # the mechanism, not a speed-up)
     python benchmark_spec_decode.py --profile           # and where a verification step's
                                                         # time goes (torch.profiler)
 
@@ -69,6 +73,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram",
+                        help="speculative_method")
+    parser.add_argument("--draft-model", default=None,
+                        help="--method draft: speculative_model (default: the target itself)")
     parser.add_argument("--profile", action="store_true",
                         help="after the table: torch.profiler over one speculative copy run "
                         "at batch 1; per engine step the launches, copies and host waits, "
@@ -122,12 +130,21 @@ def main() -> None:
         settings.update(num_kvcache_blocks=16384, max_model_length=2048)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     plain = LLM(model, **settings)
-    spec = LLM(model, **settings, speculative_method="ngram", num_speculative_tokens=args.k,
-               prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
+    if args.method == "draft":
+        from myvllm.utils.model_path import bundled_model_path
+
+        draft = args.draft_model or model or bundled_model_path()
+        spec = LLM(model, **settings, speculative_method="draft", speculative_model=draft,
+                   num_speculative_tokens=args.k)
+        print(f"# draft-model speculation ({draft}), k={args.k}, {args.max_tokens} tokens, "
+              "greedy")
+    else:
+        spec = LLM(model, **settings, speculative_method="ngram", num_speculative_tokens=args.k,
+                   prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
+        print(f"# n-gram speculation, k={args.k}, lookup {args.lookup_min}..{args.lookup_max}, "
+              f"{args.max_tokens} tokens, greedy")
     speculator = spec.engine_core.scheduler.speculator
     assert speculator is not None
-    print(f"# n-gram speculation, k={args.k}, lookup {args.lookup_min}..{args.lookup_max}, "
-          f"{args.max_tokens} tokens, greedy")
     print(f"{'workload':<8} {'batch':>5} {'correct':>7} {'accept':>7} {'mean len':>8} "
           f"{'plain ms/tok':>12} {'spec ms/tok':>11} {'speed-up':>8}")
     for name, base in (("copy", copy), ("free", free)):

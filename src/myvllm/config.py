@@ -165,8 +165,8 @@ class Config:
     speculative_method: str | None = None
     """Speculative decoding (vLLM's name): None = off; "ngram" = prompt lookup, the next
     tokens proposed by finding the sequence's last few tokens earlier in it and copying what
-    followed; "draft" = a second, small model proposes (speculative_model; not implemented
-    yet: refused). Each decode row then computes its last token and the proposals in one
+    followed; "draft" = a second, small model with the target's vocabulary proposes them
+    (speculative_model; one GPU only, its steps eager). Each decode row then computes its last token and the proposals in one
     forward pass, and rejection sampling keeps the tokens the target model would have drawn
     itself (engine/spec_decode/). With async scheduling, a step whose rows verify proposals,
     or are about to look up the next ones, is read back before the next step is planned
@@ -185,7 +185,8 @@ class Config:
 
     speculative_model: str | None = None
     """speculative_method "draft": the draft model (a checkpoint or .gguf with the target's
-    vocabulary)."""
+    vocabulary; another vocabulary size is refused at start-up). It runs in the same engine
+    with a KV cache of its own, a block for each of the target's."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Config:
         # The dataclass writes __init__; Python calls __new__ with the same arguments first,
@@ -299,11 +300,16 @@ def _check_speculative(config: Config) -> None:
         raise ValueError(f"Config.speculative_model must be a str path/hub id or None, "
                          f"got {type(model).__name__} {model!r}")
     if method == "draft":
-        # Refused before any weight is read: a second model with its own KV blocks is not
-        # built yet, and silently decoding without it would hide that.
-        raise ValueError('Config.speculative_method="draft" (a draft model) is not '
-                         'implemented yet; use "ngram" (prompt lookup) or None')
-    if model is not None:
+        if model is None:
+            raise ValueError('Config.speculative_method="draft" needs Config.speculative_model '
+                             "(a checkpoint dir or .gguf with the target's vocabulary)")
+        if config.tensor_parallel_size > 1:
+            # The draft runs unsharded beside rank 0's runner, and its layers would shard
+            # themselves over the target's process group.
+            raise ValueError('Config.speculative_method="draft" runs on one GPU: it cannot '
+                             f"combine with tensor_parallel_size={config.tensor_parallel_size} "
+                             '(use 1, or speculative_method="ngram")')
+    elif model is not None:
         raise ValueError(f"Config.speculative_model={model!r} is only read with "
                          f'speculative_method="draft", got speculative_method={method!r}')
 

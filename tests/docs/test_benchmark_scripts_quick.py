@@ -29,7 +29,10 @@ pytestmark = pytest.mark.slow
     ["benchmark_sampler.py"],
     # Greedy tokens with n-gram speculation equal plain decoding's, copy-heavy and free.
     ["benchmark_spec_decode.py"],
-], ids=["prefilling", "prefilling-prefix", "decoding", "moe", "sampler", "spec-decode"])  # fmt: skip
+    # The same with the target as its own draft model.
+    ["benchmark_spec_decode.py", "--method", "draft"],
+], ids=["prefilling", "prefilling-prefix", "decoding", "moe", "sampler", "spec-decode",
+        "spec-decode-draft"])  # fmt: skip
 def test_benchmark_quick_mode_is_correct(command: list[str]) -> None:
     pytest.importorskip("triton")
     script, *extra = command

@@ -89,3 +89,39 @@ def test_gpu_async_speculation_takes_the_fast_path_and_keeps_the_tokens(
                                                                use_tqdm=False)]
         spec.exit()
     assert sampled[True] == sampled[False]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(),
+    dict(num_kvcache_blocks=24, block_size=16),  # preemption
+], ids=["graphs", "preemption"])
+def test_gpu_draft_model_greedy_equals_plain(settings: dict[str, object]) -> None:
+    """The target's steps in CUDA graphs, the draft's eager beside them on its own cache
+    (same blocks): the target as its own draft is accepted at every position (fp32), a
+    different random draft is mostly rejected; the tokens equal plain decoding's."""
+    import tempfile
+    from pathlib import Path
+
+    from helpers_models import build_tiny_checkpoint
+
+    path = str(tiny_checkpoint("qwen3"))
+    other = str(build_tiny_checkpoint("llama", Path(tempfile.mkdtemp()) / "draft", seed=5))
+    common = dict(dtype="float32", max_model_length=256, **settings)
+    plain = LLM(path, **common)
+    expected = [o["token_ids"] for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
+    plain.exit()
+    for draft, all_accepted in ((path, True), (other, False)):
+        spec = LLM(path, **common, speculative_method="draft", speculative_model=draft,
+                   num_speculative_tokens=4)
+        got = [o["token_ids"] for o in spec.generate(prompts(), GREEDY, use_tqdm=False)]
+        assert got == expected
+        speculator = spec.engine_core.scheduler.speculator
+        assert speculator is not None and speculator.stats.num_drafts > 0
+        stats = speculator.stats
+        assert (stats.num_accepted_tokens == stats.num_draft_tokens) == all_accepted
+        sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=32, ignore_eos=True,
+                                 seed=1)
+        first = [o["token_ids"] for o in spec.generate(prompts(), sampled, use_tqdm=False)]
+        assert [o["token_ids"] for o in spec.generate(prompts(), sampled,
+                                                      use_tqdm=False)] == first
+        spec.exit()

@@ -37,3 +37,29 @@ def test_async_speculation_keeps_the_tokens_and_overlaps_backed_off_steps() -> N
                                                               use_tqdm=False)]
         llm.exit()
     assert results[True] == results[False]
+
+
+@pytest.mark.slow
+def test_async_draft_speculation_keeps_the_tokens() -> None:
+    """A draft model proposes at every decode step, so every step with proposals is read
+    back before the next is planned: the tokens are plain decoding's (greedy, the target as
+    its own draft: all accepted) and the synchronous engine's (seeded sampling)."""
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = [[5, 6, 7, 8, 9, 10, 11] * 5, *random_prompts([23, 9], seed=7)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    expected = [o["token_ids"] for o in LLM(path, **COMMON, dtype="float32").generate(
+        prompts, greedy, use_tqdm=False)]
+    results = {}
+    for mode in (False, True):
+        llm = LLM(path, **COMMON, dtype="float32", speculative_method="draft",
+                  speculative_model=path, async_scheduling=mode)
+        got = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert got == expected
+        speculator = llm.engine_core.scheduler.speculator
+        assert speculator is not None
+        assert speculator.stats.num_accepted_tokens == speculator.stats.num_draft_tokens > 0
+        seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+        results[mode] = [o["token_ids"] for o in llm.generate(prompts, seeded,
+                                                              use_tqdm=False)]
+        llm.exit()
+    assert results[True] == results[False]

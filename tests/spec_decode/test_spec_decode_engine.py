@@ -179,7 +179,7 @@ def test_stepwise_outputs_carry_several_tokens() -> None:
 
 @pytest.mark.parametrize("settings, message", [
     (dict(speculative_method="eagle"), "speculative_method must be None or one of"),
-    (dict(speculative_method="draft"), "not implemented"),
+    (dict(speculative_method="draft"), "needs Config.speculative_model"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2),
      "prompt_lookup_min"),

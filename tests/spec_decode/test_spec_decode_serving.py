@@ -1,6 +1,7 @@
 """Speculative decoding behind the server's client (AsyncLLM: the engine core in a child
 process, as under `myvllm serve`): streamed tokens equal the in-process engine's, a stop
-string cuts the text where it would without speculation, and /metrics counts the proposals.
+string cuts the text where it would without speculation, and /metrics counts the proposals
+(prompt lookup's and a draft model's).
 
 Slow: it starts an engine core process and an in-process engine (tens of seconds here).
 """
@@ -20,7 +21,8 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11] * 5
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def test_async_llm_streams_verified_tokens_and_counts_them() -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_async_llm_streams_verified_tokens_and_counts_them(method: str) -> None:
     from myvllm.engine.async_llm import AsyncLLM
     from myvllm.entrypoints.metrics import PrometheusStatLogger
 
@@ -28,7 +30,10 @@ def test_async_llm_streams_verified_tokens_and_counts_them() -> None:
     settings = dict(model=path, max_model_length=128, num_kvcache_blocks=64)
     expected = LLM(**settings).generate([PROMPT], PARAMS, use_tqdm=False)[0]["token_ids"]
     stat_logger = PrometheusStatLogger("tiny")
-    llm = AsyncLLM(Config(**settings, speculative_method="ngram"), stat_logger=stat_logger)
+    # "draft": the target as its own draft model, in the core process beside it.
+    spec = dict(speculative_method=method,
+                speculative_model=path if method == "draft" else None)
+    llm = AsyncLLM(Config(**settings, **spec), stat_logger=stat_logger)
 
     async def stream(prompt: str | list[int], stop: tuple[str, ...] = ()) -> tuple[list[int], str]:
         token_ids, text = [], ""

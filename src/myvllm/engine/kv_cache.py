@@ -41,9 +41,11 @@ class KVCacheLayout:
 
 
 def count_blocks(config: Config, layout: KVCacheLayout, device: torch.device,
-                 max_blocks_per_seq: int) -> int:
-    """The number of blocks to allocate (the guide's Step 4, "Start-up"); collective under
-    tensor parallelism."""
+                 max_blocks_per_seq: int, draft_block_bytes: int = 0) -> int:
+    """The number of blocks to allocate; under tensor parallelism the minimum over ranks
+    (collective: every rank calls it). draft_block_bytes: what a draft model's cache takes
+    per block (speculative decoding), allocated beside each block of the target's."""
+    block_bytes = layout.block_bytes + draft_block_bytes
     if config.num_kvcache_blocks > 0:
         num_blocks = config.num_kvcache_blocks
     elif device.type == "cuda":
@@ -53,10 +55,10 @@ def count_blocks(config: Config, layout: KVCacheLayout, device: torch.device,
         # What the warm-up needed beyond the weights is what every step may need again.
         activation_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
         budget = int(total * config.gpu_memory_utilization) - used - activation_peak
-        num_blocks = budget // layout.block_bytes
+        num_blocks = budget // block_bytes
     else:
         num_blocks = min(config.max_num_sequences * max_blocks_per_seq,
-                         CPU_KV_CACHE_BYTES // layout.block_bytes)
+                         CPU_KV_CACHE_BYTES // block_bytes)
     if get_tp_size() > 1:
         # The minimum, or rank 0's block tables would point past another rank's cache.
         count = torch.tensor([num_blocks], dtype=torch.int64, device=device)
@@ -64,7 +66,7 @@ def count_blocks(config: Config, layout: KVCacheLayout, device: torch.device,
         num_blocks = int(count.item())
     if num_blocks <= 0:
         raise RuntimeError(
-            f"No memory left for the KV cache ({layout.block_bytes} bytes per block of "
+            f"No memory left for the KV cache ({block_bytes} bytes per block of "
             f"{layout.block_size} tokens). Lower max_num_batched_tokens or max_model_length, "
             "or raise gpu_memory_utilization."
         )

@@ -25,6 +25,7 @@ from myvllm.engine.logits_features import LogitsFeatures
 from myvllm.engine.model_loading import CausalLM, build_model
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.spec_decode.draft_proposer import make_draft_proposer
 from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTokens,
                                                     greedy_fast_path_applies, greedy_verify,
                                                     has_proposals, verification_decode_step,
@@ -75,6 +76,8 @@ class ModelRunner:
             head_dim=get_head_dim(self.hf_config),
             dtype=resolve_kv_cache_dtype(config, self.dtype))
         self.num_kvcache_blocks = 0  # set by initialize_cache
+        # speculative_method "draft": the draft model and its own KV cache (rank 0 only).
+        self.draft = make_draft_proposer(config, self.hf_config)
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
@@ -84,10 +87,14 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
         if on_gpu:
             warmup.warmup_model(self)
+        # A draft model's cache has a block for each of the target's (same block tables).
+        draft_bytes = self.draft.block_bytes if self.draft is not None else 0
         num_blocks = count_blocks(self.config, self.kv_layout, self.device,
-                                  self.inputs.max_blocks_per_seq)
+                                  self.inputs.max_blocks_per_seq, draft_bytes)
         self.k_cache, self.v_cache = allocate_kv_cache(self.attention_layers, self.kv_layout,
                                                        num_blocks, self.device)
+        if self.draft is not None:
+            self.draft.allocate_cache(num_blocks)
         self.num_kvcache_blocks = num_blocks
         if on_gpu:
             warmup.warmup_cached_prefix_prefill(self)
@@ -162,6 +169,8 @@ class ModelRunner:
         # Speculative decoding: rows that verify proposals (scheduled as a prefill-path step;
         # with no prompt chunk beside them they run as decode rows).
         verification = VerificationRows(seqs) if has_proposals(seqs) else None
+        # A draft model fills the rows' proposal slots first (and gives their q).
+        draft_probs = self.draft.propose(seqs) if self.draft is not None else None
         verified = None
         as_decode_rows = (verification is not None and not features.prompt_spans
                           and verifies_as_decode(seqs, self.config.max_num_sequences))
@@ -178,7 +187,8 @@ class ModelRunner:
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
             args = prepare_sample(seqs, to_device, self.device)
             if verification is not None:
-                verified = VerifiedTokens(*verify(seqs, verification, logits, args, to_device))
+                verified = VerifiedTokens(*verify(seqs, verification, logits, args,
+                                                  to_device, draft_probs))
                 # The one-token-per-row sampling below reads each row's last logits.
                 logits = logits[to_device(verification.last_rows, torch.int64)]
             tokens = features.sample(self.sampler, logits[:num_seqs], args,

@@ -65,6 +65,9 @@ class Sequence(RequestFeatures):
         # Speculative decoding: the tokens proposed after the last one for the step being
         # scheduled; never in token_ids (engine/spec_decode/).
         self.spec_token_ids: list[int] = []
+        # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
+        # (engine/spec_decode/draft_proposer.py).
+        self.num_preemptions: int = 0
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading registered full blocks (BlockManager).
         self.block_hashes: list[int] = []
@@ -105,6 +108,7 @@ class Sequence(RequestFeatures):
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.spec_token_ids = []
+        self.num_preemptions += 1
         self.needs_prefill = True
 
     # Async scheduling plans step N+1 before step N's tokens reach the host: each sequence of

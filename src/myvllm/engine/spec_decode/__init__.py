@@ -3,6 +3,8 @@ the ones the target model would have produced itself.
 
     ngram_proposer.py      NgramProposer: prompt lookup, the proposals copied from earlier in
                            the sequence (host only, no model)
+    draft_proposer.py      DraftProposer: a small model of the target's vocabulary proposes,
+                           with a KV cache of its own read through the target's block tables
     scheduling.py          the scheduler's side: how many proposals a decode row may carry,
                            and what an accepted count does to the sequence and its blocks
     verification.py        the model runner's side: which rows' logits a step needs, and

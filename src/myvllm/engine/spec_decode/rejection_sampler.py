@@ -80,7 +80,7 @@ def rejection_sample(
         accepted = draft_token_ids == greedy_tokens[:, :k]
         emitted = greedy_tokens
     else:
-        probs = _target_probs(target_logits, temperatures, top_ks, top_ps)
+        probs = target_probs(target_logits, temperatures, top_ks, top_ps)
         p_draft = probs[:, :k].gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
         if draft_probs is None:  # deterministic proposer: q(d) = 1, q = one-hot
             q = torch.zeros_like(probs)
@@ -113,7 +113,7 @@ def rejection_sample(
     return out
 
 
-def _target_probs(logits: torch.Tensor, temperatures: torch.Tensor,
+def target_probs(logits: torch.Tensor, temperatures: torch.Tensor,
                   top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
     """softmax(filter(logits / T)) at every position, each row's settings for all of its
     positions. Greedy rows divide by 1 (their p is not read)."""

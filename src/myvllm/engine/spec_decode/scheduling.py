@@ -35,7 +35,7 @@ that finds nothing; after m misses in a row the sequence skips the lookup for it
 half resets m. Free text then soon decodes plainly, overlapped, and tries again now and
 then; copying text rarely misses. (vLLM turns speculation off above a batch size instead;
 this rule is per sequence.) Which tokens come out never depends on it: only which steps
-verify.
+verify. The back-off is prompt lookup's: a draft model proposes at every decode step.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from myvllm.engine.spec_decode.stats import SpecDecodeStats
 
 MAX_MISSES = 6
 MAX_SKIPPED_STEPS = 2**MAX_MISSES  # decode steps a sequence skips the lookup, at most
+DRAFT_SLOT = 0  # a proposal slot the draft model has not filled yet
 
 
 @dataclass
@@ -65,11 +66,16 @@ class SequenceSpecState:
 
 class Speculator:
     def __init__(self, config: Config) -> None:
-        if config.speculative_method != "ngram":
+        if config.speculative_method not in ("ngram", "draft"):
             raise ValueError(f"no proposer for speculative_method "
                              f"{config.speculative_method!r}")
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # A draft model's proposals are made by the model runner, just before the step
+        # that verifies them (spec_decode/draft_proposer.py): here the row only gets its
+        # slots, DRAFT_SLOT each, and the blocks they need.
+        self.proposer: NgramProposer | None = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.speculative_method == "ngram" else None)
         self.stats = SpecDecodeStats()
         # Dropped with the sequence (no finish hook needed).
         self.states: weakref.WeakKeyDictionary[Sequence, SequenceSpecState] = (
@@ -78,6 +84,7 @@ class Speculator:
     def state(self, seq: Sequence) -> SequenceSpecState:
         state = self.states.get(seq)
         if state is None:
+            assert isinstance(self.proposer, NgramProposer), "prompt lookup's state only"
             state = self.states[seq] = SequenceSpecState(self.proposer.new_index())
         return state
 
@@ -98,7 +105,7 @@ class Speculator:
             return False
         state = self.states.get(seq)
         return (not isinstance(self.proposer, NgramProposer) or state is None
-                or state.steps_to_skip == 0)
+                or state.steps_to_skip == 0)  # a draft model needs them at every step
 
     def propose(self, seq: Sequence, max_model_length: int, budget: int) -> list[int]:
         """Proposals for seq's next decode row; budget: the step's tokens left, the row's
@@ -117,6 +124,8 @@ class Speculator:
         limit = min(self.num_speculative_tokens, left - 1, budget - 1)
         if limit <= 0:
             return []
+        if self.proposer is None:
+            return [DRAFT_SLOT] * limit  # the draft model fills them (see __init__)
         if state is None:
             return self.proposer.propose(seq.token_ids, limit)
         proposals = state.index.propose(seq.token_ids, limit)

@@ -117,8 +117,10 @@ class VerificationRows:
 
 
 def verify(seqs: list[Sequence], rows: VerificationRows, logits: torch.Tensor,
-           args: SamplingArgs, to_device: ToDevice) -> tuple[list[int], torch.Tensor]:
-    """Rejection sampling of the rows with proposals (args: the step's, one per sequence).
+           args: SamplingArgs, to_device: ToDevice, draft_probs: torch.Tensor | None = None
+           ) -> tuple[list[int], torch.Tensor]:
+    """Rejection sampling of the rows with proposals (args: the step's, one per sequence;
+    draft_probs: a draft model's q [rows with proposals, k, vocab], None for prompt lookup).
     Returns (their indices in seqs, their emitted tokens [len, k+1] int64 on the device,
     PLACEHOLDER padded)."""
     spec = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
@@ -136,7 +138,7 @@ def verify(seqs: list[Sequence], rows: VerificationRows, logits: torch.Tensor,
         [len(seqs[i].spec_token_ids) for i in spec], args.temperatures[at],
         args.top_ks[at] if args.top_ks is not None else None,
         args.top_ps[at] if args.top_ps is not None else None,
-        generators, all_greedy=args.all_greedy)
+        generators, draft_probs, all_greedy=args.all_greedy)
     return spec, emitted
 
 
