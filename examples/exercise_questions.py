@@ -88,8 +88,8 @@ QUESTIONS: dict[str, list[Question]] = {
                  "The memory budget, not the block size, fixes it; the token capacity stays "
                  "the same up to rounding.", ("up", "down", "same")),
         Question("decided_by", "Which function decides the number of blocks?", "choice",
-                 "kv_cache.count_blocks: num_blocks = budget // layout.block_bytes, with "
-                 "KVCacheLayout.block_bytes = block_size * 2 * layers * kv_heads * head_dim * "
+                 "kv_cache.count_blocks: num_blocks = budget // block_bytes, with "
+                 "block_bytes = KVCacheLayout.block_bytes = block_size * 2 * layers * kv_heads * head_dim * "
                  "dtype size.", ("count_blocks", "allocate_kv_cache", "BlockManager")),
         Question("seqs_256", "How many sequences of 114 tokens fit at block size 256?", "number",
                  "Each sequence takes a whole block of 256 slots for its 114 tokens: 142 of "
