@@ -254,11 +254,17 @@ ENCODED = ["Hello, world!", "  two spaces and a tab\t", "héllo wörld \U0001f60
 def check_exported_tokenizer(model: str, out: Path) -> None:
     """`myvllm export-tokenizer MODEL OUT` writes what AutoTokenizer loads offline, and
     that tokenizer encodes as the engine's own."""
+    assert cli.main(["export-tokenizer", model, str(out)]) == 0
+    check_tokenizer_folder(model, out)
+
+
+def check_tokenizer_folder(model: str, out: Path) -> None:
+    """The tokenizer exported to OUT loads offline and encodes as MODEL's engine does.
+    (The bundled GGUF's export is checked so in test_lm_eval.py, which exports it anyway.)"""
     from transformers import AutoTokenizer
 
     from myvllm.engine.startup import tokenizer_if_any
 
-    assert cli.main(["export-tokenizer", model, str(out)]) == 0
     exported = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     engine = tokenizer_if_any(model)
     for text in ENCODED:
@@ -269,13 +275,6 @@ def check_exported_tokenizer(model: str, out: Path) -> None:
 
 def test_export_tokenizer_of_a_checkpoint(tiny_path: Path, tmp_path: Path) -> None:
     check_exported_tokenizer(str(tiny_path), tmp_path / "tokenizer")
-
-
-@pytest.mark.slow
-def test_export_tokenizer_of_the_bundled_gguf(tmp_path: Path) -> None:
-    from myvllm.utils.model_path import bundled_model_path
-
-    check_exported_tokenizer(bundled_model_path(), tmp_path / "tokenizer")
 
 
 def test_export_tokenizer_of_a_missing_model_is_an_error(

@@ -13,7 +13,8 @@ tmp_path (a task YAML and a jsonl dataset each; no hub, no network):
   batch size 4 is concurrency here) on a generation task: every answer equals transformers'
   greedy continuation of the chat template's prompt, cut at the task's stop string.
 
-The tokenizer lm-eval counts and splits tokens with comes from `myvllm export-tokenizer`.
+The tokenizer lm-eval counts and splits tokens with comes from `myvllm export-tokenizer`; a test
+checks that it encodes as the engine's own (test_cli.py checks a checkpoint's export so).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_cli import free_port, serve_subprocess
+from test_cli import check_tokenizer_folder, free_port, serve_subprocess
 
 pytestmark = pytest.mark.slow
 
@@ -220,6 +221,12 @@ def reference_chat_answer(model: Any, tokenizer: Any, question: str) -> str:
     if tokenizer.eos_token_id in answer:
         answer = answer[:answer.index(tokenizer.eos_token_id)]
     return tokenizer.decode(answer, skip_special_tokens=True).split(STOP)[0]
+
+
+def test_the_exported_tokenizer_encodes_as_the_engine(lm_eval_samples: dict[str, Any]) -> None:
+    """`myvllm export-tokenizer` of the bundled GGUF (run by the fixture, as a user runs it)
+    wrote a tokenizer that loads offline and encodes, ends and chats as the engine's own."""
+    check_tokenizer_folder(lm_eval_samples["model"], Path(lm_eval_samples["tokenizer"]))
 
 
 def test_local_completions_loglikelihoods_equal_transformers(
