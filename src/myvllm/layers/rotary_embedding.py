@@ -1,20 +1,7 @@
-"""Rotary position embedding (RoPE), in the "neox" / half-rotation layout of HF Qwen3/Llama.
-
-Each head vector of q and k is split into two halves, and pair i = (x[i], x[i + D/2]) is
-rotated by the angle  position * inv_freq[i]:
-
-    x = [ x1 (D/2) | x2 (D/2) ]
-    out = [ x1*cos - x2*sin | x2*cos + x1*sin ]
-
-cos and sin for every position up to max_position are computed once, in float32, and looked
-up per token with the token's absolute position (so a sequence whose prefix came from the
-cache still rotates its new tokens at positions num_cached_tokens, num_cached_tokens+1, ...).
-The rotation itself is kernels.norm_rope: one Triton kernel on the GPU, the PyTorch reference
-on the CPU. On the GPU Qwen3's per-head q_norm and k_norm leave their work to it
-(layers/fused.py), so one launch normalises and rotates every head of q and k.
-
-The frequencies, with the scalings supported (None/"default", "llama3"), are in
-layers/rope_scaling.py.
+"""Rotary position embedding (RoPE), the neox / half-rotation layout of HF Qwen3 and Llama:
+pair (x[i], x[i + D/2]) of each head turns by position * inv_freq[i], the position absolute
+(a cached prefix's new tokens start at num_cached_tokens). kernels.norm_rope rotates, on a GPU
+after Qwen3's q_norm/k_norm (layers/fused.py); the frequencies are in layers/rope_scaling.py.
 """
 
 from __future__ import annotations
@@ -105,14 +92,9 @@ def _freeze(value: object) -> object:
 def get_rope(
     head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
 ) -> RotaryEmbedding:
-    """A RoPE module for these settings.
-
-    Every layer gets its own small module, but all of them hold the SAME cos/sin table (40960
-    x 128 floats is 20 MB; one per layer would be 560 MB for Qwen3-0.6B). The table is cached
-    per default device, where it is created. Sharing the tensor rather than the module means
-    moving one model (model.to(...)) gives that model's modules a new tensor and leaves the
-    cached table, and every other model, alone.
-    """
+    """A RoPE module for these settings; every layer's holds the SAME cos/sin table (one per
+    layer would be 560 MB for Qwen3-0.6B), cached per default device. model.to(...) gives that
+    model's modules a new tensor and leaves the cached table alone."""
     scaling_items = (
         tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())) if rope_scaling else ()
     )

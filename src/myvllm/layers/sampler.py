@@ -1,26 +1,12 @@
-"""Turn the last-token logits of each sequence into the next token.
+"""Turn each sequence's last-token logits into the next token.
 
-Per row (sequence), from its own SamplingParams:
+    temperature == 0   greedy: argmax of the raw logits
+    otherwise          logits / temperature -> min-p -> top-k -> top-p -> sample
 
-    temperature == 0   greedy: argmax of the raw logits (exact, no noise involved)
-    otherwise          logits / temperature -> min-p -> top-k filter -> top-p filter -> sample
-
-The controls that act before temperature (logit bias, min_tokens, penalties) are applied to
-the logits by layers/logits_processors.py before they reach the Sampler.
-
-Sampling uses the exponential ("Gumbel-max") trick instead of torch.multinomial:
-
-    argmax_i  p_i / E_i,   E_i ~ Exponential(1)   is distributed as   Categorical(p)
-
-It needs one elementwise op and an argmax, no host sync. A row can bring its own
-torch.Generator (SamplingParams.seed): its noise is then drawn from that generator alone, so
-its tokens do not depend on which other requests share the batch.
-
-Fast paths, known on the host (no device sync): ``top_ks=None`` / ``top_ps=None`` skip the
-filters' sort, ``min_ps=None`` min-p's softmax, ``all_greedy=True`` makes the call one argmax.
-On the GPU a batch with no filters, min-p or seeds is sampled by two Triton kernels
-(kernels/sample_kernel.py, the same trick in log space); seeded rows always take the PyTorch
-path, so their tokens never depend on which path the batch took.
+Sampling is the exponential ("Gumbel-max") trick, argmax(p / E) with E ~ Exponential(1): no
+host sync; a seeded row draws E from its own generator. Logit bias, min_tokens and penalties
+were applied before (layers/logits_processors.py). On the GPU a batch with no filters, min-p or
+seeds is sampled by kernels/sample_kernel.py.
 """
 
 from __future__ import annotations
