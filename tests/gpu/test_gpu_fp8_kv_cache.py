@@ -25,7 +25,7 @@ import statistics
 import pytest
 import torch
 
-from myvllm.kernels.reference import FP8_DTYPE
+from myvllm.kernels.fp8_kv_reference import FP8_DTYPE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

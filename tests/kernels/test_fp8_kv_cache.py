@@ -34,7 +34,7 @@ from myvllm.kernels import (
     paged_attention_decode_ref,
     store_kvcache_ref,
 )
-from myvllm.kernels.reference import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
+from myvllm.kernels.fp8_kv_reference import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
 
 # fp8 e4m3 keeps 3 mantissa bits: each element is off by up to 1/16 of its value, and the
 # output of attention over N(0, 1) keys and values by 2.6-3.8% in norm (these shapes, three

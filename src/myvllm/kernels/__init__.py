@@ -145,7 +145,7 @@ def store_kvcache(
 ) -> None:
     """Write key/value [N, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] at
     slot_mapping [N] (slot = block_id * block_size + offset; -1 = padding, skipped). In place.
-    An fp8 cache stores key / k_scale and value / v_scale (reference.quantize_kv)."""
+    An fp8 cache stores key / k_scale and value / v_scale (fp8_kv_reference.quantize_kv)."""
     if use_triton(key):
         from . import store_kvcache_kernel as triton_impl
 

@@ -16,7 +16,7 @@ than bf16, clamped to its range).
 
 All of it is a no-op for a cache of the model's dtype (decided at compile time from the
 cache's element type), so that path compiles to exactly the code it had before. The PyTorch
-references (reference.quantize_kv / dequantize_kv) are the same formulas.
+references (fp8_kv_reference.quantize_kv / dequantize_kv) are the same formulas.
 """
 
 from __future__ import annotations

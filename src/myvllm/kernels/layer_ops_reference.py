@@ -1,21 +1,7 @@
-"""Plain-PyTorch versions of the three small per-token ops of a decoder layer.
-
-    rms_norm       (residual add +) RMSNorm              input_layernorm, post_attention_layernorm
-    norm_rope      (per-head RMSNorm +) rotary embedding  q/k of every attention layer
-    silu_and_mul   silu(gate) * up                        the SwiGLU MLP
-
-Each is a handful of PyTorch ops. On the GPU, kernels/layer_ops_triton.py does each in one
-kernel (one pass over memory) with the same rounding steps; these versions run on the CPU
-and are the oracle those kernels are tested against. Numerics follow HF transformers:
-
-- RMSNorm: the residual sum is rounded to the model dtype (that rounded value IS the
-  residual stream), the norm is computed in float32, cast back, then scaled by the weight
-  in the model dtype.
-- RoPE: the rotation runs in float32 on the float32 cos/sin table, then is cast back.
-- SiLU: F.silu rounds to the model dtype before the multiply, as HF's act_fn(gate) * up does.
-
-The references of the GPU's fused and small-batch matmuls, of batch-invariant mode's matmul
-and of the MoE experts are in kernels/fused_reference.py.
+"""Plain-PyTorch versions of a decoder layer's three small per-token ops (rms_norm, norm_rope,
+silu_and_mul): what a CPU runs, and the oracle of kernels/layer_ops_triton.py. Numerics as
+HF transformers: the residual sum rounded to the model dtype, the norm and the rotation in
+float32, F.silu rounded before the multiply.
 """
 
 from __future__ import annotations

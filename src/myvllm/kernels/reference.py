@@ -1,47 +1,19 @@
-"""Plain-PyTorch versions of the three attention kernels.
-
-They have exactly the signatures of the Triton kernels and serve two purposes:
-
-1. They are what runs on the CPU (no Triton there), so the whole engine works without a GPU.
-2. They are the oracle the Triton kernels are tested against. Being the oracle, they favour
-   obviousness over speed: math in float32, one sequence at a time where that is clearer.
-
-The paged KV cache layout used everywhere in myvllm:
+"""Plain-PyTorch versions of the three attention kernels, with their signatures: what a CPU
+runs, and the oracle of the Triton kernels (float32 math, one sequence at a time).
 
     k_cache[num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset; position p of sequence b is in block
+    block_tables[b, p // block_size] at offset p % block_size
 
-    slot = block_id * block_size + offset        (one slot = one token's K/V for all heads)
-
-    block_tables[b] = [ 7, 2, 9, -1, -1 ]        sequence b owns blocks 7, 2, 9 (in order)
-    token position p of sequence b lives in block block_tables[b, p // block_size]
-                                         at offset p % block_size
-
-An fp8 cache (Config.kv_cache_dtype="fp8", float8 e4m3) holds K / k_scale and V / v_scale,
-rounded to fp8 (quantize_kv); attention multiplies the scale back as it reads them
-(dequantize_kv). A cache of any other dtype holds K and V as they are; the scales are unused.
+An fp8 cache holds K / k_scale and V / v_scale (quantize_kv); reads multiply the scale back
+(dequantize_kv).
 """
 
 from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: e4m3fn has no infinity to round to
-
-
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """x as the cache stores it: for fp8, x / scale clamped to +-448 (a plain cast would turn
-    a larger value into NaN) and rounded to nearest; otherwise x cast to the cache's dtype."""
-    if cache_dtype == FP8_DTYPE:
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x.to(cache_dtype)
-
-
-def dequantize_kv(stored: torch.Tensor, scale: float) -> torch.Tensor:
-    """Cache elements back to values, in float32: fp8 ones times their scale."""
-    if stored.dtype == FP8_DTYPE:
-        return stored.float() * scale
-    return stored.float()
+from .fp8_kv_reference import dequantize_kv, quantize_kv
 
 
 def store_kvcache_ref(

@@ -1,6 +1,3 @@
-"""Step 1 of the six: the building blocks that the model files assemble.
-
-Import from the submodules (``from myvllm.layers.linear import QKVParallelLinear``); this
-package deliberately does not import them all, so that e.g. the sampler can be used without
-loading the attention kernels.
+"""Step 1: the building blocks of the model files. Import from the submodules: this package
+imports none of them, so e.g. the sampler loads without the attention kernels.
 """

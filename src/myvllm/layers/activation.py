@@ -1,15 +1,6 @@
-"""SiLU-and-multiply: the gate of a SwiGLU MLP.
-
-The MLP's gate_proj and up_proj run as ONE matmul (MergedColumnParallelLinear), so its
-output is the two halves side by side:
-
-    x = [ gate (I) | up (I) ]   ->   silu(gate) * up   (I)
-
-Splitting here, instead of running two matmuls, saves a kernel launch and a read of the
-input per layer. On the GPU the split, the SiLU and the multiply are one Triton kernel
-(kernels/layer_ops_triton.py); on the CPU the PyTorch reference runs. Where down_proj's
-kernel can apply it as it loads its input (a GPU, 1-4 rows: layers/fused.py), SiluAndMul
-computes nothing and hands gate | up to that kernel.
+"""SiLU-and-multiply, the gate of a SwiGLU MLP: x = [gate | up] (one packed matmul) ->
+silu(gate) * up. Where down_proj's kernel applies it as it loads its input (layers/fused.py),
+it computes nothing and hands gate | up on.
 """
 
 from __future__ import annotations

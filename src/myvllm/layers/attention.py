@@ -1,26 +1,15 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache: no weights; it stores this step's k, v through
+slot_mapping, then routes q to a kernel by the step's context:
 
-The layer owns no weights; it routes q/k/v to the right kernel using the per-step context:
+    prefill, no cached prefix   flash_attention_varlen over k, v
+    prefill, cached prefix      flash_attention_varlen over the cache (block_tables); in a
+                                padded chunked step its one-token rows: paged_attention_decode
+    decode                      paged_attention_decode over the cache
 
-    new tokens' k, v --store_kvcache--> k_cache/v_cache[block, offset]   (slot_mapping)
-      (on a GPU the RoPE kernel stores them as it rotates k: layers/fused.py)
-
-    prefill, no cached prefix   flash_attention_varlen(q, k, v, cu_seqlens ...)   K/V from k, v
-    prefill, cached prefix      flash_attention_varlen(..., block_tables, caches) K/V from cache
-      (also every padded chunked-prefill step: a fixed launch grid from context.q_tiles;
-      its one-token rows go to paged_attention_decode, context.decode_rows)
-    decode                      paged_attention_decode(q, caches, block_tables, context_lens)
-
-k_cache/v_cache are plain attributes, empty until the ModelRunner points them at this layer's
-views of its big cache tensor ([num_blocks, block_size, num_kv_heads, head_dim] each). While
-they are empty (e.g. a warm-up forward before the cache is sized) nothing is stored and
-prefill attends over k/v directly.
-
-An fp8 cache (Config.kv_cache_dtype="fp8") holds K / k_scale and V / v_scale; the kernels
-multiply the scales back as they read. One scale per tensor per layer, 1.0 as vLLM's
-default without checkpoint scales (why not finer: the guide's Step 4, "An fp8 cache"). A
-prefill with no cached prefix attends over its own k/v, unrounded, as before; what reads the
-cache (decode, later chunks, prefix hits) sees the fp8 values.
+On a GPU the RoPE kernel stores k and v as it rotates k (layers/fused.py). k_cache/v_cache
+stay empty until the ModelRunner points them at this layer's views of the cache (nothing is
+stored then). An fp8 cache holds K / k_scale and V / v_scale (the guide's
+Step 4, "An fp8 cache").
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Vocabulary-parallel token embedding and LM head.
-
-Both split the vocabulary (rows of the [vocab, hidden] table) over the TP ranks:
-
-    rank 0: token ids [0, V/tp)     rank 1: [V/tp, 2V/tp)    ...
-
-When ``tp`` does not divide the vocabulary, each rank gets ceil(V/tp) rows and the rows past
-V (on the last rank, or the last few) are zero padding; their logits are cut off after the
-gather.
-
-Embedding: each rank looks up only the ids it owns, writes zeros for the others, and an
-all_reduce sums the partial rows (exactly one rank contributed a non-zero row per token).
-LM head: each rank computes the logits of its vocabulary slice; they are gathered on rank 0,
-the only rank that samples, and concatenated. The other ranks return None.
+"""Vocabulary-parallel token embedding and LM head: rank r holds rows [r V/tp, (r+1) V/tp) of
+the [vocab, hidden] table (ceil(V/tp) rows each, zero padding past V). The embedding sums the
+ranks' rows with all_reduce; the LM head gathers the logits on rank 0, the only rank that
+samples (the others return None).
 """
 
 from __future__ import annotations
@@ -101,16 +91,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def last_token_rows(cu_seqlens_q: torch.Tensor, pad: bool) -> torch.Tensor:
-    """The row of each sequence's last new token; with pad, followed by copies of row 0 up to
-    a power of two.
-
-    Why pad on a GPU: cuBLAS picks (and loads, on first use) a kernel per matrix shape. A
-    chunked step has any number of sequences, and a row count the process has not met yet
-    cost 3.5 ms of host time in the LM head's matmul on the H200 (the first time a prompt
-    joined 64 decoding sequences). Powers of two up to 256 are among the decode graphs'
-    batch sizes, whose LM head ran when they were captured. The extra rows' logits are cut
-    off by the caller.
-    """
+    """The row of each sequence's last new token; with pad (a GPU), followed by copies of row 0
+    up to a power of two: row counts the decode graphs' LM head already ran, so cuBLAS picks no
+    new kernel (From correct to fast, "Warm-up"). The caller cuts the extra rows' logits."""
     rows = cu_seqlens_q[1:] - 1
     num_rows = rows.numel()
     if not pad or num_rows == 0:

@@ -1,20 +1,7 @@
-"""RMSNorm with an optional fused residual add.
-
-A pre-norm decoder layer does, twice per layer:
-
-    residual = residual + x          # the residual stream
-    x        = rmsnorm(residual)     # what the next block sees
-
-Doing both in one call (``forward(x, residual)``) keeps that bookkeeping out of the decoder
-layers; it returns both the normalised tensor and the new residual stream. On the GPU both
-steps are one Triton kernel, a single pass over memory (kernels/layer_ops_triton.py); on the
-CPU the PyTorch reference runs (kernels/layer_ops_reference.py: rms_norm_ref). Where the
-layer after the norm can compute it inside its own kernel (a GPU, layers/fused.py), the norm
-computes nothing and returns its input and weights for that kernel.
-
-Numerics follow HF transformers: the sum is rounded to the model dtype (that rounded value
-IS the residual stream), the norm is computed in float32, cast back, then scaled by the
-weight in the model dtype.
+"""RMSNorm with an optional fused residual add: forward(x, residual) returns
+(rmsnorm(x + residual), x + residual), so the decoder layers pass the residual stream along.
+Numerics as HF transformers (kernels/layer_ops_reference.py: rms_norm_ref). Where the next
+layer's kernel computes the norm (layers/fused.py), it returns its input and weights instead.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Tensor-parallel linear layers.
+"""Tensor-parallel linear layers (the Megatron split: one all-reduce per matmul pair).
 
-With tensor parallelism (TP) over ``tp`` ranks, a transformer block needs only ONE
-all-reduce per matmul pair, thanks to the Megatron split:
+    ColumnParallelLinear  W [out, in] split along dim 0: each rank a slice of the OUTPUT
+    RowParallelLinear     W [out, in] split along dim 1: partial sums -> all_reduce
 
-    x (replicated) -> ColumnParallelLinear -> y_r (each rank: its slice of the OUTPUT features)
-    y_r            -> RowParallelLinear    -> partial sums over its slice of the INPUT features
-                                              -> all_reduce -> z (replicated)
-
-    W_col [out, in]  split along dim 0:   rank0 rows | rank1 rows | ...
-    W_row [out, in]  split along dim 1:   rank0 cols | rank1 cols | ...
-
-Each layer is built with the rank/size of the current process group, so the parameters are
-already the per-rank size when the loader runs; each parameter's weight_loader cuts its
-rank's piece out of the checkpoint's full tensor (layers/weight_loaders.py).
+Parameters are built at the per-rank size; each one's weight_loader cuts its rank's piece out
+of the checkpoint's full tensor (layers/weight_loaders.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RoPE's inverse frequencies, plain or scaled for a longer context.
+"""RoPE's cos/sin table and its inverse frequencies, plain or scaled for a longer context.
 
 Supported scaling: None/"default" (plain RoPE) and "llama3" (Llama-3.1/3.2: long wavelengths
 are stretched by ``factor``, short ones kept, the band in between smoothly interpolated).
@@ -7,6 +7,7 @@ are stretched by ``factor``, short ones kept, the band in between smoothly inter
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
@@ -58,3 +59,35 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> tor
     raise ValueError(
         f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
     )
+
+
+@lru_cache(maxsize=8)
+def _cos_sin_table(
+    head_dim: int, max_position: int, base: float, scaling_items: tuple, device: str
+) -> torch.Tensor:
+    """[max_position, head_dim] float32: cos of every (position, frequency) in the first half,
+    sin in the second. Cached, so every layer's RotaryEmbedding holds the same tensor."""
+    if head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    inv_freq = inverse_frequencies(head_dim, base, dict(scaling_items) if scaling_items else None)
+    positions = torch.arange(max_position, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq.to(device))  # [max_position, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _freeze(value: object) -> object:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def cos_sin_table(head_dim: int, max_position: int, base: float,
+                  rope_scaling: dict | None) -> torch.Tensor:
+    """The cos/sin table of these settings on the default device, one tensor per settings."""
+    scaling_items = (
+        tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())) if rope_scaling else ()
+    )
+    return _cos_sin_table(head_dim, max_position, base, scaling_items,
+                          str(torch.get_default_device()))

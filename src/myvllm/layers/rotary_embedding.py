@@ -1,26 +1,12 @@
-"""Rotary position embedding (RoPE), in the "neox" / half-rotation layout of HF Qwen3/Llama.
-
-Each head vector of q and k is split into two halves, and pair i = (x[i], x[i + D/2]) is
-rotated by the angle  position * inv_freq[i]:
-
-    x = [ x1 (D/2) | x2 (D/2) ]
-    out = [ x1*cos - x2*sin | x2*cos + x1*sin ]
-
-cos and sin for every position up to max_position are computed once, in float32, and looked
-up per token with the token's absolute position (so a sequence whose prefix came from the
-cache still rotates its new tokens at positions num_cached_tokens, num_cached_tokens+1, ...).
-The rotation itself is kernels.norm_rope: one Triton kernel on the GPU, the PyTorch reference
-on the CPU. On the GPU Qwen3's per-head q_norm and k_norm leave their work to it
-(layers/fused.py), so one launch normalises and rotates every head of q and k.
-
-The frequencies, with the scalings supported (None/"default", "llama3"), are in
-layers/rope_scaling.py.
+"""Rotary position embedding (RoPE), the neox / half-rotation layout of HF Qwen3 and Llama:
+pair (x[i], x[i + D/2]) of each head turns by position * inv_freq[i], the position absolute
+(a cached prefix's new tokens start at num_cached_tokens). kernels.norm_rope rotates, on a GPU
+after Qwen3's q_norm/k_norm (layers/fused.py); the frequencies are in layers/rope_scaling.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -28,7 +14,8 @@ from torch import nn
 
 from myvllm.kernels import norm_rope, use_triton
 from myvllm.layers.fused import NormedInput, RotaryInput
-from myvllm.layers.rope_scaling import inverse_frequencies
+from myvllm.layers.rope_scaling import cos_sin_table
+
 
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # a buffer, registered in __init__
@@ -89,44 +76,11 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
 
 
-@lru_cache(maxsize=8)
-def _cos_sin_table(
-    head_dim: int, max_position: int, base: float, scaling_items: tuple, device: str
-) -> torch.Tensor:
-    """[max_position, head_dim] float32: cos of every (position, frequency) in the first half,
-    sin in the second. Cached, so every layer's RotaryEmbedding holds the same tensor."""
-    if head_dim % 2 != 0:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    inv_freq = inverse_frequencies(head_dim, base, dict(scaling_items) if scaling_items else None)
-    positions = torch.arange(max_position, dtype=torch.float32, device=device)
-    freqs = torch.outer(positions, inv_freq.to(device))  # [max_position, D/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-
-
-def _freeze(value: object) -> object:
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
 def get_rope(
     head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
 ) -> RotaryEmbedding:
-    """A RoPE module for these settings.
-
-    Every layer gets its own small module, but all of them hold the SAME cos/sin table (40960
-    x 128 floats is 20 MB; one per layer would be 560 MB for Qwen3-0.6B). The table is cached
-    per default device, where it is created. Sharing the tensor rather than the module means
-    moving one model (model.to(...)) gives that model's modules a new tensor and leaves the
-    cached table, and every other model, alone.
-    """
-    scaling_items = (
-        tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())) if rope_scaling else ()
-    )
-    table = _cos_sin_table(
-        int(head_dim), int(max_position), float(base), scaling_items,
-        str(torch.get_default_device()),
-    )  # fmt: skip
+    """A RoPE module for these settings; every layer's holds the SAME cos/sin table (one per
+    layer would be 560 MB for Qwen3-0.6B), cached per default device. model.to(...) gives that
+    model's modules a new tensor and leaves the cached table alone."""
+    table = cos_sin_table(int(head_dim), int(max_position), float(base), rope_scaling)
     return RotaryEmbedding(int(head_dim), int(max_position), table)

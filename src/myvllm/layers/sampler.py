@@ -1,26 +1,12 @@
-"""Turn the last-token logits of each sequence into the next token.
+"""Turn each sequence's last-token logits into the next token.
 
-Per row (sequence), from its own SamplingParams:
+    temperature == 0   greedy: argmax of the raw logits
+    otherwise          logits / temperature -> min-p -> top-k -> top-p -> sample
 
-    temperature == 0   greedy: argmax of the raw logits (exact, no noise involved)
-    otherwise          logits / temperature -> min-p -> top-k filter -> top-p filter -> sample
-
-The controls that act before temperature (logit bias, min_tokens, penalties) are applied to
-the logits by layers/logits_processors.py before they reach the Sampler.
-
-Sampling uses the exponential ("Gumbel-max") trick instead of torch.multinomial:
-
-    argmax_i  p_i / E_i,   E_i ~ Exponential(1)   is distributed as   Categorical(p)
-
-It needs one elementwise op and an argmax, no host sync. A row can bring its own
-torch.Generator (SamplingParams.seed): its noise is then drawn from that generator alone, so
-its tokens do not depend on which other requests share the batch.
-
-Fast paths, known on the host (no device sync): ``top_ks=None`` / ``top_ps=None`` skip the
-filters' sort, ``min_ps=None`` min-p's softmax, ``all_greedy=True`` makes the call one argmax.
-On the GPU a batch with no filters, min-p or seeds is sampled by two Triton kernels
-(kernels/sample_kernel.py, the same trick in log space); seeded rows always take the PyTorch
-path, so their tokens never depend on which path the batch took.
+Sampling is the exponential ("Gumbel-max") trick, argmax(p / E) with E ~ Exponential(1): no
+host sync; a seeded row draws E from its own generator. Logit bias, min_tokens and penalties
+were applied before (layers/logits_processors.py). On the GPU a batch with no filters, min-p or
+seeds is sampled by kernels/sample_kernel.py.
 """
 
 from __future__ import annotations
@@ -32,6 +18,7 @@ from torch import nn
 
 from myvllm.kernels import use_triton
 from myvllm.layers.logits_processors import apply_min_p
+from myvllm.layers.sampler_ops import exponential_noise, top_k_top_p
 from myvllm.layers.token_bitmask import apply_token_bitmask
 
 
@@ -82,63 +69,8 @@ class Sampler(nn.Module):
         if min_ps is not None:
             logits = apply_min_p(logits, min_ps.float())
         if top_ks is not None or top_ps is not None:
-            logits = _top_k_top_p(logits, top_ks, top_ps)
+            logits = top_k_top_p(logits, top_ks, top_ps)
         probs = torch.softmax(logits, dim=-1)
-        sampled = (probs / _exponential_noise(probs, generators)).argmax(dim=-1)
+        sampled = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
         return torch.where(is_greedy, greedy, sampled)
 
-
-def _top_k_top_p(
-    logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None
-) -> torch.Tensor:
-    """Set the logits outside each row's top-k / top-p set to -inf (one sort serves both).
-
-    In the descending order, a token at rank r is kept when
-        r < k                                 (top-k), and
-        (mass of the tokens ranked before r) < p   (top-p: the smallest prefix reaching p)
-    Rank 0 always survives, so top_k=1 or a tiny top_p leave exactly the argmax.
-    """
-    vocab = logits.shape[-1]
-    # stable: among equal logits the lower id ranks first, like argmax.
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_ks is not None:
-        k = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab).unsqueeze(-1)
-        remove |= ranks >= k
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    if top_ps is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        top_p = top_ps.float().unsqueeze(-1)
-        # p = 1 means off: do not let float rounding of the cumsum drop the tail.
-        remove |= (mass_before >= top_p) & (top_p < 1.0)
-    remove[:, 0] = False
-    remove_in_vocab_order = torch.zeros_like(remove).scatter_(-1, sorted_ids, remove)
-    return logits.masked_fill(remove_in_vocab_order, float("-inf"))
-
-
-def _exponential_noise(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None] | None
-) -> torch.Tensor:
-    if generators is None:
-        noise = torch.empty_like(probs).exponential_()
-    else:
-        if len(generators) != probs.shape[0]:
-            raise ValueError(
-                f"generators has {len(generators)} entries but the batch has {probs.shape[0]} rows"
-            )
-        noise = torch.empty_like(probs)
-        unseeded = [row for row, generator in enumerate(generators) if generator is None]
-        if unseeded:  # one draw from torch's generator for all of them
-            noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                if generator.device.type != probs.device.type:
-                    raise ValueError(
-                        f"generator of row {row} is on {generator.device}, logits on "
-                        f"{probs.device}: create it with torch.Generator(device=logits.device)"
-                    )
-                noise[row].exponential_(generator=generator)
-    # E = 0 has probability ~0 but would divide by zero.
-    return noise.clamp_min_(1e-10)

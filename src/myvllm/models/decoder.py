@@ -1,40 +1,14 @@
-"""The decoder stack that every model shares; each model file brings its own attention (and
-Qwen3-MoE its own MLP).
-
-Module names equal the checkpoint's tensor names, except for the two packed matmuls, which
-``packed_modules_mapping`` tells the loader about:
-
-    CausalLM
-      model                              DecoderModel
-        embed_tokens                     VocabParallelEmbedding
-        layers.N                         DecoderLayer
-          input_layernorm                RMSNorm
-          self_attn                      the model's attention (qwen3.py, llama.py, qwen2.py)
-            qkv_proj                     QKVParallelLinear   <- q_proj, k_proj, v_proj
-          post_attention_layernorm       RMSNorm
-          mlp                            GatedMLP, or the model's own (Qwen3-MoE's experts)
-            gate_up_proj                 MergedColumnParallelLinear <- gate_proj, up_proj
-            down_proj                    RowParallelLinear
-        norm                             RMSNorm
-      lm_head                            ParallelLMHead (embed_tokens' weight when tied)
-
-One decoder layer, pre-norm, with the residual add folded into the next RMSNorm (the
-residual stream is passed along, not added by the layer):
+"""The decoder stack every model shares; each model file brings its attention (Qwen3-MoE its
+MLP too). Module names equal the checkpoint's, except the packed matmuls
+(packed_modules_mapping): qkv_proj <- q/k/v_proj, gate_up_proj <- gate/up_proj.
 
     x, residual = input_layernorm(x, residual)     # first layer: residual = x; x = norm(x)
     x           = self_attn(positions, x)
     x, residual = post_attention_layernorm(x, residual)
     x           = mlp(x)
 
-The attention a model brings is built from the config, ``attention(config)``, and runs
-``forward(positions, hidden_states) -> hidden_states``. The MLP is GatedMLP unless the model
-brings one per layer, ``mlp(config, layer_index)``, which runs ``forward(hidden_states) ->
-hidden_states`` like GatedMLP.
-
-On a GPU, for a decode batch of a few rows, each norm and the SiLU-and-mul run inside the
-kernel of the layer after them (qkv_proj, gate_up_proj, down_proj; Qwen3's q_norm and k_norm
-inside RoPE's): CausalLM calls fuse_layer_ops once, and layers/fused.py says how. The code
-here does not change for it.
+On a GPU, few rows: each norm runs inside the next layer's kernel (fuse_layer_ops,
+layers/fused.py); the code here does not change for it.
 """
 
 from __future__ import annotations

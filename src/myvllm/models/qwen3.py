@@ -1,16 +1,6 @@
-"""Qwen3 (dense): the shared decoder stack (models/decoder.py) with Qwen3's attention.
-
-What makes it Qwen3 is in the attention: a per-head RMSNorm on q and on k (q_norm, k_norm)
-before RoPE. Its MLP has no bias; head_dim is set in the config (Qwen3-0.6B: 128, where
-hidden_size / num_attention_heads is 64).
-
-    q, k, v = split(qkv_proj(hidden_states))
-    q, k    = q_norm(q), k_norm(k)                 # per head, over head_dim
-    q, k    = rotary_emb(positions, q, k)
-    out     = o_proj(attn(q, k, v))
-
-On a GPU the two norms and RoPE are one kernel for q and k together (layers/fused.py).
-Every hyper-parameter comes from the HF config object.
+"""Qwen3 (dense): the shared decoder stack with Qwen3's attention, whose per-head q_norm and
+k_norm run before RoPE (one kernel with it on a GPU, layers/fused.py). Every hyper-parameter
+comes from the HF config.
 """
 
 from __future__ import annotations

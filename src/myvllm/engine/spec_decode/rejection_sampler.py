@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 # The Sampler's top-k / top-p filter: the same p for a verification row as for a decode row.
-from myvllm.layers.sampler import _top_k_top_p
+from myvllm.layers.sampler_ops import top_k_top_p
 
 PLACEHOLDER = -1  # in the output, positions after the emitted tokens
 
@@ -122,7 +122,7 @@ def target_probs(logits: torch.Tensor, temperatures: torch.Tensor,
     flat = logits.float().reshape(batch * width, vocab)
     flat = flat / temps.float().repeat_interleave(width).unsqueeze(-1)
     if top_ks is not None or top_ps is not None:
-        flat = _top_k_top_p(flat,
+        flat = top_k_top_p(flat,
                             top_ks.repeat_interleave(width) if top_ks is not None else None,
                             top_ps.repeat_interleave(width) if top_ps is not None else None)
     return torch.softmax(flat, dim=-1).reshape(batch, width, vocab)
