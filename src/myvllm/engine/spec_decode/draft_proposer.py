@@ -136,7 +136,7 @@ class DraftProposer:
         logits = self._catch_up(rows)
         vocab = logits.size(-1)
         q = torch.zeros(len(rows), k, vocab, dtype=torch.float32, device=logits.device)
-        shadows = [self._shadow(seq) for seq in rows]
+        shadows: dict[int, DraftRow] = {}  # made when a row first takes a draft token
         active = list(range(len(rows)))  # rows that still want a proposal
         for j in range(k):
             tokens = self._sample(logits, [rows[i] for i in active], q, active, j)
@@ -147,6 +147,8 @@ class DraftProposer:
                 break
             batch = []
             for i in active:  # d_{j+1} in at its position, for q_{j+2}
+                if i not in shadows:  # its own copy of the tokens: drafts get appended
+                    shadows[i] = DraftRow(list(rows[i].token_ids), rows[i].block_table)
                 shadow = shadows[i]
                 shadow.append_token(rows[i].spec_token_ids[j])
                 shadow.num_computed_tokens, shadow.num_new_tokens = len(shadow), 1
@@ -155,10 +157,6 @@ class DraftProposer:
         for seq in rows:
             self.state(seq).num_seen = seq.num_tokens
         return q
-
-    @staticmethod
-    def _shadow(seq: Sequence) -> DraftRow:
-        return DraftRow(list(seq.token_ids), seq.block_table)
 
     def _catch_up(self, rows: list[Sequence]) -> torch.Tensor:
         """Run the draft over each row's unseen tokens, in chunks of at most
@@ -172,7 +170,8 @@ class DraftProposer:
                 todo = min(seq.num_tokens - seen[i], budget)
                 if todo <= 0:
                     continue
-                shadow = self._shadow(seq)
+                # Read only (nothing is appended): the sequence's own token list, not a copy.
+                shadow = DraftRow(seq.token_ids, seq.block_table)
                 seen[i] += todo
                 budget -= todo
                 shadow.num_computed_tokens, shadow.num_new_tokens = seen[i], todo
