@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent
 
@@ -326,6 +327,23 @@ def compare_greedy_kv_cache_dtypes(llm, chats: list[str], kv_dtypes: list[str],
           f"{statistics.mean(errors):.4f}, max {max(errors):.4f}")
 
 
+def batch1_ms_per_token(llm: Any, prompt: list[int]) -> tuple[float, float, float]:
+    """Batch-1 decode ms a token at the prompt's context: (129 tokens - 1 token) / 128, five
+    repeats each after a warm run -> (median, fastest, slowest)."""
+    from myvllm import SamplingParams
+
+    timings: dict[int, list[float]] = {1: [], 129: []}
+    for n in (1, 129):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.generate([prompt], params, use_tqdm=False)  # warm
+        for _ in range(5):
+            start = time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            timings[n].append(time.perf_counter() - start)
+    per_token = sorted((t129 - t1) / 128 * 1e3 for t129, t1 in zip(timings[129], timings[1]))
+    return statistics.median(per_token), per_token[0], per_token[-1]
+
+
 def main() -> None:
     args = parse_args()
     if args.bundled:
@@ -452,20 +470,10 @@ def main() -> None:
         # 3. Batch-1 decode latency at context 128: (129 tokens - 1 token) / 128, the median
         # of five repeats (single runs varied by ~5% on the H200 machine).
         prompt = prompts[0][:128]
-        timings: dict[int, list[float]] = {1: [], 129: []}
-        for n in (1, 129):
-            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            llm.generate([prompt], sp, use_tqdm=False)  # warm
-            for _ in range(5):
-                start = time.perf_counter()
-                llm.generate([prompt], sp, use_tqdm=False)
-                timings[n].append(time.perf_counter() - start)
-        per_token = sorted((t129 - t1) / 128 * 1e3
-                           for t129, t1 in zip(timings[129], timings[1]))
-        ms_per_token = per_token[len(per_token) // 2]
+        ms_per_token, fastest, slowest = batch1_ms_per_token(llm, prompt)
         print(f"batch-1 decode: {ms_per_token:.3f} ms/token (context 128, "
               f"{'eager' if llm.model_runner.enforce_eager else 'CUDA graphs'}; median of "
-              f"5, range {per_token[0]:.3f}-{per_token[-1]:.3f})")
+              f"5, range {fastest:.3f}-{slowest:.3f})")
         results["batch1_ms_per_token"] = ms_per_token
         if args.profile:
             sp = SamplingParams(temperature=0.0, max_tokens=args.profile + 8, ignore_eos=True)

@@ -16,9 +16,7 @@ step (the CUDA graph's kernels are recorded one by one) and the kernels by name.
 """
 import argparse
 import random
-import statistics
 import sys
-import time
 from collections import Counter
 
 import torch
@@ -29,21 +27,11 @@ sys.path.insert(0, "src")
 import myvllm.layers.fused as fused  # noqa: E402
 from myvllm import LLM, SamplingParams  # noqa: E402
 
+sys.path.insert(0, ".")
+from benchmark_tps import batch1_ms_per_token  # noqa: E402
+
 STORE_PAIR = ("rotary_emb", "attn")
 PROFILED_STEPS = 20
-
-
-def batch1_ms_per_token(llm: LLM, prompt: list[int]) -> tuple[float, float, float]:
-    timings: dict[int, list[float]] = {1: [], 129: []}
-    for n in (1, 129):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        llm.generate([prompt], params, use_tqdm=False)  # warm
-        for _ in range(5):
-            start = time.perf_counter()
-            llm.generate([prompt], params, use_tqdm=False)
-            timings[n].append(time.perf_counter() - start)
-    per_token = sorted((a - b) / 128 * 1e3 for a, b in zip(timings[129], timings[1]))
-    return statistics.median(per_token), per_token[0], per_token[-1]
 
 
 def kernels_per_step(llm: LLM, prompt: list[int]) -> tuple[float, Counter[str]]:
