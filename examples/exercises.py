@@ -41,6 +41,7 @@ from myvllm.engine.batch import StepInputs  # noqa: E402
 from myvllm.engine.cuda_graphs import GraphCache  # noqa: E402
 from myvllm.engine.input_builder import InputBuilder  # noqa: E402
 from myvllm.engine.kv_cache import KVCacheLayout  # noqa: E402
+from myvllm.engine.padded_steps import pad_steps  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.kernels import store_kvcache  # noqa: E402
@@ -292,7 +293,7 @@ def _graph_run(padding_slot: str) -> tuple[float, float, list[int], list[int]]:
     inputs = InputBuilder(Config(device="cpu", block_size=block_size,
                                  max_num_sequences=max_bs, max_model_length=16))
     # What a GPU does: pad decode steps to a captured graph size, on fixed buffers.
-    padded = inputs.pad_steps(chunk_tiles=None)
+    padded = pad_steps(inputs, chunk_tiles=None)
     assert padded.decode_sizes == [1, 2, 4] and inputs.max_blocks_per_seq == width
     bm = BlockManager(8, block_size)
     k_cache = torch.zeros(8, block_size, 1, HEAD_DIM)

@@ -15,6 +15,7 @@ import pytest
 from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
+from myvllm.engine.padded_steps import pad_steps
 from helpers_blocks import used_block_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -62,7 +63,7 @@ def test_padded_chunked_steps_match_transformers(async_scheduling: bool) -> None
     llm = LLM(str(path), block_size=4, max_model_length=96, max_num_batched_tokens=40,
               max_num_sequences=4, max_prefill_tokens_while_decoding=8,
               async_scheduling=async_scheduling)
-    padded = llm.model_runner.inputs.pad_steps(chunk_tiles=(16, 16), max_chunk_tokens=32)
+    padded = pad_steps(llm.model_runner.inputs, chunk_tiles=(16, 16), max_chunk_tokens=32)
     assert padded.chunk_sizes == [16, 32]
     padded.split_key_tiles = 2  # cut every tile that sees 32 keys or more (split-K)
     sizes = []

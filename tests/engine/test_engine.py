@@ -16,6 +16,7 @@ from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_ch
 
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
+from myvllm.engine.padded_steps import pad_steps
 from myvllm.engine.sampling import prepare_sample
 from myvllm.engine.warmup import warmup_cached_prefix_prefill
 
@@ -139,7 +140,7 @@ def test_decode_padding_to_graph_sizes_changes_no_token() -> None:
     plain = LLM(path, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
     llm = LLM(path, **kwargs)
     inputs = llm.model_runner.inputs
-    inputs.pad_steps(chunk_tiles=None)
+    pad_steps(inputs, chunk_tiles=None)
     shapes: list[tuple[int, ...]] = []
     original = inputs.prepare_decode
 

@@ -68,8 +68,8 @@ def test_pending_tokens_are_read_from_the_pool() -> None:
     pool = TokenPool(torch.tensor([7, 8, 9, 6]))
     index = pool.token_index(3, [(0, 2), (2, 0)])
     assert index.tolist() == [2, 5, 0]
-    source = pool.with_host_ids(torch.tensor([0, 101, 0]))
-    assert pool.gather(source, torch.from_numpy(index)).tolist() == [9, 101, 7]
+    ids = pool.input_ids(FreshTensors(torch.device("cpu")), [0, 101, 0], [(0, 2), (2, 0)])
+    assert ids.tolist() == [9, 101, 7]
 
 
 def test_sampled_tokens_are_kept_before_the_next_step() -> None:

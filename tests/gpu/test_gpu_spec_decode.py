@@ -62,7 +62,7 @@ def test_gpu_speculative_seeded_sampling_repeats() -> None:
 
 def test_gpu_async_speculation_takes_the_fast_path_and_keeps_the_tokens(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import myvllm.engine.model_runner as model_runner
+    import myvllm.engine.spec_decode.verification as verification
 
     path = str(tiny_checkpoint("qwen3"))
     common = dict(dtype="float32", max_model_length=256, num_kvcache_blocks=256)
@@ -71,13 +71,13 @@ def test_gpu_async_speculation_takes_the_fast_path_and_keeps_the_tokens(
     expected = [o["token_ids"] for o in plain.generate(prompts(), greedy, use_tqdm=False)]
     plain.exit()
     calls = [0]
-    fast = model_runner.greedy_verify
+    fast = verification.greedy_verify
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls[0] += 1
         return fast(*args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "greedy_verify", counted)
+    monkeypatch.setattr(verification, "greedy_verify", counted)
     seeded = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=4)
     sampled = {}
     for mode in (True, False):

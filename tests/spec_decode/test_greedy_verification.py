@@ -71,8 +71,7 @@ def test_greedy_steps_take_the_fast_path_and_keep_the_tokens(
             return fn(*args, **kwargs)
         return counted
 
-    import myvllm.engine.model_runner as model_runner
-    monkeypatch.setattr(model_runner, "greedy_verify", count("fast", fast))
+    monkeypatch.setattr(verification, "greedy_verify", count("fast", fast))
     monkeypatch.setattr(verification, "rejection_sample", count("general", general))
     llm = LLM(path, **common, speculative_method="ngram", num_speculative_tokens=4)
     got = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]

@@ -72,13 +72,13 @@ def test_greedy_tokens_equal_plain_decoding(reference: list[list[int]],
 def test_verification_runs_as_decode_rows_without_a_prompt_chunk_beside_it(
         reference: list[list[int]], settings: dict[str, int], through_prefill: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import myvllm.engine.model_runner as runner_module
+    import myvllm.engine.spec_decode.verification as verification
 
     llm = LLM(str(tiny_checkpoint("qwen3")), **{**COMMON, **settings},
               speculative_method="ngram")
     runner = llm.engine_core.model_runner
     paths: list[str] = []
-    as_decode, prefill = runner_module.verification_decode_step, runner.forward_prefill
+    as_decode, prefill = verification.verification_decode_step, runner.forward_prefill
 
     def recording_decode_step(*args: object) -> object:
         paths.append("decode")
@@ -90,7 +90,7 @@ def test_verification_runs_as_decode_rows_without_a_prompt_chunk_beside_it(
             paths.append("prefill")
         return prefill(seqs, spans, verification)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(runner_module, "verification_decode_step", recording_decode_step)
+    monkeypatch.setattr(verification, "verification_decode_step", recording_decode_step)
     monkeypatch.setattr(runner, "forward_prefill", recording_prefill)
     assert generate(llm, prompts(), GREEDY) == reference
     assert "decode" in paths

@@ -18,28 +18,18 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.executor import Executor
 from myvllm.engine.logprobs import read_step_logprobs
+from myvllm.engine.queued_steps import InFlight, QueuedStep, queued_step, undo_step
 from myvllm.engine.request_checks import check_request
 from myvllm.engine.request_outputs import request_outputs
 from myvllm.engine.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
+from myvllm.engine.spec_decode.verification import verified_token_lists
 from myvllm.engine.startup import fit_max_model_length
 from myvllm.engine.structured_output import StructuredOutputManager
-from myvllm.engine.token_pool import SampledTokens
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
-
-
-@dataclasses.dataclass
-class _QueuedStep:
-    """A step whose tokens are on their way (the runner returned, nobody waited)."""
-
-    seqs: list[Sequence]
-    num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
-    sampled: SampledTokens  # rank 0's run() result
-    samples: list[bool]  # which of seqs get their token (not a chunk short of its prompt's end)
-    constrained: bool = False  # the next step must wait for these tokens on the host
 
 
 class EngineCore:
@@ -68,7 +58,7 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(
             model_path, hf_config.vocab_size, sorted(self.scheduler.eos_token_ids))
         self.async_scheduling = bool(config.async_scheduling)
-        self._in_flight: _QueuedStep | None = None  # async_scheduling: the step not yet read
+        self._in_flight = InFlight(self.async_scheduling)  # the step not read yet (async)
         # Requests not yet finished or aborted, by request id (its first completion's seq_id):
         # its sequences, one per completion (SamplingParams.n).
         self._requests: dict[int, list[Sequence]] = {}
@@ -126,12 +116,8 @@ class EngineCore:
         return request_id in self._requests
 
     def drop_in_flight(self) -> None:
-        """Forget a step in flight (after an error or Ctrl-C): its sequences forget their
-        pending token, which the next step recomputes (the device runs steps in order)."""
-        if self._in_flight is not None:
-            for seq in self._in_flight.seqs:
-                seq.drop_pending_tokens()
-            self._in_flight = None
+        """Forget a step in flight (after an error or Ctrl-C): InFlight.drop."""
+        self._in_flight.drop()
 
     def abort_all(self) -> None:
         """Drop every request and any step in flight (at shutdown, or after an error)."""
@@ -140,7 +126,7 @@ class EngineCore:
             self.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished() or self._in_flight is not None
+        return not self.scheduler.is_finished() or self._in_flight.step is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[RequestOutput], int]:
@@ -155,31 +141,11 @@ class EngineCore:
         speculation's accepted tokens).
         """
         self.executor.check_alive()
-        waited = None
-        if self._in_flight is not None and self._in_flight.constrained:
-            in_flight, self._in_flight = self._in_flight, None
-            waited = self._read_back(in_flight)
+        constrained = self._in_flight.take_constrained()
+        waited = self._read_back(constrained) if constrained is not None else None
         seqs, is_prefill = self.scheduler.schedule()
-        queued = None
-        if seqs:
-            samples = [samples_this_step(seq) for seq in seqs]
-            num_computed = sum(seq.num_new_tokens for seq in seqs)
-            num_tokens = num_computed if is_prefill else -len(seqs)
-            try:
-                sampled = self.executor.call("run", seqs, is_prefill)
-            except BaseException:
-                self._undo_step(seqs)
-                raise
-            constrained = False
-            for seq, sample in zip(seqs, samples, strict=True):
-                if sample:
-                    seq.add_pending_token()
-                    speculator = self.scheduler.speculator
-                    constrained = (constrained or seq.grammar_matcher is not None or (
-                        speculator is not None and speculator.needs_tokens_on_host(seq)))
-            queued = _QueuedStep(seqs, num_tokens, sampled, samples, constrained)
-        if self.async_scheduling:
-            queued, self._in_flight = self._in_flight, queued
+        queued = self._queue_step(seqs, is_prefill) if seqs else None
+        queued = self._in_flight.swap(queued)  # async_scheduling: the step queued before
         if waited is not None:  # the step read back above (the one before is in flight)
             assert queued is None
             return waited
@@ -187,20 +153,18 @@ class EngineCore:
             return [], 0
         return self._read_back(queued)
 
-    def _undo_step(self, seqs: list[Sequence]) -> None:
-        """A step failed before it ran (Ctrl-C, out of memory): none of its K/V was written.
-        The blocks it was to fill (registered for prefix hits when it was scheduled) are
-        unregistered, and its sequences go back to waiting, to be recomputed (one admitted in
-        this step may hold a hit on a block that another row of this step was to write)."""
-        block_manager = self.scheduler.block_manager
-        for seq in seqs:
-            seq.num_computed_tokens -= seq.num_new_tokens
-            block_manager.unregister_after(seq, seq.num_computed_tokens)
-        for seq in seqs:
-            if not seq.is_finished:
-                self.scheduler.preempt(seq)
+    def _queue_step(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep:
+        """Run one step on every rank; its tokens are not waited for here."""
+        samples = [samples_this_step(seq) for seq in seqs]
+        num_tokens = sum(seq.num_new_tokens for seq in seqs) if is_prefill else -len(seqs)
+        try:
+            sampled = self.executor.call("run", seqs, is_prefill)
+        except BaseException:
+            undo_step(self.scheduler, seqs)  # none of its K/V was written
+            raise
+        return queued_step(seqs, num_tokens, sampled, samples, self.scheduler.speculator)
 
-    def _read_back(self, step: _QueuedStep) -> tuple[list[RequestOutput], int]:
+    def _read_back(self, step: QueuedStep) -> tuple[list[RequestOutput], int]:
         """Wait for a queued step's tokens and hand them to the scheduler."""
         with self.executor.watching_workers("run"):  # it may wait for a peer: a death raises
             token_ids = step.sampled.token_ids()
@@ -208,10 +172,8 @@ class EngineCore:
         sampling = [i for i, sample in enumerate(step.samples) if sample]
         seqs = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in seqs]
-        verified = None
-        if step.sampled.verified is not None:  # speculative decoding: several tokens a row
-            by_row = step.sampled.verified.token_lists()
-            verified = {j: by_row[i] for j, i in enumerate(sampling) if i in by_row}
+        # Speculative decoding: several tokens a row.
+        verified = verified_token_lists(step.sampled.verified, sampling)
         self.scheduler.postprocess(seqs, [token_ids[i] for i in sampling], verified)
         outputs = request_outputs(seqs, known, [logprobs.get(i) for i in sampling],
                                   self._requests)

@@ -16,7 +16,7 @@ import torch
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
-from myvllm.engine.padded_steps import MAX_CHUNK_GRAPH_TOKENS, PaddedSteps
+from myvllm.engine.padded_steps import PaddedSteps
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.staging import FreshTensors, block_table_array
 from myvllm.engine.token_pool import TokenPool
@@ -41,18 +41,8 @@ class InputBuilder:
         # Where each step's sampled tokens land, and a pending token is read.
         self.pool = TokenPool(torch.zeros(config.max_num_sequences, dtype=torch.int64,
                                           device=self.device))
-        self.padded: PaddedSteps | None = None  # pad_steps switches it on
-
-    def pad_steps(self, chunk_tiles: tuple[int, int] | None,
-                  max_chunk_tokens: int = MAX_CHUNK_GRAPH_TOKENS) -> PaddedSteps:
-        """From now on pad decode steps, and (with chunk_tiles, the prefill kernel's query and
-        key tile) chunked steps of up to max_chunk_tokens, to graph sizes on fixed buffers."""
-        config = self.config
-        self.padded = PaddedSteps(config.max_num_sequences, self.max_blocks_per_seq,
-                                  min(max_chunk_tokens, config.max_num_batched_tokens),
-                                  chunk_tiles, self.device)
-        self.pool = self.padded.pool
-        return self.padded
+        # GPU: padded_steps.pad_steps switches it on (and replaces the pool by its own).
+        self.padded: PaddedSteps | None = None
 
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Block tables padded with -1 to a rectangle, as wide as a multiple of 16: Triton
@@ -111,16 +101,8 @@ class InputBuilder:
             block_tables=(self.prepare_block_tables(seqs)
                           if cu_seqlens_k[-1] > cu_seqlens_q[-1] else None),
         )
-        return StepInputs(self.input_ids(input_ids, pending),
+        return StepInputs(self.pool.input_ids(self.fresh, input_ids, pending),
                           self.fresh.tensor(positions, torch.int64), context)
-
-    def input_ids(self, host_ids: list[int], pending: list[tuple[int, int]]) -> torch.Tensor:
-        """The step's input ids on the device, pending tokens read from the pool."""
-        ids = self.fresh.tensor(host_ids, torch.int64)
-        if not pending:
-            return ids
-        index = self.fresh.tensor(self.pool.token_index(len(host_ids), pending), torch.int64)
-        return self.pool.gather(self.pool.with_host_ids(ids), index)
 
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
         """One new token per sequence; its K/V goes to the slot after the last one used."""
@@ -150,7 +132,7 @@ class InputBuilder:
                           slot_mapping=self.fresh.tensor(slot_mapping, torch.int32),
                           context_lens=self.fresh.tensor(context_lens, torch.int32),
                           block_tables=self.fresh.tensor(block_tables, torch.int32))
-        return StepInputs(self.input_ids(input_ids, pending),
+        return StepInputs(self.pool.input_ids(self.fresh, input_ids, pending),
                           self.fresh.tensor(positions, torch.int64), context,
                           temperatures=self.fresh.tensor(temperatures, torch.float32),
                           sampled=self.pool.tokens[:len(input_ids)])

@@ -26,10 +26,7 @@ from myvllm.engine.model_loading import CausalLM, build_model
 from myvllm.engine.sampling import needs_full_sampler, prepare_sample
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.draft_proposer import make_draft_proposer
-from myvllm.engine.spec_decode.verification import (VerificationRows, VerifiedTokens,
-                                                    greedy_fast_path_applies, greedy_verify,
-                                                    has_proposals, verification_decode_step,
-                                                    verifies_as_decode, verify)
+from myvllm.engine.spec_decode.verification import VerificationStep
 from myvllm.engine.token_pool import SampledTokens
 from myvllm.kernels import set_batch_invariant
 from myvllm.layers.attention import Attention
@@ -108,9 +105,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
-                        verification: VerificationRows | None = None) -> torch.Tensor | None:
+                        verification: VerificationStep | None = None) -> torch.Tensor | None:
         """The model and LM head over each sequence's chunk -> on rank 0 the logits of each
-        one's last token (verification rows: of verification.logit_rows), else None."""
+        one's last token (verification rows: of all their positions), else None."""
         step = self.inputs.prepare_prefill(seqs)
         key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
         with forward_context(step.context):
@@ -118,10 +115,7 @@ class ModelRunner:
             # The LM head reads each sequence's last row (context.cu_seqlens_q), never padding.
             logits = self.model.compute_logits(hidden) if verification is None else None
         if verification is not None:
-            # Outside the context the LM head keeps every row it is given (collective under
-            # tensor parallelism: every rank has the same rows).
-            rows = self.inputs.fresh.tensor(verification.logit_rows, torch.int64)
-            logits = self.model.compute_logits(hidden[rows])
+            logits = verification.logits(hidden, self.model.compute_logits, self.inputs.fresh)
         if features is not None:
             features.add_prompt_logprobs(hidden, self.model.compute_logits,
                                          self.config.max_num_sequences)
@@ -151,10 +145,6 @@ class ModelRunner:
             step.sampled.copy_(self.sampler(logits, step.temperatures, all_greedy=all_greedy))
         return hidden
 
-    def graph_forward(self, step: StepInputs) -> torch.Tensor:
-        """What each decode graph captures (with or without sampling, see sample_in_graph)."""
-        return self.decode_forward(step, sample=self.sample_in_graph)
-
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
         """Queue one step that computes a token for every sequence; rank 0 returns them as
@@ -166,31 +156,23 @@ class ModelRunner:
         # overwrites with its own samples.
         features = LogitsFeatures(seqs, is_prefill, self.rank, to_device,
                                   self.inputs.pool.tokens, self.eos_token_ids)
-        # Speculative decoding: rows that verify proposals (scheduled as a prefill-path step;
-        # with no prompt chunk beside them they run as decode rows).
-        verification = VerificationRows(seqs) if has_proposals(seqs) else None
-        # A draft model fills the rows' proposal slots first (and gives their q).
-        draft_probs = self.draft.propose(seqs) if self.draft is not None else None
-        verified = None
-        as_decode_rows = (verification is not None and not features.prompt_spans
-                          and verifies_as_decode(seqs, self.config.max_num_sequences))
+        # Speculative decoding: the rows that verify proposals (engine/spec_decode/), or None.
+        verification = VerificationStep.of(seqs, self.draft, features,
+                                           self.config.max_num_sequences)
+        as_decode_rows = verification is not None and verification.as_decode_rows
         if is_prefill and not as_decode_rows:
             logits = self.forward_prefill(seqs, features, verification)
         else:
-            logits = self.run_decode(seqs, verifies=as_decode_rows)
+            logits = self.run_decode(seqs, verification if as_decode_rows else None)
         num_seqs = len(seqs)
         pool = self.inputs.pool
         if (verification is not None and logits is not None and not self.broadcast_sampled
-                and greedy_fast_path_applies(seqs, features.processing,
-                                             bool(features.prompt_spans))):
-            return greedy_verify(seqs, verification, logits, pool, to_device)
+                and verification.greedy_fast_path_applies(features)):
+            return verification.greedy_verify(logits, pool, to_device)
         if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
             args = prepare_sample(seqs, to_device, self.device)
-            if verification is not None:
-                verified = VerifiedTokens(*verify(seqs, verification, logits, args,
-                                                  to_device, draft_probs))
-                # The one-token-per-row sampling below reads each row's last logits.
-                logits = logits[to_device(verification.last_rows, torch.int64)]
+            if verification is not None:  # rejection sampling, then each row's last logits
+                logits = verification.verify(logits, args, to_device)
             tokens = features.sample(self.sampler, logits[:num_seqs], args,
                                      self.hf_config.vocab_size)
             pool.tokens[:num_seqs].copy_(tokens)
@@ -201,15 +183,17 @@ class ModelRunner:
         if self.rank != 0:
             return None
         sampled = pool.read_back(seqs, features.logprobs)
-        sampled.verified = verified
+        sampled.verified = verification.verified if verification is not None else None
         return sampled
 
-    def run_decode(self, seqs: list[Sequence], verifies: bool = False) -> torch.Tensor | None:
+    def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
+                   ) -> torch.Tensor | None:
         """A decode step -> its logits, or None when it sampled into the pool itself.
-        verifies: the step's verification rows run as decode rows."""
-        step = (verification_decode_step(self.inputs, seqs) if verifies
-                else self.inputs.prepare_decode(seqs))
-        full_sampler = verifies or not self.sample_in_graph or needs_full_sampler(seqs)
+        verification: the step's verification rows, run as decode rows."""
+        step = (self.inputs.prepare_decode(seqs) if verification is None
+                else verification.decode_step(self.inputs))
+        full_sampler = (verification is not None or not self.sample_in_graph
+                        or needs_full_sampler(seqs))
         sample = not full_sampler
         all_greedy = sample and all(seq.sampling_params.temperature == 0 for seq in seqs)
         # A graph samples with all_greedy=False (see decode_forward): the same tokens.

@@ -29,6 +29,8 @@ host right after it, so that one index_select gathers every step's input ids
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -40,12 +42,28 @@ from myvllm.kernels.tile_map import (SPLIT_KEY_TILES, DecodeRows, TileMap, build
                                      tile_map_slots)
 from myvllm.utils.context import Context
 
+if TYPE_CHECKING:
+    from myvllm.engine.input_builder import InputBuilder
+
 # Above this many tokens a step's GPU work (tens of milliseconds) dwarfs launching it, and a
 # graph would keep that many tokens' activations allocated for good.
 MAX_CHUNK_GRAPH_TOKENS = 2048
 # Partial results attention's split tiles may leave per step (build_tile_map): 64 of
 # [heads, 128, 128] float32, 64 MiB for 16 heads, allocated per layer from the graph's pool.
 NUM_SPLIT_PARTS = 64
+
+
+def pad_steps(inputs: InputBuilder, chunk_tiles: tuple[int, int] | None,
+              max_chunk_tokens: int = MAX_CHUNK_GRAPH_TOKENS) -> PaddedSteps:
+    """From now on the builder pads decode steps, and (with chunk_tiles, the prefill kernel's
+    query and key tile) chunked steps of up to max_chunk_tokens, to graph sizes on fixed
+    buffers."""
+    config = inputs.config
+    inputs.padded = PaddedSteps(config.max_num_sequences, inputs.max_blocks_per_seq,
+                                min(max_chunk_tokens, config.max_num_batched_tokens),
+                                chunk_tiles, inputs.device)
+    inputs.pool = inputs.padded.pool
+    return inputs.padded
 
 
 def cuda_graph_batch_sizes(max_num_sequences: int) -> list[int]:

@@ -6,6 +6,10 @@ Step 6) is read, in row Sequence.sampled_row. A step's input ids are gathered on
     token_index = [ size + i   where the host knows token i (its id is in host ids)
                     row        where token i is pending: that row of the pool ]
     input_ids   = source[token_index]
+
+A first reading on a CPU can skip this file: without async scheduling (a CPU's default) no
+token is pending, so last_token is seq.last_token and input_ids the host ids on the device;
+read_back keeps a copy of the step's rows, and SampledTokens.token_ids() is their list.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from myvllm.engine.static_buffers import PinnedSlots
 
 if TYPE_CHECKING:
     from myvllm.engine.spec_decode.verification import VerifiedTokens
+    from myvllm.engine.staging import FreshTensors
 
 
 class TokenPool:
@@ -45,6 +50,17 @@ class TokenPool:
         pending.append((at, seq.sampled_row))
         return 0
 
+    def input_ids(self, fresh: FreshTensors, host_ids: list[int],
+                  pending: list[tuple[int, int]]) -> torch.Tensor:
+        """A step's input ids on the device (host_ids, built with last_token), the pending
+        ones read from the pool. (PaddedSteps stages its host ids right after the pool and
+        gathers from there.)"""
+        ids = fresh.tensor(host_ids, torch.int64)
+        if not pending:
+            return ids
+        index = fresh.tensor(self.token_index(len(host_ids), pending), torch.int64)
+        return self.gather(torch.cat([self.tokens, ids]), index)
+
     def token_index(self, num_ids: int, pending: list[tuple[int, int]]) -> np.ndarray:
         """Where each of a step's num_ids input ids is read from in [pool | host ids]."""
         index = np.arange(self.size, self.size + num_ids, dtype=np.int64)
@@ -56,11 +72,6 @@ class TokenPool:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids = source[token_index], source being [pool | host ids] on the device."""
         return torch.index_select(source, 0, token_index, out=out)
-
-    def with_host_ids(self, host_ids: torch.Tensor) -> torch.Tensor:
-        """[pool | host ids] as one tensor, for steps whose host ids are not already staged
-        right after the pool."""
-        return torch.cat([self.tokens, host_ids])
 
     # ------------------------------------------------------------------ after the step
     def share(self, num_seqs: int) -> None:

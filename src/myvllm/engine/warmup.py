@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from myvllm.engine.batch import StepInputs
+from myvllm.engine.padded_steps import pad_steps
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import LogitsProcessing, Penalties, process_logits
 
@@ -36,12 +38,16 @@ def pad_and_capture(runner: ModelRunner) -> None:
 
         tiles = prefill_config(runner.device, runner.kv_layout.head_dim, runner.dtype)
         chunk_tiles = (tiles.block_m, tiles.block_n)
-    padded = runner.inputs.pad_steps(chunk_tiles)
+    padded = pad_steps(runner.inputs, chunk_tiles)
     if runner.enforce_eager:
         return
+    def decode_graph_forward(step: StepInputs) -> torch.Tensor:
+        """What each decode graph captures (with or without sampling, see sample_in_graph)."""
+        return runner.decode_forward(step, sample=runner.sample_in_graph)
+
     for kind, sizes, inputs, forward in (
             ("decode", padded.decode_sizes, padded.capture_decode_inputs,
-             runner.graph_forward),
+             decode_graph_forward),
             ("prefill", padded.chunk_sizes, padded.capture_prefill_inputs,
              runner.body_forward)):
         start = time.perf_counter()

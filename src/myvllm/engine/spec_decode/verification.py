@@ -45,12 +45,72 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.input_builder import InputBuilder
+from myvllm.engine.logits_features import LogitsFeatures
 from myvllm.engine.sampling import ToDevice, generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from myvllm.engine.staging import FreshTensors
 from myvllm.engine.token_pool import SampledTokens, TokenPool
+
+if TYPE_CHECKING:
+    from myvllm.engine.spec_decode.draft_proposer import DraftProposer
+
+
+class VerificationStep:
+    """One step's rows that verify proposals, as ModelRunner.run meets them: where their
+    logits are (VerificationRows), a draft model's q, and after sampling their verified
+    tokens. ModelRunner.run makes one only when some row has proposals."""
+
+    def __init__(self, seqs: list[Sequence], draft: DraftProposer | None,
+                 features: LogitsFeatures, max_rows: int) -> None:
+        self.seqs = seqs
+        self.rows = VerificationRows(seqs)
+        # A draft model fills the rows' proposal slots first (and gives their q).
+        self.draft_probs = draft.propose(seqs) if draft is not None else None
+        # Scheduled as a prefill-path step; with no prompt chunk beside them the rows run
+        # as decode rows.
+        self.as_decode_rows = (not features.prompt_spans
+                               and verifies_as_decode(seqs, max_rows))
+        self.verified: VerifiedTokens | None = None
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], draft: DraftProposer | None, features: LogitsFeatures,
+           max_rows: int) -> VerificationStep | None:
+        """The step's verification, or None when no row has proposals."""
+        return cls(seqs, draft, features, max_rows) if has_proposals(seqs) else None
+
+    def decode_step(self, inputs: InputBuilder) -> StepInputs:
+        return verification_decode_step(inputs, self.seqs)
+
+    def logits(self, hidden: torch.Tensor,
+               compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+               fresh: FreshTensors) -> torch.Tensor | None:
+        """The LM head over the logit rows of a prefill-path step's hidden states. Call it
+        outside the forward context, where the LM head keeps every row it is given
+        (collective under tensor parallelism: every rank has the same rows)."""
+        return compute_logits(hidden[fresh.tensor(self.rows.logit_rows, torch.int64)])
+
+    def greedy_fast_path_applies(self, features: LogitsFeatures) -> bool:
+        return greedy_fast_path_applies(self.seqs, features.processing,
+                                        bool(features.prompt_spans))
+
+    def greedy_verify(self, logits: torch.Tensor, pool: TokenPool, to_device: ToDevice
+                      ) -> SampledTokens:
+        return greedy_verify(self.seqs, self.rows, logits, pool, to_device)
+
+    def verify(self, logits: torch.Tensor, args: SamplingArgs, to_device: ToDevice
+               ) -> torch.Tensor:
+        """Rejection sampling of the rows with proposals (their tokens in self.verified);
+        returns the logits of each row's last position, which the step's
+        one-token-per-row sampling reads."""
+        self.verified = VerifiedTokens(*verify(self.seqs, self.rows, logits, args, to_device,
+                                               self.draft_probs))
+        return logits[to_device(self.rows.last_rows, torch.int64)]
 
 
 def has_proposals(seqs: list[Sequence]) -> bool:
@@ -158,6 +218,17 @@ class VerifiedTokens:
         """{index in the step's seqs: its emitted tokens}; call after token_ids()."""
         return {i: [t for t in row if t != PLACEHOLDER]
                 for i, row in zip(self.indices, self.host.tolist(), strict=True)}
+
+
+def verified_token_lists(verified: VerifiedTokens | None, sampling: list[int]
+                         ) -> dict[int, list[int]] | None:
+    """{j: the emitted tokens of sampling[j]} for the rows of a read-back step that verified
+    proposals (sampling: the indices in the step's seqs of the rows that sampled), or None
+    when none did."""
+    if verified is None:
+        return None
+    by_row = verified.token_lists()
+    return {j: by_row[i] for j, i in enumerate(sampling) if i in by_row}
 
 
 def greedy_fast_path_applies(seqs: list[Sequence], processing: object | None,

@@ -1,0 +1,88 @@
+"""The steps EngineCore.step queued and has not read back yet (engine/core.py): a step's
+pending tokens, the step kept in flight under async scheduling (the guide's Step 6, "Async
+scheduling"), and the undo of a step that failed before it ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from myvllm.engine.sequence import Sequence
+from myvllm.engine.token_pool import SampledTokens
+
+if TYPE_CHECKING:
+    from myvllm.engine.scheduler import Scheduler
+    from myvllm.engine.spec_decode.scheduling import Speculator
+
+
+@dataclasses.dataclass
+class QueuedStep:
+    """A step whose tokens are on their way (the runner returned, nobody waited)."""
+
+    seqs: list[Sequence]
+    num_tokens: int  # what step() reports: > 0 prompt tokens computed, < 0 decode
+    sampled: SampledTokens  # rank 0's run() result
+    samples: list[bool]  # which of seqs get their token (not a chunk short of its prompt's end)
+    constrained: bool = False  # the next step must wait for these tokens on the host
+
+
+def queued_step(seqs: list[Sequence], num_tokens: int, sampled: SampledTokens,
+                samples: list[bool], speculator: Speculator | None) -> QueuedStep:
+    """A step the runner has queued: each sequence that samples in it counts its token as
+    pending until the step is read back."""
+    constrained = False
+    for seq, sample in zip(seqs, samples, strict=True):
+        if sample:
+            seq.add_pending_token()
+            constrained = (constrained or seq.grammar_matcher is not None or (
+                speculator is not None and speculator.needs_tokens_on_host(seq)))
+    return QueuedStep(seqs, num_tokens, sampled, samples, constrained)
+
+
+class InFlight:
+    """async_scheduling: the step queued by the previous EngineCore.step call, not read yet.
+    Without async scheduling nothing stays in flight."""
+
+    def __init__(self, async_scheduling: bool) -> None:
+        self.async_scheduling = async_scheduling
+        self.step: QueuedStep | None = None
+
+    def take_constrained(self) -> QueuedStep | None:
+        """The step in flight, taken out, if the next schedule needs its tokens on the host
+        (a grammar's next bitmask, speculation's accepted tokens); else None."""
+        step = self.step
+        if step is None or not step.constrained:
+            return None
+        self.step = None
+        return step
+
+    def swap(self, queued: QueuedStep | None) -> QueuedStep | None:
+        """The step to read back now: with async scheduling the one in flight (queued takes
+        its place), else queued itself."""
+        if not self.async_scheduling:
+            return queued
+        earlier, self.step = self.step, queued
+        return earlier
+
+    def drop(self) -> None:
+        """Forget the step in flight (after an error or Ctrl-C): its sequences forget their
+        pending token, which the next step recomputes (the device runs steps in order)."""
+        if self.step is not None:
+            for seq in self.step.seqs:
+                seq.drop_pending_tokens()
+            self.step = None
+
+
+def undo_step(scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    """A step failed before it ran (Ctrl-C, out of memory): none of its K/V was written.
+    The blocks it was to fill (registered for prefix hits when it was scheduled) are
+    unregistered, and its sequences go back to waiting, to be recomputed (one admitted in
+    this step may hold a hit on a block that another row of this step was to write)."""
+    block_manager = scheduler.block_manager
+    for seq in seqs:
+        seq.num_computed_tokens -= seq.num_new_tokens
+        block_manager.unregister_after(seq, seq.num_computed_tokens)
+    for seq in seqs:
+        if not seq.is_finished:
+            scheduler.preempt(seq)
