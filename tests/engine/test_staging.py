@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from myvllm.engine.padded_steps import PaddedSteps
+from myvllm.engine.pending_tokens import input_ids, token_index
 from myvllm.engine.staging import FreshTensors, block_table_array
 from myvllm.engine.static_buffers import PinnedSlots, StaticBuffers
 from myvllm.engine.token_pool import TokenPool
@@ -66,9 +67,9 @@ def test_block_table_array_pads_with_minus_one() -> None:
 def test_pending_tokens_are_read_from_the_pool() -> None:
     """token_index < pool size points into the pool (a pending token)."""
     pool = TokenPool(torch.tensor([7, 8, 9, 6]))
-    index = pool.token_index(3, [(0, 2), (2, 0)])
+    index = token_index(pool.size, 3, [(0, 2), (2, 0)])
     assert index.tolist() == [2, 5, 0]
-    ids = pool.input_ids(FreshTensors(torch.device("cpu")), [0, 101, 0], [(0, 2), (2, 0)])
+    ids = input_ids(pool, FreshTensors(torch.device("cpu")), [0, 101, 0], [(0, 2), (2, 0)])
     assert ids.tolist() == [9, 101, 7]
 
 

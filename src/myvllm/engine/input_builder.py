@@ -16,6 +16,7 @@ import torch
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
+from myvllm.engine import pending_tokens
 from myvllm.engine.padded_steps import PaddedSteps
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.staging import FreshTensors, block_table_array
@@ -67,10 +68,10 @@ class InputBuilder:
             end = seq.num_computed_tokens
             start = end - seq.num_new_tokens
             if seq.spec_token_ids:  # verification: the last token, then the proposals
-                input_ids.append(self.pool.last_token(seq, len(input_ids), pending))
+                input_ids.append(pending_tokens.last_token(seq, len(input_ids), pending))
                 input_ids.extend(seq.spec_token_ids)
             elif seq.num_new_tokens == 1 and end == len(seq):  # the sequence's last token
-                input_ids.append(self.pool.last_token(seq, len(input_ids), pending))
+                input_ids.append(pending_tokens.last_token(seq, len(input_ids), pending))
             else:
                 input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -101,13 +102,13 @@ class InputBuilder:
             block_tables=(self.prepare_block_tables(seqs)
                           if cu_seqlens_k[-1] > cu_seqlens_q[-1] else None),
         )
-        return StepInputs(self.pool.input_ids(self.fresh, input_ids, pending),
+        return StepInputs(pending_tokens.input_ids(self.pool, self.fresh, input_ids, pending),
                           self.fresh.tensor(positions, torch.int64), context)
 
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
         """One new token per sequence; its K/V goes to the slot after the last one used."""
         pending: list[tuple[int, int]] = []
-        input_ids = [self.pool.last_token(seq, row, pending) for row, seq in enumerate(seqs)]
+        input_ids = [pending_tokens.last_token(seq, row, pending) for row, seq in enumerate(seqs)]
         positions = [len(seq) - 1 for seq in seqs]
         context_lens = [len(seq) for seq in seqs]
         slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
@@ -132,7 +133,7 @@ class InputBuilder:
                           slot_mapping=self.fresh.tensor(slot_mapping, torch.int32),
                           context_lens=self.fresh.tensor(context_lens, torch.int32),
                           block_tables=self.fresh.tensor(block_tables, torch.int32))
-        return StepInputs(self.pool.input_ids(self.fresh, input_ids, pending),
+        return StepInputs(pending_tokens.input_ids(self.pool, self.fresh, input_ids, pending),
                           self.fresh.tensor(positions, torch.int64), context,
                           temperatures=self.fresh.tensor(temperatures, torch.float32),
                           sampled=self.pool.tokens[:len(input_ids)])

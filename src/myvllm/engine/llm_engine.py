@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from myvllm.config import Config
-from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
+from myvllm.engine.core_delegates import CoreDelegates
 from myvllm.engine.generate_outputs import FinishedOutputs, GenerateProgress, generate_result
 from myvllm.engine.request_checks import check_generate_args
 from myvllm.engine.sequence import Sequence
@@ -28,7 +28,9 @@ from myvllm.utils.hf_config import gguf_parsed_once
 Prompt = str | list[int]
 
 
-class LLMEngine:
+# scheduler, model_runner, dead_reason, check_alive, exit, has_unfinished_requests,
+# is_finished and step_outputs pass straight on to the EngineCore (CoreDelegates).
+class LLMEngine(CoreDelegates):
     def __init__(self, model: Config | str | None = None, **kwargs: Any) -> None:
         config = to_config(model, **kwargs)
         check_in_process(config)
@@ -48,28 +50,6 @@ class LLMEngine:
         self.async_scheduling: bool = core.async_scheduling
         # Logprobs and n > 1 completions, gathered until their request finishes (step()).
         self.finished_outputs = FinishedOutputs()
-
-    @property
-    def scheduler(self) -> Any:
-        return self.engine_core.scheduler
-
-    @property
-    def model_runner(self) -> Any:
-        return self.engine_core.model_runner
-
-    @property
-    def dead_reason(self) -> str | None:
-        """Why this engine can run no more steps (tensor parallelism: a worker died, a step
-        failed, or exit() was called), or None."""
-        return self.engine_core.dead_reason
-
-    def check_alive(self) -> None:
-        """Raise EngineDeadError if this engine can run no more steps (see dead_reason)."""
-        self.engine_core.check_alive()
-
-    def exit(self) -> None:
-        """Stop the worker processes and release the process group (idempotent)."""
-        self.engine_core.shutdown()
 
     # ------------------------------------------------------------------ requests
     def _make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
@@ -99,22 +79,11 @@ class LLMEngine:
         self.finished_outputs.forget(request_id)
         self.engine_core.abort(request_id)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
-
-    def is_finished(self) -> bool:
-        return not self.engine_core.has_unfinished_requests()
-
     def step(self) -> tuple[list[dict[str, Any]], int]:
         """One scheduler step: (the dicts of the requests that finished, the signed count of
         tokens computed, as EngineCore.step)."""
-        outputs, num_tokens = self.step_outputs()
+        outputs, num_tokens = self.engine_core.step()
         return self.finished_outputs.collect(outputs), num_tokens
-
-    def step_outputs(self) -> tuple[list[RequestOutput], int]:
-        """One scheduler step, a RequestOutput per request that got tokens (for callers that
-        stream): EngineCore.step."""
-        return self.engine_core.step()
 
     def generate(
         self,

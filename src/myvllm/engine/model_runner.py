@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from myvllm.config import Config, stop_token_ids
-from myvllm.engine import warmup
+from myvllm.engine import pending_tokens, warmup
 from myvllm.engine.batch import StepInputs
 from myvllm.engine.cuda_graphs import GraphCache, GraphKey
 from myvllm.engine.input_builder import InputBuilder
@@ -179,7 +179,7 @@ class ModelRunner:
         if self.broadcast_sampled:
             # Every rank's pool gets this step's tokens, in the rows where the next step reads
             # its pending tokens; the host does not wait for it.
-            pool.share(num_seqs)
+            pending_tokens.share(pool, num_seqs)
         if self.rank != 0:
             return None
         sampled = pool.read_back(seqs, features.logprobs)

@@ -24,7 +24,7 @@ graph cover the whole model body here.
 
 All fields live in one StaticBuffers, the sampled-token pool first and the ids known on the
 host right after it, so that one index_select gathers every step's input ids
-(engine/token_pool.py).
+(engine/pending_tokens.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from myvllm.engine.batch import StepInputs
+from myvllm.engine.pending_tokens import gather, token_index
 from myvllm.engine.static_buffers import StaticBuffers
 from myvllm.engine.token_pool import TokenPool
 from myvllm.kernels.batch_invariant import is_batch_invariant
@@ -144,7 +145,7 @@ class PaddedSteps:
         self.buffers.stage({
             "host_ids": np.array(host_ids + [0] * pad, dtype=np.int64),
             "positions": np.array(positions + [0] * pad, dtype=np.int64),
-            "token_index": self.pool.token_index(bs, pending),
+            "token_index": token_index(self.pool.size, bs, pending),
             "slot_mapping": np.array(slot_mapping + [-1] * pad, dtype=np.int32),
             "context_lens": np.array(context_lens + [0] * pad, dtype=np.int32),
             "temperatures": np.array(temperatures + [0.0] * pad, dtype=np.float32),
@@ -165,8 +166,8 @@ class PaddedSteps:
 
     def gather_input_ids(self, n: int) -> None:
         """input_ids[:n] from [pool | host ids], by the staged token_index."""
-        self.pool.gather(self.buffers.span("sampled", "host_ids"),
-                         self.buffers.field("token_index", n), out=self.input_ids[:n])
+        gather(self.buffers.span("sampled", "host_ids"), self.buffers.field("token_index", n),
+               out=self.input_ids[:n])
 
     # ------------------------------------------------------------------ chunked prefill
     def prefill(self, host_ids: list[int], pending: list[tuple[int, int]],
@@ -193,7 +194,7 @@ class PaddedSteps:
         self.buffers.stage({
             "host_ids": np.array(host_ids + [0] * pad, dtype=i64),
             "positions": np.array(positions + [0] * pad, dtype=i64),
-            "token_index": self.pool.token_index(padded, pending),
+            "token_index": token_index(self.pool.size, padded, pending),
             "row_gather": np.array(row_tokens + [0] * (rows - num_rows), dtype=i64),
             "row_scatter": np.array(row_tokens + [padded] * (rows - num_rows), dtype=i64),
             "slot_mapping": np.array(slot_mapping + [-1] * pad, dtype=i32),

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.logits_features import LogitsFeatures
+from myvllm.engine.pending_tokens import last_token
 from myvllm.engine.sampling import ToDevice, generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
@@ -139,7 +140,7 @@ def verification_decode_step(inputs: InputBuilder, seqs: list[Sequence]) -> Step
     tables: list[list[int]] = []
     temperatures: list[float] = []
     for seq in seqs:
-        input_ids.append(inputs.pool.last_token(seq, len(input_ids), pending))
+        input_ids.append(last_token(seq, len(input_ids), pending))
         input_ids.extend(seq.spec_token_ids)
         first = seq.num_tokens - 1
         positions.extend(range(first, first + 1 + len(seq.spec_token_ids)))

@@ -1,0 +1,70 @@
+"""Async scheduling's pending tokens (the guide's Step 6, "Async scheduling"): a token that the
+step in flight sampled and the host has not seen yet is read on the device, from its row of
+the sampled-token pool (engine/token_pool.py; that row is Sequence.sampled_row). A step's input
+ids are gathered there:
+
+    source      = [ pool (size rows) | host ids (n) ]
+    token_index = [ size + i   where the host knows token i (its id is in host ids)
+                    row        where token i is pending: that row of the pool ]
+    input_ids   = source[token_index]
+
+A first reading on a CPU can skip this file: without async scheduling (a CPU's default) no
+token is pending, so last_token is seq.last_token and input_ids the host ids on the device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from myvllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from myvllm.engine.staging import FreshTensors
+    from myvllm.engine.token_pool import TokenPool
+
+
+def last_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
+    """The host id of seq's last token, an input at position `at` of the step; if it is
+    still pending, 0 as a placeholder and (at, its row of the pool) added to pending."""
+    if not seq.num_pending_tokens:
+        return seq.last_token
+    assert seq.sampled_row is not None, "a pending token but no step"
+    pending.append((at, seq.sampled_row))
+    return 0
+
+
+def input_ids(pool: TokenPool, fresh: FreshTensors, host_ids: list[int],
+              pending: list[tuple[int, int]]) -> torch.Tensor:
+    """A step's input ids on the device (host_ids, built with last_token), the pending ones
+    read from the pool. (PaddedSteps stages its host ids right after the pool and gathers
+    from there.)"""
+    ids = fresh.tensor(host_ids, torch.int64)
+    if not pending:
+        return ids
+    index = fresh.tensor(token_index(pool.size, len(host_ids), pending), torch.int64)
+    return gather(torch.cat([pool.tokens, ids]), index)
+
+
+def token_index(pool_size: int, num_ids: int, pending: list[tuple[int, int]]) -> np.ndarray:
+    """Where each of a step's num_ids input ids is read from in [pool | host ids]."""
+    index = np.arange(pool_size, pool_size + num_ids, dtype=np.int64)
+    for at, row in pending:
+        index[at] = row
+    return index
+
+
+def gather(source: torch.Tensor, token_index: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """input_ids = source[token_index], source being [pool | host ids] on the device."""
+    return torch.index_select(source, 0, token_index, out=out)
+
+
+def share(pool: TokenPool, num_seqs: int) -> None:
+    """Tensor parallelism: every rank reads pending tokens from its own pool, and only rank 0
+    samples. Collective: rank 0's rows to every rank, queued on the stream after its sampler
+    and before the next step's reads."""
+    dist.broadcast(pool.tokens[:num_seqs], src=0)
