@@ -132,14 +132,11 @@ class EngineCore:
     def step(self) -> tuple[list[RequestOutput], int]:
         """One scheduler step: a RequestOutput per request that received tokens or finished
         in it, and the signed count of tokens computed (never above max_num_batched_tokens):
-        positive for a step that computes prompt tokens (decode rows beside them count too),
-        negative for a pure decode step (one per sequence).
-
-        With async_scheduling both describe the step queued by the previous call: this call
-        queues step N+1 before it waits for step N's tokens (the guide's Step 6, "Async
-        scheduling"), unless step N must be on the host first (a grammar's next bitmask,
-        speculation's accepted tokens).
-        """
+        > 0 for a step that computes prompt tokens (decode rows beside them count too), < 0
+        for a pure decode step (one per sequence). With async_scheduling both describe the
+        step queued by the previous call, which this call reads back after it queued the next
+        (the guide's Step 6, "Async scheduling"), unless that one must be on the host before
+        the next is planned (a grammar's next bitmask, speculation's accepted tokens)."""
         self.executor.check_alive()
         constrained = self._in_flight.take_constrained()
         waited = self._read_back(constrained) if constrained is not None else None

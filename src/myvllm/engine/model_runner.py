@@ -1,9 +1,8 @@
 """Step 4: the ModelRunner runs one step of the model: a batch in, one token per sequence out.
 
-One lives in every tensor-parallel rank; rank 0 (beside the EngineCore) also samples. One
-step, run(seqs, is_prefill): the InputBuilder's tensors, the model, the LM head, the Sampler,
-the tokens into the sampled-token pool and back as SampledTokens. On a GPU a step is padded
-and replayed from a CUDA graph where one fits: graphs appear here only in run_graph_or_eager.
+One lives in every tensor-parallel rank; rank 0 (beside the EngineCore) also samples. On a
+GPU a step is padded and replayed from a CUDA graph where one fits: graphs appear here only
+in run_graph_or_eager.
 """
 
 from __future__ import annotations

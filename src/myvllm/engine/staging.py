@@ -1,9 +1,6 @@
-"""Staging: one step's host arrays become the device tensors its forward pass reads.
-
-    FreshTensors    a new tensor per array and step: all a CPU uses; on a GPU, for steps
-                    too large for a CUDA graph, through pinned memory (non_blocking)
-    StaticBuffers   GPU only (engine/static_buffers.py): fixed places in device memory,
-                    which a CUDA graph captured on them reads in place
+"""Staging: one step's host arrays become the device tensors its forward pass reads, as
+FreshTensors (all a CPU uses) or, on a GPU, for a step that fits a CUDA graph, in the fixed
+places of StaticBuffers (engine/static_buffers.py) that the graph reads.
 """
 
 from __future__ import annotations

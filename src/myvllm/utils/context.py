@@ -10,9 +10,8 @@ Shapes (N = tokens in the step, B = sequences in the step):
               slot_mapping   [N]   int32  cache slot (block_id * block_size + offset) per new token
               block_tables   [B, max_blocks] int32, -1 padded; only set when a prefix is cached
                              (or the step is padded, below)
-              q_tiles, decode_rows   GPU only, a padded chunked-prefill step: its query
-                             tiles and its one-token rows, for the decode kernel
-                             (kernels/tile_map.py)
+              q_tiles, decode_rows   GPU only, a padded chunked step's query tiles and
+                             one-token rows (engine/padded_steps.py, kernels/tile_map.py)
     decode    slot_mapping   [B]   int32  slot of the one new token per sequence (-1 = padding)
               context_lens   [B]   int32  tokens of context including the new one
               block_tables   [B, max_blocks] int32, -1 padded
