@@ -16,6 +16,7 @@ from typing import Any
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
+from myvllm.engine.core_delegates import ExecutorDelegates
 from myvllm.engine.executor import Executor
 from myvllm.engine.logprobs import read_step_logprobs
 from myvllm.engine.queued_steps import InFlight, QueuedStep, queued_step, undo_step
@@ -32,7 +33,9 @@ from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
 
 
-class EngineCore:
+# model_runner, dead_reason, check_alive and shutdown pass straight on to the Executor
+# (ExecutorDelegates).
+class EngineCore(ExecutorDelegates):
     def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
                  fit_length_to_cache: bool = False) -> None:
         """config as the client resolved it (eos and max_model_length known); model_path a
@@ -62,10 +65,6 @@ class EngineCore:
         # Requests not yet finished or aborted, by request id (its first completion's seq_id):
         # its sequences, one per completion (SamplingParams.n).
         self._requests: dict[int, list[Sequence]] = {}
-
-    @property
-    def model_runner(self) -> Any:
-        return self.executor.model_runner
 
     @property
     def num_requests(self) -> int:
@@ -180,15 +179,3 @@ class EngineCore:
         """Fraction of the KV-cache blocks held by requests (cached free blocks are free)."""
         blocks = self.scheduler.block_manager
         return 1.0 - len(blocks.free_block_ids) / len(blocks.blocks)
-
-    # ------------------------------------------------------------------ lifetime
-    @property
-    def dead_reason(self) -> str | None:
-        return self.executor.dead_reason
-
-    def check_alive(self) -> None:
-        self.executor.check_alive()
-
-    def shutdown(self) -> None:
-        """Stop the worker processes and release the process group (idempotent)."""
-        self.executor.shutdown()

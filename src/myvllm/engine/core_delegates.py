@@ -1,6 +1,8 @@
-"""What LLMEngine (llm_engine.py) passes straight on to its EngineCore (core.py): the scheduler
-and the model runner (for tests, examples and diagnostics), the engine's life, and the step
-as the core returns it. LLMEngine derives from CoreDelegates, so these stay its methods.
+"""The calls that pass straight on: LLMEngine's (llm_engine.py) to its EngineCore (core.py),
+the scheduler and the model runner (for tests, examples and diagnostics), the engine's life
+and the step as the core returns it; and EngineCore's to its Executor (engine/executor.py).
+LLMEngine derives from CoreDelegates and EngineCore from ExecutorDelegates, so these stay
+their methods.
 """
 
 from __future__ import annotations
@@ -11,6 +13,26 @@ from myvllm.engine.batch import RequestOutput
 
 if TYPE_CHECKING:
     from myvllm.engine.core import EngineCore
+    from myvllm.engine.executor import Executor
+
+
+class ExecutorDelegates:
+    executor: Executor
+
+    @property
+    def model_runner(self) -> Any:
+        return self.executor.model_runner
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.executor.dead_reason
+
+    def check_alive(self) -> None:
+        self.executor.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes and release the process group (idempotent)."""
+        self.executor.shutdown()
 
 
 class CoreDelegates:

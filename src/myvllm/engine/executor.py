@@ -58,7 +58,7 @@ def _shutdown(pool: WorkerPool | None, owns_process_group: bool, torch_threads: 
             pool.shutdown(wait_s=0)
     if owns_process_group and dist.is_initialized():
         if runner is not None:
-            runner.release_cuda_graphs()  # before the group: see release_cuda_graphs
+            runner.graphs.release(runner.device)  # before the group: see GraphCache.release
         release_process_group(graceful)
     if pool is not None:
         pool.shutdown()

@@ -204,7 +204,3 @@ class ModelRunner:
                 return None
             # On every rank (the LM head is collective); all rows, as in decode_forward.
             return self.model.compute_logits(hidden)
-
-    def release_cuda_graphs(self) -> None:
-        """Drop the captured graphs before the process group goes (GraphCache.release)."""
-        self.graphs.release(self.device)

@@ -205,7 +205,7 @@ def serve_rank_0(conn: Connection, start: Callable[[], ModelRunner],
         os._exit(1)
     finally:
         if runner is not None:
-            runner.release_cuda_graphs()  # before the group: see release_cuda_graphs
+            runner.graphs.release(runner.device)  # before the group: see GraphCache.release
         if dist.is_initialized():
             release_all_reduce()
             dist.destroy_process_group()
