@@ -137,6 +137,7 @@ class EngineCore(ExecutorDelegates):
         (the guide's Step 6, "Async scheduling"), unless that one must be on the host before
         the next is planned (a grammar's next bitmask, speculation's accepted tokens)."""
         self.executor.check_alive()
+        # A step in flight whose tokens the next schedule needs is read back first.
         constrained = self._in_flight.take_constrained()
         waited = self._read_back(constrained) if constrained is not None else None
         seqs, is_prefill = self.scheduler.schedule()

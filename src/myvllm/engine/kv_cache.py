@@ -29,11 +29,6 @@ class KVCacheLayout:
     dtype: torch.dtype
 
     @property
-    def block_shape(self) -> tuple[int, int, int]:
-        """One block of one layer's K (or V)."""
-        return self.block_size, self.num_kv_heads, self.head_dim
-
-    @property
     def block_bytes(self) -> int:
         """Bytes one block takes over all layers, K and V."""
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim
@@ -76,7 +71,8 @@ def count_blocks(config: Config, layout: KVCacheLayout, device: torch.device,
 def allocate_kv_cache(attention_layers: list[Attention], layout: KVCacheLayout,
                       num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate K and V caches and give each Attention module its layer's view."""
-    shape = (len(attention_layers), num_blocks, *layout.block_shape)
+    shape = (len(attention_layers), num_blocks, layout.block_size, layout.num_kv_heads,
+             layout.head_dim)
     k_cache = torch.empty(shape, dtype=layout.dtype, device=device)
     v_cache = torch.empty(shape, dtype=layout.dtype, device=device)
     for layer_id, attention in enumerate(attention_layers):

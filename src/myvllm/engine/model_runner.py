@@ -175,9 +175,7 @@ class ModelRunner:
             tokens = features.sample(self.sampler, logits[:num_seqs], args,
                                      self.hf_config.vocab_size)
             pool.tokens[:num_seqs].copy_(tokens)
-        if self.broadcast_sampled:
-            # Every rank's pool gets this step's tokens, in the rows where the next step reads
-            # its pending tokens; the host does not wait for it.
+        if self.broadcast_sampled:  # every rank's pool gets this step's tokens (no wait)
             pending_tokens.share(pool, num_seqs)
         if self.rank != 0:
             return None
