@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from myvllm.config import Config
-from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.forks import fork_source, num_shared_prompt_blocks
+from myvllm.engine.prefix_hash import compute_hash
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
@@ -169,7 +169,7 @@ class FakeRunner:
 def chain_hashes(tokens: list[int], block_size: int, num_full: int) -> list[int]:
     hashes, h = [], -1
     for i in range(num_full):
-        h = BlockManager.compute_hash(tokens[i * block_size:(i + 1) * block_size], h)
+        h = compute_hash(tokens[i * block_size:(i + 1) * block_size], h)
         hashes.append(h)
     return hashes
 

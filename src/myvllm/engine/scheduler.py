@@ -18,7 +18,8 @@ from myvllm.engine.forks import fork, fork_source, make_forks, release_forks
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from myvllm.engine.spec_decode.scheduling import make_speculator
+from myvllm.engine.spec_decode.scheduling import (make_speculator, proposals_for_row,
+                                                  roll_back, verified_tokens)
 
 
 class Scheduler:
@@ -114,10 +115,8 @@ class Scheduler:
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
-                proposals = (self.speculator.propose(seq, self.max_model_length, budget.tokens)
-                             if self.speculator is not None else [])
-                if proposals and not self.block_manager.can_append(seq, len(proposals)):
-                    proposals = []  # proposals never preempt: the row decodes plainly
+                proposals = proposals_for_row(self.speculator, self.block_manager, seq,
+                                              self.max_model_length, budget.tokens)
                 while not self.block_manager.can_append(seq):
                     preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
@@ -211,14 +210,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             proposals, seq.spec_token_ids = seq.spec_token_ids, []
-            new_tokens = [token_id]
-            if proposals:
-                if verified is None or i not in verified:
-                    raise ValueError(f"sequence {seq.seq_id} verified proposals but "
-                                     "postprocess got no tokens for them")
-                new_tokens = verified[i]
-                if self.speculator is not None:
-                    self.speculator.observe(seq, len(proposals), len(new_tokens) - 1)
+            new_tokens = (verified_tokens(self.speculator, seq, proposals, verified, i)
+                          if proposals else [token_id])
             for token in new_tokens:
                 seq.append_token(token)
                 if is_stop_token(seq, token, self.eos_token_ids):
@@ -229,11 +222,8 @@ class Scheduler:
                     finished.append(seq)
                     break
             else:
-                if proposals:
-                    # Rolled back: the K/V of t_n and the accepted proposals holds, the
-                    # rejected ones' blocks go (their slots in kept blocks are rewritten).
-                    seq.num_computed_tokens = seq.num_tokens - 1
-                    self.block_manager.free_lookahead_blocks(seq)
+                if proposals:  # back to what holds (spec_decode/scheduling.py draws it)
+                    roll_back(self.block_manager, seq)
                 if seq.block_table:
                     # The token just read may complete a block whose last slot a step
                     # already queued is writing (overlapped scheduling); the newest position

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int
 
+from myvllm.engine.pending_tokens import PendingTokens
 from myvllm.engine.request_features import RequestFeatures
 from myvllm.engine.sequence_pickling import restore_worker_copy, worker_state
 
@@ -31,7 +32,9 @@ class SequenceStatus(Enum):
     FINISHED = auto()  # stopped (eos, a stop token, max_tokens, max_model_length); blocks freed
 
 
-class Sequence(RequestFeatures):
+# The state of the features a first reading skips (engine/request_features.py), and async
+# scheduling's tokens counted before they are known (engine/pending_tokens.py).
+class Sequence(RequestFeatures, PendingTokens):
     # One counter for the process: seq_id is the request's id (EngineCore), orders the
     # outputs, and names the sequence in the steps sent to tensor-parallel workers.
     _ids = count()
@@ -65,9 +68,6 @@ class Sequence(RequestFeatures):
         # Speculative decoding: the tokens proposed after the last one for the step being
         # scheduled; never in token_ids (engine/spec_decode/).
         self.spec_token_ids: list[int] = []
-        # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
-        # (engine/spec_decode/draft_proposer.py).
-        self.num_preemptions: int = 0
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading registered full blocks (BlockManager).
         self.block_hashes: list[int] = []
@@ -75,12 +75,9 @@ class Sequence(RequestFeatures):
                                                 else SamplingParams())
         # The next forward is a prefill (new, or after a preemption): a worker gets all tokens.
         self.needs_prefill: bool = True
-        # Tokens counted in num_tokens, not yet in token_ids (add_pending_token).
-        self.num_pending_tokens: int = 0
-        # The row of its token in the last step's sampled-token pool (engine/token_pool.py).
-        self.sampled_row: int | None = None
         self.finish_reason: FinishReason | None = None
-        super().__init__(self.seq_id, self.sampling_params)
+        RequestFeatures.__init__(self, self.seq_id, self.sampling_params)
+        PendingTokens.__init__(self)
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -110,22 +107,6 @@ class Sequence(RequestFeatures):
         self.spec_token_ids = []
         self.num_preemptions += 1
         self.needs_prefill = True
-
-    # Async scheduling plans step N+1 before step N's tokens reach the host: each sequence of
-    # step N counts one pending token (its K/V slot, its place in a block) that the runner
-    # feeds from the device and postprocess fills in (the guide's Step 6).
-    def add_pending_token(self) -> None:
-        self.num_tokens += 1
-        self.num_pending_tokens += 1
-
-    def drop_pending_tokens(self) -> None:
-        """Forget tokens that will never be read (the sequence finished, or its step was
-        abandoned); the next step recomputes from the last known token."""
-        if self.num_pending_tokens:
-            self.num_tokens -= self.num_pending_tokens
-            self.num_pending_tokens = 0
-            # The last known token's K/V came from the abandoned step: compute it again.
-            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     @property
     def is_finished(self) -> bool:
@@ -165,11 +146,8 @@ class Sequence(RequestFeatures):
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     # Tensor parallelism: a worker gets a partial copy each step (sequence_pickling.py).
-    def __getstate__(self) -> tuple[Any, ...]:
-        return worker_state(self)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        restore_worker_copy(self, state)
+    __getstate__ = worker_state
+    __setstate__ = restore_worker_copy
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
