@@ -38,12 +38,6 @@ def test_block_layout(n: int, block_size: int, num_blocks: int, last: int) -> No
         s.block(num_blocks)
 
 
-def test_num_cached_blocks() -> None:
-    s = Sequence(list(range(10)), 4)
-    s.num_cached_tokens = 8
-    assert s.num_cached_blocks == 2
-
-
 def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="block_size"):
         Sequence([1], 0)
@@ -61,7 +55,7 @@ def test_pickle_before_first_token_carries_all_tokens() -> None:
         s.seq_id, 9, 9, 4, [3, 1, 2])
     assert w.token_ids == s.token_ids and w.last_token == 8
     assert w.token_ids[w.num_cached_tokens:] == [4, 5, 6, 7, 8]
-    assert w.num_blocks == 3 and w.num_cached_blocks == 1 and w.last_block_num_tokens == 1
+    assert w.num_blocks == 3 and w.last_block_num_tokens == 1
 
 
 def test_pickle_in_decode_is_small_and_carries_last_token_only() -> None:

@@ -9,7 +9,6 @@ and tokens until handed out again, least recently freed first (the guide's Step 
 from __future__ import annotations
 
 from myvllm.engine.block_rollback import BlockRollback
-from myvllm.engine.forks import num_shared_prompt_blocks
 from myvllm.engine.free_block_queue import FreeBlockQueue
 from myvllm.engine.prefix_hash import compute_hash
 from myvllm.engine.sequence import Sequence
@@ -170,10 +169,6 @@ class BlockManager(BlockRollback):
         for _ in range(len(computed_blocks), seq.num_blocks):
             seq.block_table.append(self._allocate_fresh_block())
         seq.num_cached_tokens = len(computed_blocks) * self.block_size
-
-    def can_fork(self, seq: Sequence) -> bool:
-        """Room for seq, another completion of a running prompt (n > 1, engine/forks.py)?"""
-        return len(self.free_block_ids) >= seq.num_blocks - num_shared_prompt_blocks(seq)
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop seq's references; blocks reaching 0 go back to the free list, still cached.

@@ -14,7 +14,7 @@ from collections import deque
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
-from myvllm.engine.forks import fork, fork_source, make_forks, release_forks
+from myvllm.engine.forks import can_fork, fork, fork_source, make_forks, release_forks
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -63,11 +63,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch, one loop for both policies, under a StepBudget: (prefill
-        first only) whole waiting prompts, and if any fits that is the step; the running
-        sequences' decode rows and next chunks; (chunked only) waiting prompts' first chunks.
-        The flag is False only for a pure decode step. Never empty while work remains.
-        """
+        """Pick the next batch under a StepBudget, one loop for both policies (the guide's
+        Steps 5 and 5b); the flag is False only for a pure decode step. Never empty while work
+        remains, unless it waits for the step in flight (async scheduling)."""
         if self.is_finished():
             return [], False
         budget = StepBudget.for_step(self.max_num_batched_tokens,
@@ -150,7 +148,7 @@ class Scheduler:
             source = fork_source(seq)  # n > 1: share the first completion's prompt blocks
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
-                    or not (self.block_manager.can_fork(seq) if source is not None
+                    or not (can_fork(self.block_manager, seq) if source is not None
                             else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
@@ -238,21 +236,14 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         if seq in self.running:
             self.running.remove(seq)
-        else:  # preempted while its last token was in flight
+        elif seq in self.waiting:  # preempted while its last token was in flight, or aborted
             self.waiting.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop seq wherever it is, its blocks released at once; a step already queued for it
-        still runs, and postprocess drops its token."""
-        if seq.is_finished:
-            return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.block_manager.deallocate(seq)
-        seq.drop_pending_tokens()
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        # Its other completions no longer wait for its prefill: each is prefilled itself.
-        release_forks(seq, self.waiting)
+        """Drop seq wherever it is (a fork not yet released is in no queue), its blocks
+        released at once; a step already queued for it still runs, and postprocess drops its
+        token."""
+        if not seq.is_finished:
+            self.finish(seq, "abort")
+            # Its other completions no longer wait for its prefill: each is prefilled itself.
+            release_forks(seq, self.waiting)

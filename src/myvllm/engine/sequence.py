@@ -7,14 +7,13 @@ turns them into slot numbers (the guide's Step 3 draws the layout).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
 from typing import Any, Literal
 
 from myvllm.sampling_parameters import SamplingParams
-from myvllm.value_checks import is_int
+from myvllm.value_checks import is_int, token_id_list
 
 from myvllm.engine.pending_tokens import PendingTokens
 from myvllm.engine.request_features import RequestFeatures
@@ -43,13 +42,7 @@ class Sequence(RequestFeatures, PendingTokens):
                  sampling_params: SamplingParams | None = None) -> None:
         if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        # A copy: the caller may reuse or mutate its list. operator.index accepts numpy
-        # integers but rejects floats and strings (plain ints skip it: prompts can be long).
-        tokens = list(token_ids)
-        if set(map(type, tokens)) - {int}:
-            tokens = [operator.index(t) for t in tokens]
-        if tokens and min(tokens) < 0:
-            raise ValueError(f"token ids must be >= 0, got {min(tokens)}")
+        tokens = token_id_list(token_ids)  # a copy: the caller may reuse its list
         self.seq_id: int = next(Sequence._ids)
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.block_size: int = block_size
@@ -129,10 +122,6 @@ class Sequence(RequestFeatures, PendingTokens):
     def num_blocks(self) -> int:
         """Blocks needed to hold num_tokens tokens: ceil(num_tokens / block_size)."""
         return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
 
     @property
     def last_block_num_tokens(self) -> int:
