@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import Any, Literal
+from typing import Literal
 
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int, token_id_list
@@ -75,9 +75,6 @@ class Sequence(RequestFeatures, PendingTokens):
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
         return self.num_tokens
-
-    def __getitem__(self, key: int | slice) -> Any:
-        return self.token_ids[key]
 
     def append_token(self, token_id: int) -> None:
         """Record the next sampled token, in the oldest pending slot if there is one."""
