@@ -1,7 +1,8 @@
 """Type tests shared by the settings objects (Config, SamplingParams), and Sequence's check of
 its token ids.
 
-They are TypeGuards, so after ``if is_int(x)`` the type checker knows ``x`` is an int.
+is_int and is_real are TypeGuards, so after ``if is_int(x)`` the type checker knows ``x`` is
+an int.
 """
 
 from __future__ import annotations
