@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from myvllm.layers.linear import linear
+from myvllm.layers.matmul import linear
 from myvllm.layers.weight_loaders import copy_checked, set_weight_attrs
 from myvllm.utils.context import get_context
 from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
