@@ -18,7 +18,7 @@ from torch import nn
 
 from myvllm.kernels import use_triton
 from myvllm.layers.logits_processors import apply_min_p
-from myvllm.layers.sampler_ops import exponential_noise, top_k_top_p
+from myvllm.layers.sampler_ops import exponential_noise, gumbel_sample_gpu, top_k_top_p
 from myvllm.layers.token_bitmask import apply_token_bitmask
 
 
@@ -52,13 +52,7 @@ class Sampler(nn.Module):
 
         if (top_ks is None and top_ps is None and min_ps is None and generators is None
                 and use_triton(logits)):
-            # The common GPU case (temperature only, no per-request seeds): the Triton
-            # kernels of kernels/sample_kernel.py. Their noise is keyed by one seed per row
-            # drawn here from torch's generator.
-            from myvllm.kernels.sample_kernel import gumbel_sample_triton
-
-            seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), device=logits.device)
-            return gumbel_sample_triton(logits, temperatures, seeds)
+            return gumbel_sample_gpu(logits, temperatures)  # kernels/sample_kernel.py
 
         greedy = logits.argmax(dim=-1)
         logits = logits.float()
