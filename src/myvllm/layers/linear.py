@@ -39,9 +39,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
@@ -53,10 +52,8 @@ class LinearBase(nn.Module):
         return uses_skinny_gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return (
-            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
-            f"tp={self.tp_rank}/{self.tp_size}"
-        )
+        return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+                f"tp={self.tp_rank}/{self.tp_size}")
 
 
 class ReplicatedLinear(LinearBase):
@@ -126,23 +123,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q_proj, k_proj and v_proj packed into one matmul, split over ranks by WHOLE heads.
 
     Each rank keeps num_heads/tp query heads and num_kv_heads/tp key/value heads, so attention
-    runs locally with no communication (each K head stays whole: head_size values):
-
-        full:    q [Hq*D]                 | k [Hkv*D]            | v [Hkv*D]
-        rank r:  q heads of rank r        | k heads of rank r     | v heads of rank r
-                 [Hq/tp*D]                  [Hkv/tp*D]             [Hkv/tp*D]
-
-    shard_id is "q", "k" or "v".
+    runs locally with no communication; its rows are [q heads | k heads | v heads] of rank r
+    (the guide's Step 1 draws them). shard_id is "q", "k" or "v".
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_size: int,
-        total_num_heads: int,
-        total_num_kv_heads: int | None = None,
-        bias: bool = False,
-    ) -> None:
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int | None = None, bias: bool = False) -> None:
         tp_size = get_tp_size()
         total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
         check_tp_divides_heads(tp_size, total_num_heads, total_num_kv_heads)
