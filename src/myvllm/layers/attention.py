@@ -28,9 +28,8 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)"
-            )
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads} (GQA)")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -64,10 +63,8 @@ class Attention(nn.Module):
 
         if context.is_prefill:
             if context.cu_seqlens_q is None or context.cu_seqlens_k is None:
-                raise RuntimeError(
-                    "Attention in prefill needs cu_seqlens_q/cu_seqlens_k in the context; "
-                    "run the model inside forward_context(...)"
-                )
+                raise RuntimeError("Attention in prefill needs cu_seqlens_q/cu_seqlens_k in the "
+                                   "context; run the model inside forward_context(...)")
             if context.block_tables is None:
                 o = flash_attention_varlen(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k,
                                            context.max_seqlen_q, context.max_seqlen_k, self.scale)
@@ -78,10 +75,9 @@ class Attention(nn.Module):
                                   context.cu_seqlens_k)  # fmt: skip
         else:
             if context.block_tables is None or context.context_lens is None or not has_cache:
-                raise RuntimeError(
-                    "Attention in decode needs a KV cache plus block_tables and context_lens in "
-                    "the context; run the model inside forward_context(...)"
-                )
+                raise RuntimeError("Attention in decode needs a KV cache plus block_tables and "
+                                   "context_lens in the context; run the model inside "
+                                   "forward_context(...)")
             o = paged_attention_decode(q, self.k_cache, self.v_cache, context.block_tables,
                                        context.context_lens, self.scale, self.k_scale, self.v_scale)
         return o.reshape(n, self.num_heads * self.head_dim)

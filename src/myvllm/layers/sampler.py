@@ -24,15 +24,10 @@ from myvllm.layers.token_bitmask import apply_token_bitmask
 
 class Sampler(nn.Module):
     def forward(
-        self,
-        logits: torch.Tensor,
-        temperatures: torch.Tensor,
-        top_ks: torch.Tensor | None = None,
-        top_ps: torch.Tensor | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        *,
-        all_greedy: bool | None = None,
-        min_ps: torch.Tensor | None = None,
+        self, logits: torch.Tensor, temperatures: torch.Tensor,
+        top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None,
+        generators: Sequence[torch.Generator | None] | None = None, *,
+        all_greedy: bool | None = None, min_ps: torch.Tensor | None = None,
         token_bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] float (0 = greedy); top_ks [B] int (-1 or <= 0 = off);
