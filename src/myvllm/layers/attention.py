@@ -59,7 +59,7 @@ class Attention(nn.Module):
             k = k.view(n, self.num_kv_heads, self.head_dim)
             if has_cache and context.slot_mapping is not None:
                 store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping,
-                              self.k_scale, self.v_scale)  # fmt: skip
+                              self.k_scale, self.v_scale)
 
         if context.is_prefill:
             if context.cu_seqlens_q is None or context.cu_seqlens_k is None:
@@ -72,7 +72,7 @@ class Attention(nn.Module):
                 raise RuntimeError("prefill with block_tables (cached prefix) needs a KV cache")
             else:  # a cached prefix: every K/V read from the cache, through block_tables
                 o = paged_prefill(self, q, k, v, context, context.cu_seqlens_q,
-                                  context.cu_seqlens_k)  # fmt: skip
+                                  context.cu_seqlens_k)
         else:
             if context.block_tables is None or context.context_lens is None or not has_cache:
                 raise RuntimeError("Attention in decode needs a KV cache plus block_tables and "

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 def paged_prefill(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   context: Context, cu_seqlens_q: torch.Tensor,
                   cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """q [N, Hq, D] (k, v [N, Hkv, D], already in the cache) -> o [N, Hq, D]."""
+    """q [N, Hq, D] (k, v [N, Hkv, D], already in the cache) -> o [N, Hq, D]. cu_seqlens_q/k
+    are the context's, which the caller checked are set."""
     n = q.shape[0]
     rows = context.decode_rows
     # With decode rows, one spare output row takes the padding rows' results.
