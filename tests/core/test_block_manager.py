@@ -6,8 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from myvllm.engine import block_manager
 from myvllm.engine.block_manager import Block, BlockManager
 from myvllm.engine.free_block_queue import FreeBlockQueue
+from myvllm.engine.prefix_hash import compute_hash
 from myvllm.engine.sequence import Sequence
 from helpers_blocks import used_block_ids
 
@@ -33,7 +35,7 @@ def test_block_reset_is_the_first_reference() -> None:
 
 
 def test_compute_hash_is_chained_and_exact() -> None:
-    h = BlockManager.compute_hash
+    h = compute_hash
     assert h([1, 2, 3]) == h([1, 2, 3])
     assert h([1, 2, 3]) != h([3, 2, 1])
     assert h([1, 2, 3], prefix=h([9])) != h([1, 2, 3])
@@ -50,9 +52,9 @@ def test_allocate_and_deallocate_ref_counts() -> None:
     assert s.block_table == [0, 1, 2] and s.num_cached_tokens == 0
     assert [bm.blocks[i].ref_count for i in range(3)] == [1, 1, 1]
     # full blocks are hashed (chained), the partial last block is not
-    h0 = BlockManager.compute_hash(list(range(4)))
+    h0 = compute_hash(list(range(4)))
     assert bm.blocks[0].hash == h0
-    assert bm.blocks[1].hash == BlockManager.compute_hash([4, 5, 6, 7], h0)
+    assert bm.blocks[1].hash == compute_hash([4, 5, 6, 7], h0)
     assert bm.blocks[2].hash == -1
     check_consistent(bm, s)
     bm.deallocate(s)
@@ -78,7 +80,7 @@ def test_can_append_probe_block_size_4() -> None:
     assert s.num_tokens % 4 == 0 and bm.can_append(s) is True
     bm.append(s)
     assert s.block_table == [0]
-    assert bm.blocks[0].hash == BlockManager.compute_hash([1, 2, 3, 4])  # full now: hashed
+    assert bm.blocks[0].hash == compute_hash([1, 2, 3, 4])  # full now: hashed
     assert bm.hash_to_block_id[bm.blocks[0].hash] == 0
     s.append_token(5)  # num_tokens = 5: first token of a new block
     assert s.num_tokens % 4 == 1 and bm.can_append(s) is False
@@ -115,9 +117,9 @@ def test_block_size_1() -> None:
     assert bm.can_append(s)
     bm.append(s)
     assert s.block_table == [0, 1, 2]
-    h0 = BlockManager.compute_hash([7])
-    h1 = BlockManager.compute_hash([8], h0)
-    assert bm.blocks[2].hash == BlockManager.compute_hash([9], h1)
+    h0 = compute_hash([7])
+    h1 = compute_hash([8], h0)
+    assert bm.blocks[2].hash == compute_hash([9], h1)
     s.append_token(10)
     bm.append(s)
     s.append_token(11)
@@ -256,8 +258,7 @@ def test_after_first_miss_every_block_misses() -> None:
 
 
 def test_hash_collision_is_not_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(BlockManager, "compute_hash",
-                        staticmethod(lambda token_ids, prefix=-1: 12345))
+    monkeypatch.setattr(block_manager, "compute_hash", lambda token_ids, prefix=-1: 12345)
     bm = BlockManager(8, 4)
     a = Sequence(PREFIX + [1], 4)
     bm.allocate(a)
@@ -311,9 +312,8 @@ def test_misuse_raises() -> None:
 def test_a_prompt_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """can_allocate and allocate (and a re-allocation after preemption) share the hashes."""
     calls = []
-    original = BlockManager.compute_hash
-    monkeypatch.setattr(BlockManager, "compute_hash", staticmethod(
-        lambda token_ids, prefix=-1: calls.append(1) or original(token_ids, prefix)))
+    monkeypatch.setattr(block_manager, "compute_hash", lambda token_ids, prefix=-1: (
+        calls.append(1) or compute_hash(token_ids, prefix)))
     bm = BlockManager(8, 4)
     seq = Sequence(PREFIX + [90, 91, 92, 93, 94], 4)  # three full blocks, one partial
     assert bm.can_allocate(seq)

@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from myvllm.config import Config
-from myvllm.engine.block_manager import BlockManager
-from myvllm.engine.forks import fork_source, num_shared_prompt_blocks
+from myvllm.engine.forks import can_fork, fork_source, num_shared_prompt_blocks
+from myvllm.engine.prefix_hash import compute_hash
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
@@ -169,7 +169,7 @@ class FakeRunner:
 def chain_hashes(tokens: list[int], block_size: int, num_full: int) -> list[int]:
     hashes, h = [], -1
     for i in range(num_full):
-        h = BlockManager.compute_hash(tokens[i * block_size:(i + 1) * block_size], h)
+        h = compute_hash(tokens[i * block_size:(i + 1) * block_size], h)
         hashes.append(h)
     return hashes
 
@@ -344,7 +344,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
         must_prefill = (head is not None and len(sch.running) < sch.max_num_sequences
                         and not head.num_pending_tokens
                         and len(head) <= sch.max_num_batched_tokens
-                        and (sch.block_manager.can_fork(head) if fork_source(head)
+                        and (can_fork(sch.block_manager, head) if fork_source(head)
                              else sch.block_manager.can_allocate(head)))
         num_running_before = len(sch.running)
         # the cap protects streams: sequences whose tokens someone reads as they come

@@ -12,7 +12,7 @@ def test_basic_fields_and_copy() -> None:
     prompt = [5, 6, 7]
     s = Sequence(prompt, 4)
     prompt.append(99)  # the caller's list is not ours
-    assert s.token_ids == [5, 6, 7] and len(s) == 3 and s[1] == 6 and s[-1] == 7
+    assert s.token_ids == [5, 6, 7] and len(s) == 3
     assert s.status == SequenceStatus.WAITING and not s.is_finished
     assert s.last_token == 7 and s.num_prompt_tokens == 3 and s.num_completion_tokens == 0
     assert s.num_cached_tokens == 0 and s.block_table == []
@@ -38,12 +38,6 @@ def test_block_layout(n: int, block_size: int, num_blocks: int, last: int) -> No
         s.block(num_blocks)
 
 
-def test_num_cached_blocks() -> None:
-    s = Sequence(list(range(10)), 4)
-    s.num_cached_tokens = 8
-    assert s.num_cached_blocks == 2
-
-
 def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="block_size"):
         Sequence([1], 0)
@@ -61,7 +55,7 @@ def test_pickle_before_first_token_carries_all_tokens() -> None:
         s.seq_id, 9, 9, 4, [3, 1, 2])
     assert w.token_ids == s.token_ids and w.last_token == 8
     assert w.token_ids[w.num_cached_tokens:] == [4, 5, 6, 7, 8]
-    assert w.num_blocks == 3 and w.num_cached_blocks == 1 and w.last_block_num_tokens == 1
+    assert w.num_blocks == 3 and w.last_block_num_tokens == 1
 
 
 def test_pickle_in_decode_is_small_and_carries_last_token_only() -> None:

@@ -106,7 +106,10 @@ def test_gpu_draft_model_greedy_equals_plain(settings: dict[str, object]) -> Non
 
     path = str(tiny_checkpoint("qwen3"))
     other = str(build_tiny_checkpoint("llama", Path(tempfile.mkdtemp()) / "draft", seed=5))
-    common = dict(dtype="float32", max_model_length=256, **settings)
+    # A fixed cache: an engine sized to the GPU's memory does not give it back on exit, and
+    # three engines are built one after another here.
+    common: dict[str, object] = {"dtype": "float32", "max_model_length": 256,
+                                 "num_kvcache_blocks": 2048, **settings}
     plain = LLM(path, **common)
     expected = [o["token_ids"] for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
     plain.exit()

@@ -716,10 +716,10 @@ def test_skinny_gemm_prologues_dispatch_to_triton_when_forced(device, monkeypatc
 
 
 def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) -> None:
-    """layers.linear routes CUDA matmuls to skinny_gemm exactly where prefers_skinny_gemm
-    says so (1 row, not the LM head; 2-4 rows for small matrices with outputs <= inputs),
-    never on a CPU."""
-    import myvllm.layers.linear as linear_mod
+    """layers.matmul.linear routes CUDA matmuls to skinny_gemm exactly where
+    prefers_skinny_gemm says so (1 row, not the LM head; 2-4 rows for small matrices with
+    outputs <= inputs), never on a CPU."""
+    import myvllm.layers.matmul as matmul_mod
 
     assert kernels.prefers_skinny_gemm(1, 4096, 1024)  # qkv_proj at batch 1
     assert kernels.prefers_skinny_gemm(1, 24576, 4096)  # 8B's gate_up_proj at batch 1
@@ -731,17 +731,17 @@ def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) ->
     assert not kernels.prefers_skinny_gemm(2, 6144, 1024)  # gate_up_proj at batch 2
     assert not kernels.prefers_skinny_gemm(8, 1024, 2048)
     calls = []
-    monkeypatch.setattr(linear_mod, "skinny_gemm", lambda x, w: calls.append(x.shape[0]) or
+    monkeypatch.setattr(matmul_mod, "skinny_gemm", lambda x, w: calls.append(x.shape[0]) or
                         kernels.skinny_gemm_ref(x, w))
     w = torch.randn(4, 6)
     for rows in (1, 3, 8):
         x = torch.randn(rows, 6)
-        torch.testing.assert_close(linear_mod.linear(x, w), x @ w.t())  # CPU: never
+        torch.testing.assert_close(matmul_mod.linear(x, w), x @ w.t())  # CPU: never
     assert calls == []
     if HAS_CUDA:
         for rows in (1, 3, 8):
-            linear_mod.linear(torch.randn(rows, 6, device="cuda"), w.cuda())
-        linear_mod.linear(torch.randn(1, 6, device="cuda"), w.cuda(), torch.zeros(4, device="cuda"))
+            matmul_mod.linear(torch.randn(rows, 6, device="cuda"), w.cuda())
+        matmul_mod.linear(torch.randn(1, 6, device="cuda"), w.cuda(), torch.zeros(4, device="cuda"))
         assert calls == [1, 3]
 
 

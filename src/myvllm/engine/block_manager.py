@@ -8,13 +8,9 @@ and tokens until handed out again, least recently freed first (the guide's Step 
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
-
-import numpy as np
-import xxhash
-
-from myvllm.engine.forks import num_shared_prompt_blocks
+from myvllm.engine.block_rollback import BlockRollback
 from myvllm.engine.free_block_queue import FreeBlockQueue
+from myvllm.engine.prefix_hash import compute_hash
 from myvllm.engine.sequence import Sequence
 
 
@@ -39,7 +35,9 @@ class Block:
         return f"Block(id={self.block_id}, ref_count={self.ref_count}, hash={self.hash})"
 
 
-class BlockManager:
+# BlockRollback (engine/block_rollback.py): the lookahead blocks of speculative decoding, and
+# what a step that never ran registered, taken back.
+class BlockManager(BlockRollback):
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -52,16 +50,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: FreeBlockQueue = FreeBlockQueue(range(num_blocks))
 
-    # ------------------------------------------------------------------ hashing
-    @staticmethod
-    def compute_hash(token_ids: SequenceOf[int], prefix: int = -1) -> int:
-        """xxhash64 over the previous block's hash (if any), then the tokens as int64."""
-        h = xxhash.xxh64()
-        if prefix != -1:
-            h.update(prefix.to_bytes(8, "little"))
-        h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-        return h.intdigest()  # unsigned 64-bit: never -1
-
+    # ------------------------------------------------------------------ prefix matching
     def _match_prefix(self, seq: Sequence, hash_all: bool = True) -> tuple[list[int], list[int]]:
         """(hashes, hits): block i's chained hash (-1: partial, or caching off) and the block
         ids serving the leading run of hits. Without hash_all, hashing stops at the first miss:
@@ -84,7 +73,7 @@ class BlockManager:
             elif i < len(seq.block_hashes):  # hashed on an earlier look (can_allocate)
                 h = seq.block_hashes[i]
             else:  # full blocks come first, so block i is the next one to memoise
-                h = self.compute_hash(token_ids, h)
+                h = compute_hash(token_ids, h)
                 seq.block_hashes.append(h)
             hashes.append(h)
             if missed:  # only a leading run of hits can be skipped
@@ -147,12 +136,10 @@ class BlockManager:
         return len(self.free_block_ids) >= seq.num_blocks - shared
 
     def allocate(self, seq: Sequence, num_computable: int | None = None) -> None:
-        """Give seq a block table covering all its tokens, reusing cached prefix blocks.
-
-        A fresh full block is registered (findable by later requests) when the step being
-        scheduled writes it: every block, unless num_computable says that only the positions
-        below it are (chunked prefill: register_full_blocks registers the rest later).
-        """
+        """Give seq a block table covering all its tokens, reusing cached prefix blocks. A
+        fresh full block is registered (findable) if the step being scheduled writes it: all
+        of them, or (chunked prefill) those below num_computable; register_full_blocks
+        registers the rest later."""
         hashes, hits = self._match_prefix(seq, hash_all=num_computable is None)
         self.allocate_blocks(seq, hits)
         limit = seq.num_tokens if num_computable is None else num_computable
@@ -183,10 +170,6 @@ class BlockManager:
             seq.block_table.append(self._allocate_fresh_block())
         seq.num_cached_tokens = len(computed_blocks) * self.block_size
 
-    def can_fork(self, seq: Sequence) -> bool:
-        """Room for seq, another completion of a running prompt (n > 1, engine/forks.py)?"""
-        return len(self.free_block_ids) >= seq.num_blocks - num_shared_prompt_blocks(seq)
-
     def deallocate(self, seq: Sequence) -> None:
         """Drop seq's references; blocks reaching 0 go back to the free list, still cached.
         In reverse, so a prefix's first blocks, the likeliest to be shared again, are freed
@@ -198,12 +181,7 @@ class BlockManager:
     # ------------------------------------------------------------------ decode
     # Called after the new token is counted in seq.num_tokens, before its K/V is written: it
     # needs a block exactly when the table is one short (the guide's "Growing by one token").
-    # num_lookahead (speculative decoding): blocks for that many proposed tokens too, released
-    # after the step (free_lookahead_blocks) and never registered.
-    def _lookahead_blocks(self, seq: Sequence, num_lookahead: int) -> int:
-        """Blocks past seq.num_blocks that num_lookahead more positions reach into."""
-        return -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
-
+    # num_lookahead (speculative decoding): blocks for that many proposed tokens too.
     def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
         needed = seq.num_blocks - len(seq.block_table)  # 0 or 1 in decode
         needed += self._lookahead_blocks(seq, num_lookahead)
@@ -219,24 +197,6 @@ class BlockManager:
         # This step writes the K/V of every position below num_tokens.
         self.register_full_blocks(seq, num_written=seq.num_tokens)
 
-    def free_lookahead_blocks(self, seq: Sequence) -> None:
-        """Release the blocks past the ones seq's tokens occupy: after a verification step,
-        the blocks that held only rejected proposals (never registered: fresh blocks)."""
-        while len(seq.block_table) > seq.num_blocks:
-            self._release_block(seq.block_table.pop())
-
-    def unregister_after(self, seq: Sequence, num_written: int) -> None:
-        """Make seq's blocks past its first num_written tokens unfindable again: the step
-        that was to write them was registered when it was scheduled, and then never ran."""
-        keep = num_written // self.block_size
-        for i in range(keep, len(seq.block_hashes)):
-            block = self.blocks[seq.block_table[i]]
-            if self.hash_to_block_id.get(block.hash) == block.block_id:
-                del self.hash_to_block_id[block.hash]
-            block.hash = -1
-            block.token_ids = []
-        del seq.block_hashes[keep:]
-
     def register_full_blocks(self, seq: Sequence, num_written: int) -> None:
         """Make seq's newly full blocks findable: once all their tokens are known (a pending
         token's value is not) and a step queued before any later one writes their K/V (the
@@ -247,7 +207,7 @@ class BlockManager:
         for i in range(len(seq.block_hashes), num_full):
             prefix = seq.block_hashes[i - 1] if i > 0 else -1
             token_ids = seq.block(i)
-            h = self.compute_hash(token_ids, prefix)
+            h = compute_hash(token_ids, prefix)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             block.update(h, token_ids)

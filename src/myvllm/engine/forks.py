@@ -47,6 +47,11 @@ def fork_source(seq: Sequence) -> Sequence | None:
     return source if source.num_computed_tokens >= num_shared else None
 
 
+def can_fork(block_manager: BlockManager, seq: Sequence) -> bool:
+    """Room for seq, another completion of a running prompt: fresh blocks past the shared?"""
+    return len(block_manager.free_block_ids) >= seq.num_blocks - num_shared_prompt_blocks(seq)
+
+
 def fork(block_manager: BlockManager, source: Sequence, seq: Sequence) -> None:
     """Give seq, another completion of source's prompt, source's shared prompt blocks and
     fresh blocks for the rest: a block is never written by two sequences, and no K/V is

@@ -82,6 +82,8 @@ class ModelRunner:
         start = time.perf_counter()
         on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
         if on_gpu:
+            if self.draft is not None:  # first: the target's warm-up measures the peak
+                self.draft.warm_up()
             warmup.warmup_model(self)
         # A draft model's cache has a block for each of the target's (same block tables).
         draft_bytes = self.draft.block_bytes if self.draft is not None else 0

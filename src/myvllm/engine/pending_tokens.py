@@ -1,7 +1,15 @@
-"""Async scheduling's pending tokens (the guide's Step 6, "Async scheduling"): a token that the
-step in flight sampled and the host has not seen yet is read on the device, from its row of
-the sampled-token pool (engine/token_pool.py; that row is Sequence.sampled_row). A step's input
-ids are gathered there:
+"""Async scheduling's pending tokens (the guide's Step 6, "Async scheduling"): tokens counted
+before their value is known. Async scheduling plans step N+1 before step N's tokens reach the
+host.
+
+The Sequence's side, PendingTokens (Sequence derives from it): each sequence of step N counts
+one pending token (its K/V slot, its place in a block), which Scheduler.postprocess fills in
+(Sequence.append_token takes the oldest pending slot). What plans by length works unchanged;
+only what reads token values waits.
+
+The runner's side, the functions below: a pending token is read on the device, from its row
+of the sampled-token pool (engine/token_pool.py; that row is Sequence.sampled_row). A step's
+input ids are gathered there:
 
     source      = [ pool (size rows) | host ids (n) ]
     token_index = [ size + i   where the host knows token i (its id is in host ids)
@@ -20,11 +28,35 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from myvllm.engine.sequence import Sequence
-
 if TYPE_CHECKING:
+    from myvllm.engine.sequence import Sequence
     from myvllm.engine.staging import FreshTensors
     from myvllm.engine.token_pool import TokenPool
+
+
+class PendingTokens:
+    # Sequence's
+    num_tokens: int
+    num_computed_tokens: int
+
+    def __init__(self) -> None:
+        # Tokens counted in num_tokens, not yet in token_ids.
+        self.num_pending_tokens: int = 0
+        # The row of its token in the last step's sampled-token pool (engine/token_pool.py).
+        self.sampled_row: int | None = None
+
+    def add_pending_token(self) -> None:
+        self.num_tokens += 1
+        self.num_pending_tokens += 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget tokens that will never be read (the sequence finished, or its step was
+        abandoned); the next step recomputes from the last known token."""
+        if self.num_pending_tokens:
+            self.num_tokens -= self.num_pending_tokens
+            self.num_pending_tokens = 0
+            # The last known token's K/V came from the abandoned step: compute it again.
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
 
 def last_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:

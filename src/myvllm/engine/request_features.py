@@ -48,6 +48,9 @@ class RequestFeatures:
         self.index: int = 0
         self.forks: list[Sequence] = []
         self.fork_source: Sequence | None = None
+        # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
+        # (engine/spec_decode/draft_proposer.py).
+        self.num_preemptions: int = 0
 
     def check_grammar_accepts(self, token_id: int) -> None:
         """Advance the grammar's matcher, if any, past a sampled token."""

@@ -14,11 +14,12 @@ from collections import deque
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
-from myvllm.engine.forks import fork, fork_source, make_forks, release_forks
+from myvllm.engine.forks import can_fork, fork, fork_source, make_forks, release_forks
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from myvllm.engine.spec_decode.scheduling import make_speculator
+from myvllm.engine.spec_decode.scheduling import (make_speculator, proposals_for_row,
+                                                  roll_back, verified_tokens)
 
 
 class Scheduler:
@@ -62,11 +63,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch, one loop for both policies, under a StepBudget: (prefill
-        first only) whole waiting prompts, and if any fits that is the step; the running
-        sequences' decode rows and next chunks; (chunked only) waiting prompts' first chunks.
-        The flag is False only for a pure decode step. Never empty while work remains.
-        """
+        """Pick the next batch under a StepBudget, one loop for both policies (the guide's
+        Steps 5 and 5b); the flag is False only for a pure decode step. Never empty while work
+        remains, unless it waits for the step in flight (async scheduling)."""
         if self.is_finished():
             return [], False
         budget = StepBudget.for_step(self.max_num_batched_tokens,
@@ -114,10 +113,8 @@ class Scheduler:
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
-                proposals = (self.speculator.propose(seq, self.max_model_length, budget.tokens)
-                             if self.speculator is not None else [])
-                if proposals and not self.block_manager.can_append(seq, len(proposals)):
-                    proposals = []  # proposals never preempt: the row decodes plainly
+                proposals = proposals_for_row(self.speculator, self.block_manager, seq,
+                                              self.max_model_length, budget.tokens)
                 while not self.block_manager.can_append(seq):
                     preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
@@ -151,7 +148,7 @@ class Scheduler:
             source = fork_source(seq)  # n > 1: share the first completion's prompt blocks
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
-                    or not (self.block_manager.can_fork(seq) if source is not None
+                    or not (can_fork(self.block_manager, seq) if source is not None
                             else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
@@ -211,14 +208,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             proposals, seq.spec_token_ids = seq.spec_token_ids, []
-            new_tokens = [token_id]
-            if proposals:
-                if verified is None or i not in verified:
-                    raise ValueError(f"sequence {seq.seq_id} verified proposals but "
-                                     "postprocess got no tokens for them")
-                new_tokens = verified[i]
-                if self.speculator is not None:
-                    self.speculator.observe(seq, len(proposals), len(new_tokens) - 1)
+            new_tokens = (verified_tokens(self.speculator, seq, proposals, verified, i)
+                          if proposals else [token_id])
             for token in new_tokens:
                 seq.append_token(token)
                 if is_stop_token(seq, token, self.eos_token_ids):
@@ -229,11 +220,8 @@ class Scheduler:
                     finished.append(seq)
                     break
             else:
-                if proposals:
-                    # Rolled back: the K/V of t_n and the accepted proposals holds, the
-                    # rejected ones' blocks go (their slots in kept blocks are rewritten).
-                    seq.num_computed_tokens = seq.num_tokens - 1
-                    self.block_manager.free_lookahead_blocks(seq)
+                if proposals:  # back to what holds (spec_decode/scheduling.py draws it)
+                    roll_back(self.block_manager, seq)
                 if seq.block_table:
                     # The token just read may complete a block whose last slot a step
                     # already queued is writing (overlapped scheduling); the newest position
@@ -248,21 +236,14 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         if seq in self.running:
             self.running.remove(seq)
-        else:  # preempted while its last token was in flight
+        elif seq in self.waiting:  # preempted while its last token was in flight, or aborted
             self.waiting.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop seq wherever it is, its blocks released at once; a step already queued for it
-        still runs, and postprocess drops its token."""
-        if seq.is_finished:
-            return
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.block_manager.deallocate(seq)
-        seq.drop_pending_tokens()
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        # Its other completions no longer wait for its prefill: each is prefilled itself.
-        release_forks(seq, self.waiting)
+        """Drop seq wherever it is (a fork not yet released is in no queue), its blocks
+        released at once; a step already queued for it still runs, and postprocess drops its
+        token."""
+        if not seq.is_finished:
+            self.finish(seq, "abort")
+            # Its other completions no longer wait for its prefill: each is prefilled itself.
+            release_forks(seq, self.waiting)

@@ -7,15 +7,15 @@ turns them into slot numbers (the guide's Step 3 draws the layout).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import Any, Literal
+from typing import Literal
 
 from myvllm.sampling_parameters import SamplingParams
-from myvllm.value_checks import is_int
+from myvllm.value_checks import is_int, token_id_list
 
+from myvllm.engine.pending_tokens import PendingTokens
 from myvllm.engine.request_features import RequestFeatures
 from myvllm.engine.sequence_pickling import restore_worker_copy, worker_state
 
@@ -31,7 +31,9 @@ class SequenceStatus(Enum):
     FINISHED = auto()  # stopped (eos, a stop token, max_tokens, max_model_length); blocks freed
 
 
-class Sequence(RequestFeatures):
+# The state of the features a first reading skips (engine/request_features.py), and async
+# scheduling's tokens counted before they are known (engine/pending_tokens.py).
+class Sequence(RequestFeatures, PendingTokens):
     # One counter for the process: seq_id is the request's id (EngineCore), orders the
     # outputs, and names the sequence in the steps sent to tensor-parallel workers.
     _ids = count()
@@ -40,13 +42,7 @@ class Sequence(RequestFeatures):
                  sampling_params: SamplingParams | None = None) -> None:
         if not (is_int(block_size) and block_size >= 1):
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        # A copy: the caller may reuse or mutate its list. operator.index accepts numpy
-        # integers but rejects floats and strings (plain ints skip it: prompts can be long).
-        tokens = list(token_ids)
-        if set(map(type, tokens)) - {int}:
-            tokens = [operator.index(t) for t in tokens]
-        if tokens and min(tokens) < 0:
-            raise ValueError(f"token ids must be >= 0, got {min(tokens)}")
+        tokens = token_id_list(token_ids)  # a copy: the caller may reuse its list
         self.seq_id: int = next(Sequence._ids)
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.block_size: int = block_size
@@ -65,9 +61,6 @@ class Sequence(RequestFeatures):
         # Speculative decoding: the tokens proposed after the last one for the step being
         # scheduled; never in token_ids (engine/spec_decode/).
         self.spec_token_ids: list[int] = []
-        # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
-        # (engine/spec_decode/draft_proposer.py).
-        self.num_preemptions: int = 0
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading registered full blocks (BlockManager).
         self.block_hashes: list[int] = []
@@ -75,19 +68,13 @@ class Sequence(RequestFeatures):
                                                 else SamplingParams())
         # The next forward is a prefill (new, or after a preemption): a worker gets all tokens.
         self.needs_prefill: bool = True
-        # Tokens counted in num_tokens, not yet in token_ids (add_pending_token).
-        self.num_pending_tokens: int = 0
-        # The row of its token in the last step's sampled-token pool (engine/token_pool.py).
-        self.sampled_row: int | None = None
         self.finish_reason: FinishReason | None = None
-        super().__init__(self.seq_id, self.sampling_params)
+        RequestFeatures.__init__(self, self.seq_id, self.sampling_params)
+        PendingTokens.__init__(self)
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
         return self.num_tokens
-
-    def __getitem__(self, key: int | slice) -> Any:
-        return self.token_ids[key]
 
     def append_token(self, token_id: int) -> None:
         """Record the next sampled token, in the oldest pending slot if there is one."""
@@ -110,22 +97,6 @@ class Sequence(RequestFeatures):
         self.spec_token_ids = []
         self.num_preemptions += 1
         self.needs_prefill = True
-
-    # Async scheduling plans step N+1 before step N's tokens reach the host: each sequence of
-    # step N counts one pending token (its K/V slot, its place in a block) that the runner
-    # feeds from the device and postprocess fills in (the guide's Step 6).
-    def add_pending_token(self) -> None:
-        self.num_tokens += 1
-        self.num_pending_tokens += 1
-
-    def drop_pending_tokens(self) -> None:
-        """Forget tokens that will never be read (the sequence finished, or its step was
-        abandoned); the next step recomputes from the last known token."""
-        if self.num_pending_tokens:
-            self.num_tokens -= self.num_pending_tokens
-            self.num_pending_tokens = 0
-            # The last known token's K/V came from the abandoned step: compute it again.
-            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     @property
     def is_finished(self) -> bool:
@@ -150,10 +121,6 @@ class Sequence(RequestFeatures):
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
     def last_block_num_tokens(self) -> int:
         """Tokens in the last block (1..block_size); the next token goes right after them."""
         return self.num_tokens - (self.num_blocks - 1) * self.block_size
@@ -165,11 +132,8 @@ class Sequence(RequestFeatures):
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     # Tensor parallelism: a worker gets a partial copy each step (sequence_pickling.py).
-    def __getstate__(self) -> tuple[Any, ...]:
-        return worker_state(self)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        restore_worker_copy(self, state)
+    __getstate__ = worker_state
+    __setstate__ = restore_worker_copy
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "

@@ -21,7 +21,7 @@ with one fused form that also does store_kvcache's work, in the same launch on t
 
 and the matmul of a small decode batch (reference in fused_reference.py):
 
-    skinny_gemm              x W^T for x of 1..8 rows (layers/linear.py uses it on a GPU
+    skinny_gemm              x W^T for x of 1..8 rows (layers/matmul.py uses it on a GPU
                              where prefers_skinny_gemm says it beats cuBLAS)
 
 with two fused forms that apply the op before the matmul to x as the matmul loads it: one

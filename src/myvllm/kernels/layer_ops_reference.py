@@ -35,11 +35,8 @@ def rms_norm_ref(
 
 
 def norm_rope_ref(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
 ) -> torch.Tensor:
     """x [N, H, D] (one row per token) -> RoPE(rmsnorm_per_head(x)) [N, H, D], contiguous.
 

@@ -17,13 +17,8 @@ from .fp8_kv_reference import dequantize_kv, quantize_kv
 
 
 def store_kvcache_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Write key[i]/value[i] ([N, Hkv, D]) into cache slot slot_mapping[i]; -1 means skip."""
     block_size = k_cache.shape[1]
@@ -66,19 +61,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 def flash_attention_varlen_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    block_tables: torch.Tensor | None = None,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal prefill attention over a flat batch of variable-length sequences.
 
@@ -114,22 +100,15 @@ def flash_attention_varlen_ref(
 
 
 def paged_attention_decode_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new query token per sequence attends to its context_lens[b] cached tokens.
 
     q [B, Hq, D], block_tables [B, max_blocks] (-1 padded), context_lens [B] -> o [B, Hq, D].
     Vectorised over the batch: every sequence gathers max_blocks * block_size positions (its
-    padded table) and the positions past its context length are masked out. Rows with
-    context length 0 (CUDA-graph padding) get zeros. An fp8 cache is dequantized with
-    k_scale/v_scale.
+    padded table) and the positions past its context length are masked out. An fp8 cache
+    is dequantized with k_scale/v_scale.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -150,13 +129,8 @@ def paged_attention_decode_ref(
     # softmax(q k^T * scale) v with the padded positions masked out; enable_gqa lets each
     # group of `group` query heads share one kv head, exactly as in the Triton kernel.
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().unsqueeze(2),  # [B, Hq, 1, D]
-        k.transpose(1, 2),  # [B, Hkv, L, D]
-        v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=group > 1,
-    )
+        q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, 1 or L, D]
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=group > 1)
     # Context length 0 (CUDA-graph padding) masks every position: zeros for those rows only,
     # so a NaN read from inside a real context still shows.
     out = out.masked_fill((context_lens == 0)[:, None, None, None], 0.0)

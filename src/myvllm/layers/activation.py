@@ -5,22 +5,14 @@ it computes nothing and hands gate | up on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch import nn
 
 from myvllm.kernels import silu_and_mul
-from myvllm.layers.fused import GatedInput
+from myvllm.layers.fused import FusableOp, GatedInput
 
 
-class SiluAndMul(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        # Set by layers/fused.py: whether, for input x, down_proj's kernel applies this op.
-        self.next_layer_fuses: Callable[[torch.Tensor], bool] | None = None
-
+class SiluAndMul(FusableOp):
     def forward(self, x: torch.Tensor) -> torch.Tensor | GatedInput:
-        if self.next_layer_fuses is not None and self.next_layer_fuses(x):
+        if self.defers_to_next_layer(x):  # down_proj's kernel applies it
             return GatedInput(x)
         return silu_and_mul(x)

@@ -2,14 +2,14 @@
 slot_mapping, then routes q to a kernel by the step's context:
 
     prefill, no cached prefix   flash_attention_varlen over k, v
-    prefill, cached prefix      flash_attention_varlen over the cache (block_tables); in a
-                                padded chunked step its one-token rows: paged_attention_decode
+    prefill, cached prefix      flash_attention_varlen over the cache, through block_tables
+                                (layers/paged_prefill.py)
     decode                      paged_attention_decode over the cache
 
 On a GPU the RoPE kernel stores k and v as it rotates k (layers/fused.py). k_cache/v_cache
 stay empty until the ModelRunner points them at this layer's views of the cache (nothing is
-stored then). An fp8 cache holds K / k_scale and V / v_scale (the guide's
-Step 4, "An fp8 cache").
+stored then). An fp8 cache holds K / k_scale and V / v_scale (the guide's Step 4, "An fp8
+cache").
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from myvllm.kernels import (flash_attention_varlen, paged_attention_decode, store_kvcache,
                             use_triton)
 from myvllm.layers.fused import RotaryInput, rotate_and_store
+from myvllm.layers.paged_prefill import paged_prefill
 from myvllm.utils.context import get_context
 
 
@@ -27,9 +28,8 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)"
-            )
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads} (GQA)")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -49,61 +49,37 @@ class Attention(nn.Module):
         context = get_context()
         n = v.shape[0]
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = self.k_cache, self.v_cache
-        has_cache = k_cache.numel() > 0
+        has_cache = self.k_cache.numel() > 0
         if isinstance(q, RotaryInput) or isinstance(k, RotaryInput):  # see Attention.fuses
             # RoPE and the store below in one kernel -> q, k [N, H, D], the cache written.
-            q, k = rotate_and_store(q, k, v, k_cache, v_cache, context.slot_mapping, self.k_scale,
-                                    self.v_scale)  # fmt: skip
+            q, k = rotate_and_store(q, k, v, self.k_cache, self.v_cache, context.slot_mapping,
+                                    self.k_scale, self.v_scale)  # fmt: skip
         else:
             q = q.view(n, self.num_heads, self.head_dim)
             k = k.view(n, self.num_kv_heads, self.head_dim)
             if has_cache and context.slot_mapping is not None:
-                store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, self.k_scale,
-                              self.v_scale)
+                store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping,
+                              self.k_scale, self.v_scale)
 
         if context.is_prefill:
             if context.cu_seqlens_q is None or context.cu_seqlens_k is None:
-                raise RuntimeError(
-                    "Attention in prefill needs cu_seqlens_q/cu_seqlens_k in the context; "
-                    "run the model inside forward_context(...)"
-                )
-            if context.block_tables is not None:
-                if not has_cache:
-                    raise RuntimeError("prefill with block_tables (cached prefix) needs a KV cache")
-                rows = context.decode_rows
-                # With decode rows, one spare output row takes the padding rows' results.
-                o_all = torch.empty(n + (rows is not None), self.num_heads, self.head_dim,
-                                    dtype=q.dtype, device=q.device)
-                o = flash_attention_varlen(
-                    q, k, v,
-                    context.cu_seqlens_q, context.cu_seqlens_k,
-                    context.max_seqlen_q, context.max_seqlen_k, self.scale,
-                    block_tables=context.block_tables, k_cache=k_cache, v_cache=v_cache,
-                    tile_map=context.q_tiles, out=o_all[:n],
-                    k_scale=self.k_scale, v_scale=self.v_scale,
-                )  # fmt: skip
-                if rows is not None:
-                    o_rows = paged_attention_decode(
-                        q.index_select(0, rows.gather), k_cache, v_cache, rows.block_tables,
-                        rows.context_lens, self.scale, self.k_scale, self.v_scale)
-                    o = o_all.index_copy_(0, rows.scatter, o_rows)[:n]
-            else:
-                o = flash_attention_varlen(
-                    q, k, v,
-                    context.cu_seqlens_q, context.cu_seqlens_k,
-                    context.max_seqlen_q, context.max_seqlen_k, self.scale,
-                )  # fmt: skip
+                raise RuntimeError("Attention in prefill needs cu_seqlens_q/cu_seqlens_k in the "
+                                   "context; run the model inside forward_context(...)")
+            if context.block_tables is None:
+                o = flash_attention_varlen(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k,
+                                           context.max_seqlen_q, context.max_seqlen_k, self.scale)
+            elif not has_cache:
+                raise RuntimeError("prefill with block_tables (cached prefix) needs a KV cache")
+            else:  # a cached prefix: every K/V read from the cache, through block_tables
+                o = paged_prefill(self, q, k, v, context, context.cu_seqlens_q,
+                                  context.cu_seqlens_k)
         else:
             if context.block_tables is None or context.context_lens is None or not has_cache:
-                raise RuntimeError(
-                    "Attention in decode needs a KV cache plus block_tables and context_lens in "
-                    "the context; run the model inside forward_context(...)"
-                )
-            o = paged_attention_decode(
-                q, k_cache, v_cache, context.block_tables, context.context_lens, self.scale,
-                self.k_scale, self.v_scale,
-            )
+                raise RuntimeError("Attention in decode needs a KV cache plus block_tables and "
+                                   "context_lens in the context; run the model inside "
+                                   "forward_context(...)")
+            o = paged_attention_decode(q, self.k_cache, self.v_cache, context.block_tables,
+                                       context.context_lens, self.scale, self.k_scale, self.v_scale)
         return o.reshape(n, self.num_heads * self.head_dim)
 
     def fuses(self, x: torch.Tensor) -> bool:

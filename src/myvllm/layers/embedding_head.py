@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from myvllm.layers.linear import linear
-from myvllm.layers.weight_loaders import copy_checked, set_weight_attrs
+from myvllm.layers.matmul import linear
+from myvllm.layers.weight_loaders import check_not_packed, load_vocab_rows, set_weight_attrs
 from myvllm.utils.context import get_context
 from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
@@ -32,21 +32,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
-        name = type(self).__name__
-        if shard_id is not None:
-            raise ValueError(f"{name} is not packed, but got shard id {shard_id!r}")
-        expected = (self.num_embeddings, self.embedding_dim)
-        if tuple(loaded_weight.shape) != expected:
-            raise ValueError(
-                f"{name}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected "
-                f"{expected} (vocab_size, hidden_size)"
-            )
-        n = self.vocab_end_idx - self.vocab_start_idx
-        copy_checked(param.data[:n], loaded_weight[self.vocab_start_idx : self.vocab_end_idx], name)
-        param.data[n:].zero_()  # padding rows of the last rank
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        check_not_packed(shard_id, type(self).__name__)
+        load_vocab_rows(param, loaded_weight, self.vocab_start_idx, self.vocab_end_idx,
+                        (self.num_embeddings, self.embedding_dim), type(self).__name__)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

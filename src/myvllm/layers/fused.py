@@ -50,6 +50,7 @@ so in its sparse layers the norm always runs on its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,19 @@ FUSED_PAIRS: tuple[tuple[str, str], ...] = (
     ("k_norm", "rotary_emb"),
     ("rotary_emb", "attn"),                        # in every model's attention
 )
+
+
+class FusableOp(nn.Module):
+    """An op (RMSNorm, SiluAndMul, RotaryEmbedding) whose work the layer after it can do in
+    its own kernel. fuse() sets next_layer_fuses to that layer's fuses(x): whether, for input
+    x, its kernel applies this op."""
+
+    next_layer_fuses: Callable[[torch.Tensor], bool] | None = None
+
+    def defers_to_next_layer(self, x: torch.Tensor) -> bool:
+        """Whether the next layer's kernel applies this op to x: then the op computes nothing
+        and hands on what is left to do."""
+        return self.next_layer_fuses is not None and self.next_layer_fuses(x)
 
 
 class DeferredInput:
@@ -116,6 +130,28 @@ class RotaryInput:
     cos_sin_cache: torch.Tensor
     norm_weight: torch.Tensor | None
     eps: float
+
+
+def take_head_norms(
+    q: torch.Tensor | NormedInput, k: torch.Tensor | NormedInput
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
+    """RoPE's input: (q, k, q_norm's weight, k_norm's weight, eps); the weights are None (eps
+    0) unless q_norm and k_norm left their work to RoPE's kernel (two NormedInputs)."""
+    if isinstance(q, NormedInput) and isinstance(k, NormedInput) and q.eps == k.eps:
+        return q.x, k.x, q.weight, k.weight, q.eps
+    if isinstance(q, NormedInput) or isinstance(k, NormedInput):
+        raise ValueError("RotaryEmbedding: q_norm and k_norm are fused into it together, "
+                         "with one eps")  # fmt: skip
+    return q, k, None, None, 0.0
+
+
+def defer_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+) -> tuple[RotaryInput, RotaryInput]:
+    """What RoPE returns when the attention layer's store rotates q and k [N, H, D]."""
+    return (RotaryInput(q, positions, cos_sin_cache, q_weight, eps),
+            RotaryInput(k, positions, cos_sin_cache, k_weight, eps))  # fmt: skip
 
 
 def rotate_and_store(

@@ -12,53 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from myvllm.kernels import (is_batch_invariant, matmul_batch_invariant, prefers_skinny_gemm,
-                            skinny_gemm)
 from myvllm.layers.fused import DeferredInput
+from myvllm.layers.matmul import linear, reduce_partial_sums, uses_skinny_gemm
 from myvllm.layers.weight_loaders import (check_not_packed, copy_checked, divide, load_columns,
                                           load_rows, set_weight_attrs)
-from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
-
-
-CPU_WXT_MAX_ROWS = 256
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b, the matmul of every linear layer and the LM head.
-
-    GPU: F.linear, or for a decode batch of a few rows kernels.skinny_gemm, which streams
-    weights that cuBLAS reads at a third of the memory bandwidth or less (where it measured
-    faster: kernels.prefers_skinny_gemm). CPU, 2..256 rows: W x^T, which MKL streams 2-3x
-    faster than x W^T for the row-major [out, in] weight (decode on a CPU is bound by reading
-    the weights; from ~512 rows F.linear wins again). Same math, another summation order.
-    Batch-invariant mode (kernels/batch_invariant.py): kernels.matmul_batch_invariant for
-    every row count, so that no choice above depends on the batch.
-    """
-    if is_batch_invariant():
-        rows = x.reshape(-1, x.size(-1))
-        return matmul_batch_invariant(rows.contiguous(), weight, bias).view(
-            *x.shape[:-1], weight.size(0))
-    if x.is_cuda:
-        if uses_skinny_gemm(x, weight, bias):
-            return skinny_gemm(x, weight)
-        return F.linear(x, weight, bias)
-    if x.dim() != 2 or not 2 <= x.size(0) <= CPU_WXT_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.t()).t()
-    if bias is not None:
-        y = y + bias
-    return y.contiguous()
-
-
-def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether linear(x, weight, bias) runs kernels.skinny_gemm (LinearBase.fuses asks too).
-    Never in batch-invariant mode: the skinny kernel's tiling is for 1-8 rows only."""
-    return (x.is_cuda and not is_batch_invariant() and x.dim() == 2 and bias is None
-            and prefers_skinny_gemm(x.size(0), *weight.shape))
+from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 
 class LinearBase(nn.Module):
@@ -79,15 +39,12 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
-        if isinstance(x, DeferredInput):  # the op before, left to this matmul (layers/fused.py)
-            return x.matmul(self.weight)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)  # layers/matmul.py picks the kernel
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether this layer's matmul for input x is a skinny_gemm, whose kernel can apply the
@@ -95,10 +52,8 @@ class LinearBase(nn.Module):
         return uses_skinny_gemm(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return (
-            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
-            f"tp={self.tp_rank}/{self.tp_size}"
-        )
+        return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+                f"tp={self.tp_rank}/{self.tp_size}")
 
 
 class ReplicatedLinear(LinearBase):
@@ -168,23 +123,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q_proj, k_proj and v_proj packed into one matmul, split over ranks by WHOLE heads.
 
     Each rank keeps num_heads/tp query heads and num_kv_heads/tp key/value heads, so attention
-    runs locally with no communication (each K head stays whole: head_size values):
-
-        full:    q [Hq*D]                 | k [Hkv*D]            | v [Hkv*D]
-        rank r:  q heads of rank r        | k heads of rank r     | v heads of rank r
-                 [Hq/tp*D]                  [Hkv/tp*D]             [Hkv/tp*D]
-
-    shard_id is "q", "k" or "v".
+    runs locally with no communication; its rows are [q heads | k heads | v heads] of rank r
+    (the guide's Step 1 draws them). shard_id is "q", "k" or "v".
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_size: int,
-        total_num_heads: int,
-        total_num_kv_heads: int | None = None,
-        bias: bool = False,
-    ) -> None:
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int | None = None, bias: bool = False) -> None:
         tp_size = get_tp_size()
         total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
         check_tp_divides_heads(tp_size, total_num_heads, total_num_kv_heads)
@@ -221,25 +165,6 @@ class RowParallelLinear(LinearBase):
         load_columns(param, loaded_weight, self.tp_rank, self.tp_size, "RowParallelLinear")
 
     def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
-        if isinstance(x, DeferredInput):  # (only without a bias: LinearBase.fuses)
-            return self.reduce(x.matmul(self.weight))
         # Add the bias on one rank only, or the all_reduce would add it tp times.
-        return self.reduce(linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
-
-    def reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' partial outputs (in place).
-
-        Batch-invariant mode: NCCL picks its all-reduce algorithm and protocol (ring, tree;
-        how the sum is chunked) by message size, that is by the batch, and with them the
-        order of the sum. So the partials are gathered (a copy, exact) and added here in rank
-        order, the same order for every row at every batch size."""
-        if self.tp_size == 1:
-            return y
-        if not is_batch_invariant():
-            return all_reduce(y)
-        parts = [torch.empty_like(y) for _ in range(self.tp_size)]
-        dist.all_gather(parts, y)
-        total = parts[0]
-        for part in parts[1:]:
-            total += part  # rank 0 + rank 1 + ... elementwise: one order whatever the shape
-        return y.copy_(total)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return reduce_partial_sums(y, self.tp_size)

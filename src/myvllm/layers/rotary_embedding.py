@@ -10,14 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from myvllm.kernels import norm_rope, use_triton
-from myvllm.layers.fused import NormedInput, RotaryInput
+from myvllm.layers.fused import (FusableOp, NormedInput, RotaryInput, defer_rope,
+                                 take_head_norms)
 from myvllm.layers.rope_scaling import cos_sin_table
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FusableOp):
     cos_sin_cache: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self, head_dim: int, max_position: int, cos_sin_cache: torch.Tensor) -> None:
@@ -26,9 +26,6 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         # Not persistent: it is derived from the config, not a checkpoint tensor.
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
-        # Set by layers/fused.py: whether, for input x, the attention layer after this one
-        # rotates q and k in the kernel that stores k and v.
-        self.next_layer_fuses: Callable[[torch.Tensor], bool] | None = None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any,
                **kwargs: Any) -> RotaryEmbedding:
@@ -49,22 +46,14 @@ class RotaryEmbedding(nn.Module):
         (layers/fused.py): it normalises each head, then rotates it. Where the attention layer
         after it rotates them as it stores k and v, it returns two RotaryInputs instead.
         """
-        q_weight = k_weight = None
-        eps = 0.0
-        if isinstance(q, NormedInput) and isinstance(k, NormedInput) and q.eps == k.eps:
-            q_weight, k_weight, eps = q.weight, k.weight, q.eps
-            q, k = q.x, k.x
-        elif isinstance(q, NormedInput) or isinstance(k, NormedInput):
-            raise ValueError("RotaryEmbedding: q_norm and k_norm are fused into it together, "
-                             "with one eps")  # fmt: skip
+        q, k, q_weight, k_weight, eps = take_head_norms(q, k)
         n = positions.shape[0]
-        if self.next_layer_fuses is not None and self.next_layer_fuses(q):
-            return (RotaryInput(q.view(n, -1, self.head_dim), positions, self.cos_sin_cache,
-                                q_weight, eps),
-                    RotaryInput(k.view(n, -1, self.head_dim), positions, self.cos_sin_cache,
-                                k_weight, eps))  # fmt: skip
-        q_out, k_out = norm_rope(q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim),
-                                 positions, self.cos_sin_cache, q_weight, k_weight, eps)
+        q_heads, k_heads = q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim)
+        if self.defers_to_next_layer(q):
+            return defer_rope(q_heads, k_heads, positions, self.cos_sin_cache, q_weight,
+                              k_weight, eps)  # fmt: skip
+        q_out, k_out = norm_rope(q_heads, k_heads, positions, self.cos_sin_cache, q_weight,
+                                 k_weight, eps)  # fmt: skip
         return q_out.view(q.shape), k_out.view(k.shape)
 
     def fuses(self, x: torch.Tensor) -> bool:

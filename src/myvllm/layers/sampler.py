@@ -18,21 +18,16 @@ from torch import nn
 
 from myvllm.kernels import use_triton
 from myvllm.layers.logits_processors import apply_min_p
-from myvllm.layers.sampler_ops import exponential_noise, top_k_top_p
+from myvllm.layers.sampler_ops import exponential_noise, gumbel_sample_gpu, top_k_top_p
 from myvllm.layers.token_bitmask import apply_token_bitmask
 
 
 class Sampler(nn.Module):
     def forward(
-        self,
-        logits: torch.Tensor,
-        temperatures: torch.Tensor,
-        top_ks: torch.Tensor | None = None,
-        top_ps: torch.Tensor | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        *,
-        all_greedy: bool | None = None,
-        min_ps: torch.Tensor | None = None,
+        self, logits: torch.Tensor, temperatures: torch.Tensor,
+        top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None,
+        generators: Sequence[torch.Generator | None] | None = None, *,
+        all_greedy: bool | None = None, min_ps: torch.Tensor | None = None,
         token_bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] float (0 = greedy); top_ks [B] int (-1 or <= 0 = off);
@@ -52,13 +47,7 @@ class Sampler(nn.Module):
 
         if (top_ks is None and top_ps is None and min_ps is None and generators is None
                 and use_triton(logits)):
-            # The common GPU case (temperature only, no per-request seeds): the Triton
-            # kernels of kernels/sample_kernel.py. Their noise is keyed by one seed per row
-            # drawn here from torch's generator.
-            from myvllm.kernels.sample_kernel import gumbel_sample_triton
-
-            seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), device=logits.device)
-            return gumbel_sample_triton(logits, temperatures, seeds)
+            return gumbel_sample_gpu(logits, temperatures)  # kernels/sample_kernel.py
 
         greedy = logits.argmax(dim=-1)
         logits = logits.float()

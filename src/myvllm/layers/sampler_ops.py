@@ -1,6 +1,6 @@
 """The Sampler's filters and noise (layers/sampler.py): the top-k / top-p filter, also used by
-speculative decoding's rejection sampler, and the Exponential(1) noise of the Gumbel-max draw,
-per-row seeded.
+speculative decoding's rejection sampler, the Exponential(1) noise of the Gumbel-max draw,
+per-row seeded, and the GPU's draw in Triton for a batch that needs neither.
 """
 
 from __future__ import annotations
@@ -65,3 +65,13 @@ def exponential_noise(
                 noise[row].exponential_(generator=generator)
     # E = 0 has probability ~0 but would divide by zero.
     return noise.clamp_min_(1e-10)
+
+
+def gumbel_sample_gpu(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The common GPU case (temperature only, no per-request seeds): the Triton kernels of
+    kernels/sample_kernel.py. Their noise is keyed by one seed per row drawn here from torch's
+    generator."""
+    from myvllm.kernels.sample_kernel import gumbel_sample_triton
+
+    seeds = torch.randint(0, 2**31 - 1, (logits.shape[0],), device=logits.device)
+    return gumbel_sample_triton(logits, temperatures, seeds)

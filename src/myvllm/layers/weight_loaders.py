@@ -75,3 +75,17 @@ def load_columns(param: nn.Parameter, loaded: torch.Tensor, tp_rank: int, tp_siz
         return
     src = rank_slice(loaded, 1, param.size(1) * tp_size, tp_rank, tp_size, what)
     copy_checked(param.data, src, what)
+
+
+def load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, start: int, end: int,
+                    full_shape: tuple[int, int], what: str) -> None:
+    """Vocabulary parallel: rows [start, end) of the full [vocab, hidden] table into param's
+    first rows; the rows past them (the last rank's padding) zeroed."""
+    if tuple(loaded.shape) != full_shape:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+            f"{full_shape} (vocab_size, hidden_size)"
+        )
+    n = end - start
+    copy_checked(param.data[:n], loaded[start:end], what)
+    param.data[n:].zero_()  # padding rows of the last rank

@@ -27,9 +27,8 @@ class Qwen3Attention(nn.Module):
         hidden_size = config.hidden_size
         self.head_dim = get_head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(
-            hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias
-        )
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias)
         # Heads held by THIS rank (whole heads; see QKVParallelLinear).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -39,9 +38,8 @@ class Qwen3Attention(nn.Module):
             config.num_attention_heads * self.head_dim, hidden_size, bias
         )
         rope_theta, rope_scaling = rope_parameters(config)
-        self.rotary_emb = get_rope(
-            self.head_dim, config.max_position_embeddings, rope_theta, rope_scaling
-        )
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, rope_theta,
+                                   rope_scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -60,7 +58,6 @@ class Qwen3Attention(nn.Module):
 class Qwen3ForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig) -> None:
         if getattr(config, "use_sliding_window", False):
-            raise ValueError(
-                "Qwen3 with use_sliding_window=True is not supported (full attention only)"
-            )
+            raise ValueError("Qwen3 with use_sliding_window=True is not supported "
+                             "(full attention only)")
         super().__init__(config, Qwen3Attention, mlp_bias=False)

@@ -4,9 +4,10 @@ target's vocabulary proposes the next k tokens, one decode step each.
 Where it runs: the scheduler reserves k proposal slots for a decode row (Speculator.propose
 returns placeholders, so the row's lookahead blocks are allocated as for prompt lookup), and
 the model runner asks the draft to fill them (DraftProposer.propose) just before the
-target's verification step. The draft is a ModelRunner of its own (eager: no CUDA graphs),
-with a KV cache of its own that has the target's number of blocks and block size and is
-indexed by the target's block tables:
+target's verification step. The draft is a ModelRunner of its own (on a GPU with CUDA graphs
+of its own: its one-token steps replay decode graphs, its catch-up chunks chunk graphs, as
+the target's steps do), with a KV cache of its own that has the target's number of blocks
+and block size and is indexed by the target's block tables:
 
     target cache   block 7: K/V of the target's layers for positions 8..11 of sequence s
     draft cache    block 7: K/V of the draft's layers for the same positions of s
@@ -47,6 +48,7 @@ from myvllm.config import Config
 from myvllm.engine.sampling import generator_for, prepare_sample
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.rejection_sampler import target_probs
+from myvllm.utils.context import forward_context
 from myvllm.utils.hf_config import load_hf_config
 
 if TYPE_CHECKING:
@@ -100,8 +102,10 @@ class DraftProposer:
         # Imported here: model_runner imports this module's caller (verification) first.
         from myvllm.engine.model_runner import ModelRunner
         draft_config = dataclasses.replace(config, speculative_method=None,
-                                           speculative_model=None, enforce_eager=True)
+                                           speculative_model=None)
         self.runner: ModelRunner = ModelRunner(draft_config, 0, path, hf_config)
+        # Its decode graphs stop at the hidden states: q needs the logits of every step.
+        self.runner.sample_in_graph = False
         self.max_chunk_tokens = config.max_num_batched_tokens
         self.states: weakref.WeakKeyDictionary[Sequence, DraftState] = (
             weakref.WeakKeyDictionary())
@@ -111,12 +115,25 @@ class DraftProposer:
         """Bytes of one block of the draft's cache (over its layers, K and V)."""
         return self.runner.kv_layout.block_bytes
 
+    def warm_up(self) -> None:
+        """GPU, before the target's warm-up (which then measures the peak the KV caches are
+        sized by): the draft's kernels' variants compiled now, not in the first request. Its
+        activations fit within the target's peak: its chunks are bounded by the same
+        max_num_batched_tokens, and a draft is the smaller model."""
+        from myvllm.engine import warmup
+        warmup.warmup_model(self.runner)
+
     def allocate_cache(self, num_blocks: int) -> None:
+        """The draft's cache, num_blocks as the target's; on a GPU then its CUDA graphs."""
+        from myvllm.engine import warmup
         from myvllm.engine.kv_cache import allocate_kv_cache
         runner = self.runner
         runner.k_cache, runner.v_cache = allocate_kv_cache(
             runner.attention_layers, runner.kv_layout, num_blocks, runner.device)
         runner.num_kvcache_blocks = num_blocks
+        if runner.device.type == "cuda":
+            warmup.warmup_cached_prefix_prefill(runner)
+            warmup.pad_and_capture(runner)
 
     def state(self, seq: Sequence) -> DraftState:
         state = self.states.get(seq)
@@ -151,9 +168,8 @@ class DraftProposer:
                     shadows[i] = DraftRow(list(rows[i].token_ids), rows[i].block_table)
                 shadow = shadows[i]
                 shadow.append_token(rows[i].spec_token_ids[j])
-                shadow.num_computed_tokens, shadow.num_new_tokens = len(shadow), 1
                 batch.append(shadow)
-            logits = self._forward(batch)
+            logits = self._decode(batch)
         for seq in rows:
             self.state(seq).num_seen = seq.num_tokens
         return q
@@ -182,6 +198,27 @@ class DraftProposer:
                 if seen[i] == rows[i].num_tokens:
                     last[i] = logits[row]
         return torch.stack([t for t in last if t is not None])
+
+    def _decode(self, shadows: list[DraftRow]) -> torch.Tensor:
+        """One token per row (each row's last, at position len - 1), as a decode step: on
+        a GPU the draft's decode graph for the padded batch -> the logits of each row."""
+        runner, block_size = self.runner, self.runner.config.block_size
+        positions = [len(shadow) - 1 for shadow in shadows]
+        # By position: the target's table may already hold blocks past the draft's token.
+        slots = [shadow.block_table[p // block_size] * block_size + p % block_size
+                 for shadow, p in zip(shadows, positions, strict=True)]
+        step = runner.inputs.decode_rows(
+            [shadow.last_token for shadow in shadows], [], positions, slots,
+            [len(shadow) for shadow in shadows], [0.0] * len(shadows),
+            [shadow.block_table for shadow in shadows])
+        key = ("decode", step.input_ids.size(0)) if runner.inputs.padded is not None else None
+        with forward_context(step.context):
+            hidden = runner.run_graph_or_eager(
+                key, step, lambda step: runner.decode_forward(step, sample=False))
+            # All (padded) rows, as in the target's decode step; the batch's rows first.
+            logits = runner.model.compute_logits(hidden)
+        assert logits is not None  # rank 0 (a draft runs on one GPU)
+        return logits[:len(shadows)].float()
 
     def _forward(self, shadows: list[DraftRow]) -> torch.Tensor:
         # A DraftRow has every field of a Sequence that a prefill step reads.

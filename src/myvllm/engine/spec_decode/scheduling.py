@@ -42,12 +42,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from myvllm.config import Config
 from myvllm.engine.sampling_controls import uses_sampling_controls
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from myvllm.engine.spec_decode.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from myvllm.engine.block_manager import BlockManager
 
 MAX_MISSES = 6
 MAX_SKIPPED_STEPS = 2**MAX_MISSES  # decode steps a sequence skips the lookup, at most
@@ -152,3 +156,37 @@ class Speculator:
 
 def make_speculator(config: Config) -> Speculator | None:
     return Speculator(config) if config.speculative_method is not None else None
+
+
+# ---------------------------------------------------------------- the Scheduler's calls
+def proposals_for_row(speculator: Speculator | None, block_manager: BlockManager,
+                      seq: Sequence, max_model_length: int, budget: int) -> list[int]:
+    """The proposals seq's decode row carries in the step being scheduled: none without a
+    speculator, and none if their lookahead blocks do not fit (proposals never preempt:
+    the row decodes plainly)."""
+    if speculator is None:
+        return []
+    proposals = speculator.propose(seq, max_model_length, budget)
+    if proposals and not block_manager.can_append(seq, len(proposals)):
+        return []
+    return proposals
+
+
+def verified_tokens(speculator: Speculator | None, seq: Sequence, proposals: list[int],
+                    verified: dict[int, list[int]] | None, row: int) -> list[int]:
+    """The tokens seq's verification row (the step's row-th sampled row) emitted: its
+    accepted proposals, then one of the target's; counted for /metrics and the back-off."""
+    if verified is None or row not in verified:
+        raise ValueError(f"sequence {seq.seq_id} verified proposals but "
+                         "postprocess got no tokens for them")
+    if speculator is not None:
+        speculator.observe(seq, len(proposals), len(verified[row]) - 1)
+    return verified[row]
+
+
+def roll_back(block_manager: BlockManager, seq: Sequence) -> None:
+    """After its verification row (seq not finished): the K/V of t_n and the accepted
+    proposals holds, the rejected ones' blocks go (their slots in kept blocks are
+    rewritten)."""
+    seq.num_computed_tokens = seq.num_tokens - 1
+    block_manager.free_lookahead_blocks(seq)
