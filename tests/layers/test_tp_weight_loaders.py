@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers_models import tiny_checkpoint
 from helpers_tp_ranks import pretend_rank
 
-import myvllm.layers.embedding_head as embedding_head
 from myvllm.layers.embedding_head import ParallelLMHead, VocabParallelEmbedding
 from myvllm.layers.linear import (
     ColumnParallelLinear,
@@ -133,7 +133,7 @@ def test_qkv_parallel_whole_heads(as_rank) -> None:
 @pytest.mark.parametrize("vocab", [10, 11])  # 11: the last rank holds a zero padding row
 def test_vocab_parallel_embedding_and_head(as_rank, monkeypatch, vocab: int) -> None:
     table = torch.randn(vocab, 4)
-    monkeypatch.setattr(embedding_head.dist, "all_reduce", lambda t: None)
+    monkeypatch.setattr(dist, "all_reduce", lambda t: None)
     ids = torch.arange(vocab)
     rows, outs = [], []
     for rank in range(TP):
@@ -166,7 +166,7 @@ def test_lm_head_gathers_on_rank0(as_rank, monkeypatch) -> None:
             for r in range(1, TP):
                 gather_list[r].copy_(shard_logits[r])
 
-    monkeypatch.setattr(embedding_head.dist, "gather", fake_gather)
+    monkeypatch.setattr(dist, "gather", fake_gather)
     torch.testing.assert_close(heads[0](hidden), hidden @ table.T, atol=1e-6, rtol=0)
     assert heads[1](hidden) is None
 

@@ -51,46 +51,36 @@ class BlockManager(BlockRollback):
         self.free_block_ids: FreeBlockQueue = FreeBlockQueue(range(num_blocks))
 
     # ------------------------------------------------------------------ prefix matching
-    def _match_prefix(self, seq: Sequence, hash_all: bool = True) -> tuple[list[int], list[int]]:
-        """(hashes, hits): block i's chained hash (-1: partial, or caching off) and the block
-        ids serving the leading run of hits. Without hash_all, hashing stops at the first miss:
-        a long prompt's hashes are then computed chunk by chunk, as its chunks register them.
-        """
-        hashes: list[int] = []
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """The block ids serving seq's leading run of cached full blocks. Hashing stops at the
+        first miss: a long prompt's later hashes are computed as its chunks register them."""
         hits: list[int] = []
         hit_set: set[int] = set()
-        h = -1
         # A cached prompt token has no logits, so prompt logprobs read no hit (vLLM's rule).
-        missed = not self.enable_prefix_caching or seq.needs_prompt_logprobs
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return hits
+        h = -1
         for i in range(seq.num_blocks):
-            if missed and not hash_all:  # nothing after the first miss is needed
-                hashes += [-1] * (seq.num_blocks - i)
-                break
             token_ids = seq.block(i)
-            full = len(token_ids) == self.block_size
-            if not (self.enable_prefix_caching and full):
-                h = -1
-            elif i < len(seq.block_hashes):  # hashed on an earlier look (can_allocate)
+            if len(token_ids) < self.block_size:
+                break  # a partial block is never cached
+            if i < len(seq.block_hashes):  # hashed on an earlier look (can_allocate)
                 h = seq.block_hashes[i]
             else:  # full blocks come first, so block i is the next one to memoise
                 h = compute_hash(token_ids, h)
                 seq.block_hashes.append(h)
-            hashes.append(h)
-            if missed:  # only a leading run of hits can be skipped
-                continue
-            block_id = self.hash_to_block_id.get(h, -1) if h != -1 else -1
+            block_id = self.hash_to_block_id.get(h, -1)
             # A hit needs the hash AND the same tokens, and a block serves one position only.
             if (block_id == -1 or self.blocks[block_id].token_ids != token_ids
                     or block_id in hit_set):
-                missed = True
-            else:
-                hits.append(block_id)
-                hit_set.add(block_id)
+                break
+            hits.append(block_id)
+            hit_set.add(block_id)
         if hits and len(hits) == seq.num_blocks:
             # Fully cached: the last token's logits are still needed, so the last block is
             # recomputed, in a fresh block (others may be reading the cached one).
             hits.pop()
-        return hashes, hits
+        return hits
 
     # ------------------------------------------------------------------ block lifecycle
     def _allocate_fresh_block(self) -> int:
@@ -130,7 +120,7 @@ class BlockManager(BlockRollback):
     # ------------------------------------------------------------------ prefill
     def can_allocate(self, seq: Sequence) -> bool:
         """Enough free blocks for every block of seq that is not shared with a running seq?"""
-        _, hits = self._match_prefix(seq, hash_all=False)
+        hits = self._match_prefix(seq)
         shared = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         # Hits on *free* cached blocks still come out of the free list (revived).
         return len(self.free_block_ids) >= seq.num_blocks - shared
@@ -140,18 +130,13 @@ class BlockManager(BlockRollback):
         fresh full block is registered (findable) if the step being scheduled writes it: all
         of them, or (chunked prefill) those below num_computable; register_full_blocks
         registers the rest later."""
-        hashes, hits = self._match_prefix(seq, hash_all=num_computable is None)
+        hits = self._match_prefix(seq)
         self.allocate_blocks(seq, hits)
-        limit = seq.num_tokens if num_computable is None else num_computable
-        for i in range(len(hits), seq.num_blocks):
-            if hashes[i] != -1 and (i + 1) * self.block_size <= limit:
-                # Registered before its K/V exists: this very step writes it, and within a
-                # step store_kvcache writes all new K/V before attention reads any.
-                block_id = seq.block_table[i]
-                self.blocks[block_id].update(hashes[i], seq.block(i))
-                self.hash_to_block_id[hashes[i]] = block_id
         # block_hashes lists the registered blocks only (register_full_blocks goes on from it).
-        del seq.block_hashes[max(len(hits), limit // self.block_size):]
+        del seq.block_hashes[len(hits):]
+        # Registered before its K/V exists: this very step writes it, and within a step
+        # store_kvcache writes all new K/V before attention reads any.
+        self.register_full_blocks(seq, seq.num_tokens if num_computable is None else num_computable)
 
     def allocate_blocks(self, seq: Sequence, computed_blocks: list[int]) -> None:
         """seq's block table: computed_blocks (K/V already there: one more reference each),

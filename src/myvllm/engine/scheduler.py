@@ -96,8 +96,7 @@ class Scheduler:
         return self.schedule()
 
     def _schedule_running(self, budget: StepBudget, scheduled: list[Sequence]) -> bool:
-        """The running sequences' decode rows and next chunks; returns whether any was
-        preempted."""
+        """The running sequences' decode rows and next chunks; whether any was preempted."""
         preempted = False
         visited: list[Sequence] = []  # running sequences looked at, in their order
         while self.running and budget.tokens > 0 and len(scheduled) < self.max_num_sequences:
@@ -182,8 +181,7 @@ class Scheduler:
             release_forks(seq, self.waiting)
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop seq's blocks (no K/V copied) and queue it at the FRONT
-        of waiting."""
+        """Recompute preemption: free seq's blocks (no K/V copied), put it FIRST in waiting."""
         if seq in self.running:  # the scheduler pops victims itself; direct callers may not
             self.running.remove(seq)
         self.block_manager.deallocate(seq)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from myvllm.config import Config
-from myvllm.layers.linear import check_tp_divides_heads
+from myvllm.layers.weight_loaders import check_tp_divides_heads
 from myvllm.models import get_model_class
 from myvllm.utils.device import resolve_device
 from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env

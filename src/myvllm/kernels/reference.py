@@ -5,8 +5,7 @@ runs, and the oracle of the Triton kernels (float32 math, one sequence at a time
     slot = block_id * block_size + offset; position p of sequence b is in block
     block_tables[b, p // block_size] at offset p % block_size
 
-An fp8 cache holds K / k_scale and V / v_scale (quantize_kv); reads multiply the scale back
-(dequantize_kv).
+An fp8 cache holds K / k_scale and V / v_scale; reads multiply the scale back (fp8_kv_reference.py).
 """
 
 from __future__ import annotations
@@ -41,11 +40,8 @@ def gather_paged_kv(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of Sq queries that are the LAST Sq of Sk context positions.
-
-    q [Sq, Hq, D], k/v [Sk, Hkv, D] -> [Sq, Hq, D] in float32. The causal mask is aligned to
-    the bottom-right corner: query i sits at absolute position Sk - Sq + i.
-    """
+    """Causal attention of Sq queries that are the LAST Sq of Sk context positions (query i
+    at position Sk - Sq + i): q [Sq, Hq, D], k/v [Sk, Hkv, D] -> [Sq, Hq, D] in float32."""
     seqlen_q, num_heads = q.shape[0], q.shape[1]
     seqlen_k, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
@@ -66,16 +62,12 @@ def flash_attention_varlen_ref(
     scale: float, block_tables: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal prefill attention over a flat batch of variable-length sequences.
-
-        q: [Nq, Hq, D]   tokens of all sequences back to back; sequence b owns rows
-                         cu_seqlens_q[b] : cu_seqlens_q[b+1]
-        k/v: [Nk, Hkv, D] the same for the context (used only when block_tables is None)
+    """Causal prefill attention over a flat batch: sequence b owns the rows cu_seqlens_q[b] :
+    cu_seqlens_q[b+1] of q [Nq, Hq, D], and the same of k/v [Nk, Hkv, D] by cu_seqlens_k.
 
     With block_tables, the context of sequence b (cached prefix + the new tokens, which the
     caller already stored with store_kvcache) is read from k_cache/v_cache instead (an fp8
-    cache dequantized with k_scale/v_scale). max_seqlen_* are unused here; they are part of
-    the signature because the Triton kernel sizes its grid with them.
+    cache dequantized with k_scale/v_scale). max_seqlen_* size the Triton kernel's grid only.
     """
     del max_seqlen_q, max_seqlen_k
     out = torch.empty_like(q)
@@ -106,9 +98,8 @@ def paged_attention_decode_ref(
     """One new query token per sequence attends to its context_lens[b] cached tokens.
 
     q [B, Hq, D], block_tables [B, max_blocks] (-1 padded), context_lens [B] -> o [B, Hq, D].
-    Vectorised over the batch: every sequence gathers max_blocks * block_size positions (its
-    padded table) and the positions past its context length are masked out. An fp8 cache
-    is dequantized with k_scale/v_scale.
+    Vectorised over the batch: every sequence gathers its padded table's positions, and those
+    past its context length are masked out. An fp8 cache is dequantized with k_scale/v_scale.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

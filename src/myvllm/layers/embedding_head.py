@@ -7,14 +7,13 @@ samples (the others return None).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from myvllm.layers.matmul import linear
+from myvllm.layers.matmul import last_token_rows, linear
 from myvllm.layers.weight_loaders import check_not_packed, load_vocab_rows, set_weight_attrs
 from myvllm.utils.context import get_context
-from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+from myvllm.utils.distributed import all_reduce, gather_on_rank0, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -50,13 +49,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden [N, H] -> logits [B, V] (prefill: one row per sequence) on rank 0, None elsewhere.
-
-    At prefill only each sequence's last token needs logits (it predicts the next token).
-    cu_seqlens_q marks where each sequence's new tokens end in the flat batch:
-
-        cu_seqlens_q = [0, 3, 8]   tokens: a a a b b b b b   ->  keep rows 2 and 7
-    """
+    """hidden [N, H] -> logits [B, V] on rank 0, None elsewhere; a prefill keeps each
+    sequence's last token only (the guide's Step 1 draws which rows)."""
 
     # The override returns None where the embedding returns a tensor: only rank 0 gets the
     # logits (the sampler runs there), so the narrower return type cannot hold.
@@ -67,26 +61,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             rows = last_token_rows(context.cu_seqlens_q, pad=x.is_cuda)
             num_rows = context.cu_seqlens_q.numel() - 1
             x = x[rows].contiguous()
-        logits = linear(x, self.weight)
-        if self.tp_size == 1:
-            return logits[:num_rows]
-        gathered = (
-            [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        )
-        dist.gather(logits, gathered, dst=0)
-        if self.tp_rank != 0:
-            return None
-        assert gathered is not None
-        return torch.cat(gathered, dim=-1)[:num_rows, : self.num_embeddings]
-
-
-def last_token_rows(cu_seqlens_q: torch.Tensor, pad: bool) -> torch.Tensor:
-    """The row of each sequence's last new token; with pad (a GPU), followed by copies of row 0
-    up to a power of two: row counts the decode graphs' LM head already ran, so cuBLAS picks no
-    new kernel (From correct to fast, "Warm-up"). The caller cuts the extra rows' logits."""
-    rows = cu_seqlens_q[1:] - 1
-    num_rows = rows.numel()
-    if not pad or num_rows == 0:
-        return rows
-    padded = 1 << (num_rows - 1).bit_length()
-    return torch.cat([rows, rows.new_zeros(padded - num_rows)])
+        logits = gather_on_rank0(linear(x, self.weight), self.tp_rank, self.tp_size)
+        return None if logits is None else logits[:num_rows, : self.num_embeddings]

@@ -16,8 +16,8 @@ from torch import nn
 
 from myvllm.layers.fused import DeferredInput
 from myvllm.layers.matmul import linear, reduce_partial_sums, uses_skinny_gemm
-from myvllm.layers.weight_loaders import (check_not_packed, copy_checked, divide, load_columns,
-                                          load_rows, set_weight_attrs)
+from myvllm.layers.weight_loaders import (check_not_packed, check_tp_divides_heads, copy_checked,
+                                          divide, load_columns, load_rows, set_weight_attrs)
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 
@@ -101,22 +101,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(
-                f"MergedColumnParallelLinear needs shard_id in 0..{len(self.output_sizes) - 1}, "
-                f"got {shard_id!r}"
-            )
+            raise ValueError(f"MergedColumnParallelLinear needs shard_id in "
+                             f"0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         load_rows(param, loaded_weight, offset, self.output_sizes[shard_id] // self.tp_size,
                   self.tp_rank, self.tp_size, f"MergedColumnParallelLinear shard {shard_id}")
-
-
-def check_tp_divides_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
-    """QKVParallelLinear gives each rank whole heads, so tp_size must divide both head counts."""
-    if num_heads % tp_size or num_kv_heads % tp_size:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} must divide both num_attention_heads={num_heads} "
-            f"and num_key_value_heads={num_kv_heads} (each rank keeps whole heads)."
-        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -1,6 +1,6 @@
 """Which kernel computes a linear layer's matmul, and how the row-parallel layers sum their
 ranks' partial outputs, for each device and batch (layers/linear.py and the LM head call
-these). Same math everywhere; the choices are for speed, except batch-invariant mode's
+these); the LM head's rows at a prefill, padded on a GPU to a row count cuBLAS already met. Same math everywhere; the choices are for speed, except batch-invariant mode's
 (kernels/batch_invariant.py), which are for bits that do not depend on the batch.
 """
 
@@ -74,3 +74,15 @@ def reduce_partial_sums(y: torch.Tensor, tp_size: int) -> torch.Tensor:
     for part in parts[1:]:
         total += part  # rank 0 + rank 1 + ... elementwise: one order whatever the shape
     return y.copy_(total)
+
+
+def last_token_rows(cu_seqlens_q: torch.Tensor, pad: bool) -> torch.Tensor:
+    """The row of each sequence's last new token; with pad (a GPU), followed by copies of row 0
+    up to a power of two: row counts the decode graphs' LM head already ran, so cuBLAS picks no
+    new kernel (From correct to fast, "Warm-up"). The caller cuts the extra rows' logits."""
+    rows = cu_seqlens_q[1:] - 1
+    num_rows = rows.numel()
+    if not pad or num_rows == 0:
+        return rows
+    padded = 1 << (num_rows - 1).bit_length()
+    return torch.cat([rows, rows.new_zeros(padded - num_rows)])

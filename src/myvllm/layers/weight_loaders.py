@@ -40,6 +40,15 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def check_tp_divides_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
+    """QKVParallelLinear gives each rank whole heads, so tp_size must divide both head counts."""
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide both num_attention_heads={num_heads} "
+            f"and num_key_value_heads={num_kv_heads} (each rank keeps whole heads)."
+        )
+
+
 def rank_slice(
     loaded: torch.Tensor, dim: int, full_size: int, tp_rank: int, tp_size: int, what: str
 ) -> torch.Tensor:

@@ -1,14 +1,6 @@
 """The decoder stack every model shares; each model file brings its attention (Qwen3-MoE its
 MLP too). Module names equal the checkpoint's, except the packed matmuls
 (packed_modules_mapping): qkv_proj <- q/k/v_proj, gate_up_proj <- gate/up_proj.
-
-    x, residual = input_layernorm(x, residual)     # first layer: residual = x; x = norm(x)
-    x           = self_attn(positions, x)
-    x, residual = post_attention_layernorm(x, residual)
-    x           = mlp(x)
-
-On a GPU, few rows: each norm runs inside the next layer's kernel (fuse_layer_ops,
-layers/fused.py); the code here does not change for it.
 """
 
 from __future__ import annotations
@@ -39,9 +31,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"GatedMLP supports hidden_act='silu' only, got {config.hidden_act!r}")
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias
-        )
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
+                                                       [config.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
@@ -60,9 +51,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (the MLP's output, the residual stream it adds to): their sum is transformers'
         layer output; the next layer's input_layernorm (or model.norm) adds them."""
         if residual is None:
@@ -105,10 +95,8 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(
-        self, config: PretrainedConfig, attention: AttentionFactory, mlp_bias: bool = False,
-        mlp: MLPFactory | None = None,
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, attention: AttentionFactory,
+                 mlp_bias: bool = False, mlp: MLPFactory | None = None) -> None:
         """mlp: the MLP of each layer (default: GatedMLP, with a bias when mlp_bias)."""
         super().__init__()
         self.config = config

@@ -1,5 +1,5 @@
-"""Tensor-parallel rank and world size, read from torch.distributed; the all-reduce the layers
-call; how torchrun started us.
+"""Tensor-parallel rank and world size, read from torch.distributed; the all-reduce and the
+gather the layers call; how torchrun started us.
 
 Layers call get_tp_rank / get_tp_size at construction time to decide which shard of each
 weight they own. Without an initialised process group we are a single rank (rank 0 of 1), so
@@ -52,6 +52,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _symm_mem.all_reduce(x)
     dist.all_reduce(x)
     return x
+
+
+def gather_on_rank0(x: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor | None:
+    """The ranks' x side by side along the last dim on rank 0, None on the others (the LM
+    head's logits: only rank 0 samples). One rank: x itself."""
+    if tp_size == 1:
+        return x
+    gathered = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
+    dist.gather(x, gathered, dst=0)
+    if gathered is None:
+        return None
+    return torch.cat(gathered, dim=-1)
 
 
 def all_reduce_kind() -> str:
