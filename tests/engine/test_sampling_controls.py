@@ -16,7 +16,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
                           RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from myvllm import SamplingParams
-from myvllm.engine.sampling import needs_full_sampler
+from myvllm.engine.sampling_controls import needs_full_sampler
 from myvllm.engine.sampling_controls import prepare_logits_processing, uses_sampling_controls
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import apply_min_p, process_logits

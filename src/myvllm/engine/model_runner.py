@@ -22,7 +22,8 @@ from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
 from myvllm.engine.logits_features import LogitsFeatures
 from myvllm.engine.model_loading import CausalLM, build_model
-from myvllm.engine.sampling import needs_full_sampler, prepare_sample
+from myvllm.engine.sampling import prepare_sample
+from myvllm.engine.sampling_controls import needs_full_sampler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.draft_proposer import make_draft_proposer
 from myvllm.engine.spec_decode.verification import VerificationStep

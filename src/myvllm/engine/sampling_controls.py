@@ -12,6 +12,10 @@ writes its own sampled tokens into the pool (ModelRunner.run builds these first)
 Host cost per step, for the penalised rows only: their completion token ids go to the
 device (one list; O(completion length)); the prompt's distinct token ids (repetition
 penalty) are copied once per sequence and kept on it.
+
+Beside them, what a step asks of the sampler as a whole: whether some row needs it outside a
+decode graph's temperature-only sampling (needs_full_sampler: filters, seeds, a control,
+logprobs, a grammar), and a seeded row's own generator (generator_for).
 """
 
 from __future__ import annotations
@@ -26,6 +30,31 @@ from myvllm.layers.logits_processors import BannedTokens, LogitBias, LogitsProce
 
 # Host values -> a device tensor, without making the host wait (FreshTensors.tensor).
 ToDevice = Callable[[list[int] | list[float] | np.ndarray, torch.dtype], torch.Tensor]
+
+
+# Which rows leave a decode graph's temperature-only sampling, and a seeded row's generator.
+def uses_filters_or_seeds(seq: Sequence) -> bool:
+    """top-k, top-p or a seed: what only the PyTorch sampler implements."""
+    params = seq.sampling_params
+    return params.top_k > 0 or params.top_p < 1.0 or params.seed is not None
+
+
+def needs_full_sampler(seqs: list[Sequence]) -> bool:
+    """A row needs the logits outside the decode graph: filters, a seed, a sampling control,
+    logprobs, or a grammar."""
+    return any(uses_filters_or_seeds(seq) or uses_sampling_controls(seq)
+               or seq.sampling_params.logprobs is not None
+               or seq.grammar_matcher is not None for seq in seqs)
+
+
+def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None:
+    """The sequence's own generator when it has a seed, made at its first sampled step."""
+    seed = seq.sampling_params.seed
+    if seed is None:
+        return None
+    if seq.generator is None:
+        seq.generator = torch.Generator(device).manual_seed(seed)
+    return seq.generator
 
 
 def uses_penalties(seq: Sequence) -> bool:

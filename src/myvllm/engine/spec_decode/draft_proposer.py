@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from myvllm.config import Config
-from myvllm.engine.sampling import generator_for, prepare_sample
+from myvllm.engine.sampling import prepare_sample
+from myvllm.engine.sampling_controls import generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.rejection_sampler import target_probs
 from myvllm.utils.context import forward_context

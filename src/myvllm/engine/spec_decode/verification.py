@@ -52,7 +52,7 @@ from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.input_builder import InputBuilder
 from myvllm.engine.logits_features import LogitsFeatures
 from myvllm.engine.pending_tokens import last_token
-from myvllm.engine.sampling import ToDevice, generator_for
+from myvllm.engine.sampling_controls import ToDevice, generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
 from myvllm.engine.staging import FreshTensors
