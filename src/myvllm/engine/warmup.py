@@ -41,6 +41,7 @@ def pad_and_capture(runner: ModelRunner) -> None:
     padded = pad_steps(runner.inputs, chunk_tiles)
     if runner.enforce_eager:
         return
+
     def decode_graph_forward(step: StepInputs) -> torch.Tensor:
         """What each decode graph captures (with or without sampling, see sample_in_graph)."""
         return runner.decode_forward(step, sample=runner.sample_in_graph)
