@@ -34,15 +34,32 @@ def reduce_on_rank(enable: bool) -> dict[str, Any]:
     partial = torch.randn(3, 64, generator=gen)
     summed = distributed.all_reduce(partial.clone())
     distributed.release_all_reduce()
+    logger.removeHandler(handler)  # the next setting's lines are its own
     # Lists, not tensors: a tensor crosses the queue as shared memory its rank must outlive.
     return {"kind": distributed.all_reduce_kind(), "partial": partial.tolist(),
             "summed": summed.tolist(), "log": records}
 
 
+def reduce_on_rank_each_setting() -> dict[bool, dict[str, Any]]:
+    """reduce_on_rank with the kernel allowed, then disabled, in the same two ranks (each pair
+    of spawned ranks imports torch twice: seconds on a 2-core CPU)."""
+    return {enable: reduce_on_rank(enable) for enable in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def results_by_setting() -> dict[bool, list[Any]]:
+    """{enable: every rank's result of reduce_on_rank(enable)}; a failed rank's error in place
+    of its results."""
+    ranks = run_ranks(reduce_on_rank_each_setting, 2)
+    return {enable: [rank if isinstance(rank, BaseException) else rank[enable]
+                     for rank in ranks] for enable in (True, False)}
+
+
 @pytest.mark.slow  # two spawned ranks
 @pytest.mark.parametrize("enable", [True, False], ids=["auto", "disabled"])
-def test_gloo_sums_every_message_and_says_so(enable: bool) -> None:
-    results = run_ranks(reduce_on_rank, 2, enable)
+def test_gloo_sums_every_message_and_says_so(results_by_setting: dict[bool, list[Any]],
+                                             enable: bool) -> None:
+    results = results_by_setting[enable]
     for result in results:
         assert not isinstance(result, BaseException), result
     expected = torch.tensor(results[0]["partial"]) + torch.tensor(results[1]["partial"])

@@ -28,7 +28,9 @@ def workers_alive(llm: LLM) -> list[bool]:
     return [p.is_alive() for p in llm.engine_core.executor._pool.processes]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+# Llama only: Qwen3's TP2 tokens are checked against TP1 by the stronger tests below
+# (asynchronous, preempted, sampled and chunked rows; logprobs), each its own TP2 engine.
+@pytest.mark.parametrize("kind", ["llama"])
 def test_tp2_gives_the_tokens_of_tp1(kind: str) -> None:
     path = str(tiny_checkpoint(kind))
     prompts = random_prompts([7, 13, 4])

@@ -29,12 +29,19 @@ import pytest
 
 from test_cli import (alive, descendants, engine_children, free_port, health,  # noqa: F401
                       open_stream, serve_subprocess, tiny_path)  # tiny_path: a fixture
+from test_server import metrics, wait_for
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc").is_dir(),
                                  reason="reads the process table from /proc")]
 
 EXIT_LIMIT_S = 10.0  # the issue's bound for every "exits by itself"
+
+
+def in_engine(port: int) -> float:
+    """Requests running or waiting in the engine core, as /metrics counts them."""
+    counts = metrics(f"http://127.0.0.1:{port}")
+    return counts["myvllm:num_requests_running"] + counts["myvllm:num_requests_waiting"]
 
 
 @pytest.fixture
@@ -64,7 +71,9 @@ def test_core_killed_mid_stream(server: tuple[subprocess.Popen[str], int]) -> No
 
     waiting = threading.Thread(target=whole_answer)
     waiting.start()
-    time.sleep(0.5)  # it is queued or decoding
+    # Both requests in the engine (queued or decoding), then the kill at once. (A fixed
+    # half-second wait instead let the stream's 200 tokens finish first on a quiet machine.)
+    wait_for(lambda: in_engine(port) == 2, "the whole answer's request to reach the engine")
     killed_at = time.monotonic()
     os.kill(core, signal.SIGKILL)
 

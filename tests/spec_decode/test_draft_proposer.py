@@ -170,17 +170,40 @@ def test_sampled_tokens_keep_the_target_distribution() -> None:
     assert chi_square([out[2] for out in outs], p3) < CHI2_999_DF7
 
 
+def test_rows_asking_logprobs_decode_one_token_at_a_time(
+        target: str, other_draft: str, reference: list[list[int]]) -> None:
+    """Per-token logprobs come from the one-token path under a draft model too: such a row
+    gets no proposals (its tokens and one logprobs entry per token as without speculation);
+    the others still do."""
+    llm = LLM(target, **COMMON, speculative_method="draft", speculative_model=other_draft)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts()[:1], with_logprobs, use_tqdm=False)
+    assert stats(llm).num_drafts == 0, "the logprobs request was speculated"
+    assert [out["token_ids"] for out in outs] == reference[:1]
+    assert len(outs[0]["logprobs"]) == len(reference[0])
+    params = [with_logprobs] + [GREEDY] * (len(prompts()) - 1)
+    outs = llm.generate(prompts(), params, use_tqdm=False)
+    assert [out["token_ids"] for out in outs] == reference
+    assert stats(llm).num_drafts > 0  # the other rows speculated
+
+
 @pytest.mark.slow
 def test_bundled_model_as_its_own_draft_is_unchanged_and_accepted() -> None:
+    """Plain decoding's tokens come from the same engine: a request that asks for logprobs
+    decodes one token at a time with no proposals (the quick test above checks that path),
+    so the bundled model is loaded twice (target and draft), not three times (each load is
+    most of this test's time). Prefix caching is off, so the speculated request prefills its
+    prompt as the plain one did, not from the plain one's blocks."""
     from myvllm.utils.model_path import bundled_model_path
 
     prompt = "The capital of France is"
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = LLM(None, dtype="float32", max_model_length=256)
-    expected = plain.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
-    del plain
+    one_at_a_time = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     spec = LLM(None, dtype="float32", max_model_length=256, speculative_method="draft",
-               speculative_model=bundled_model_path(), num_speculative_tokens=3)
+               speculative_model=bundled_model_path(), num_speculative_tokens=3,
+               enable_prefix_caching=False)
+    expected = spec.generate([prompt], one_at_a_time, use_tqdm=False)[0]["token_ids"]
+    assert stats(spec).num_drafts == 0, "the logprobs request was speculated"
     assert spec.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == expected
     counts = stats(spec)
     assert counts.num_drafts > 0 and counts.acceptance_rate > 0.9
