@@ -1,6 +1,7 @@
 """Which kernel computes a linear layer's matmul, and how the row-parallel layers sum their
 ranks' partial outputs, for each device and batch (layers/linear.py and the LM head call
-these); the LM head's rows at a prefill, padded on a GPU to a row count cuBLAS already met. Same math everywhere; the choices are for speed, except batch-invariant mode's
+these); the LM head's rows at a prefill, padded on a GPU to a row count cuBLAS already met.
+Same math everywhere; the choices are for speed, except batch-invariant mode's
 (kernels/batch_invariant.py), which are for bits that do not depend on the batch.
 """
 

@@ -230,7 +230,10 @@ class DraftProposer:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], q: torch.Tensor,
                 rows: list[int], j: int) -> list[int]:
         """The draft's token for each of seqs (its argmax when greedy, else a draw from q,
-        the distribution the request's settings make of its logits); q[rows, j] set."""
+        the distribution the request's settings make of its logits); q[rows, j] set, except
+        when every row is greedy: a greedy row is verified by exact match, its q never read."""
+        if all(seq.sampling_params.temperature == 0 for seq in seqs):
+            return [int(t) for t in logits.argmax(dim=-1).tolist()]
         device = logits.device
         # The settings as the Sampler and the rejection sampler read them (the same p).
         args = prepare_sample(seqs, self.runner.inputs.fresh.tensor, device)
