@@ -1,7 +1,7 @@
 """The sampler's step with and without sampling controls: correctness first, then ms.
 
 One decode step's sampling as ModelRunner.run does it, at batch B (default 256) over a
-vocabulary of V logits (default Qwen3's 151,936) in bfloat16: engine/sampling_controls.py
+vocabulary of V logits (default Qwen3's 151,936) in bfloat16: sample/sampling_controls.py
 builds the controls' tensors from each row's Sequence (prompt of P tokens, completion of L
 so far) on the host, layers/logits_processors.py applies them, the Sampler draws.
 
@@ -56,10 +56,10 @@ sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
 from benchmarks.device import require_gpu  # noqa: E402
 from myvllm import SamplingParams  # noqa: E402
-from myvllm.engine.sampling import prepare_sample  # noqa: E402
-from myvllm.engine.sampling_controls import prepare_logits_processing  # noqa: E402
+from myvllm.sample.sampling import prepare_sample  # noqa: E402
+from myvllm.sample.sampling_controls import prepare_logits_processing  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
-from myvllm.engine.staging import FreshTensors  # noqa: E402
+from myvllm.worker.staging import FreshTensors  # noqa: E402
 from myvllm.layers.logits_processors import process_logits  # noqa: E402
 from myvllm.layers.sampler import Sampler  # noqa: E402
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.device import require_gpu
-from myvllm.engine.structured_output import StructuredOutputManager, fill_token_bitmask
+from myvllm.structured_output.manager import StructuredOutputManager, fill_token_bitmask
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.sampler import Sampler
 from myvllm.layers.token_bitmask import apply_token_bitmask

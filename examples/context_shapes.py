@@ -3,7 +3,7 @@
     uv run python examples/context_shapes.py
     uv run python examples/context_shapes.py --block-size 2
 
-No model is loaded: the InputBuilder (engine/input_builder.py) only reads the sequences
+No model is loaded: the InputBuilder (worker/input_builder.py) only reads the sequences
 (token ids, block tables, num_cached_tokens) and the block size, so the script builds one
 alone and calls the real methods.
 
@@ -33,7 +33,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from myvllm.config import Config  # noqa: E402
-from myvllm.engine.input_builder import InputBuilder  # noqa: E402
+from myvllm.worker.input_builder import InputBuilder  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.sampling_parameters import SamplingParams  # noqa: E402

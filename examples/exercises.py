@@ -38,10 +38,10 @@ import torch  # noqa: E402
 from myvllm.config import Config  # noqa: E402
 from myvllm.engine.block_manager import BlockManager  # noqa: E402
 from myvllm.engine.batch import StepInputs  # noqa: E402
-from myvllm.engine.cuda_graphs import GraphCache  # noqa: E402
-from myvllm.engine.input_builder import InputBuilder  # noqa: E402
-from myvllm.engine.kv_cache import KVCacheLayout  # noqa: E402
-from myvllm.engine.padded_steps import pad_steps  # noqa: E402
+from myvllm.worker.cuda_graphs import GraphCache  # noqa: E402
+from myvllm.worker.input_builder import InputBuilder  # noqa: E402
+from myvllm.worker.kv_cache import KVCacheLayout  # noqa: E402
+from myvllm.worker.padded_steps import pad_steps  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.kernels import store_kvcache  # noqa: E402
@@ -562,7 +562,7 @@ class _ByteTokenizer:
 
 
 def stop_string() -> Truths:
-    from myvllm.engine.detokenizer import IncrementalDetokenizer
+    from myvllm.serving.detokenizer import IncrementalDetokenizer
 
     text = "5€ Obstacle. Observation: 7"
     stop = "Observation:"
@@ -594,8 +594,8 @@ def _words(ids: list[int]) -> str:
 
 
 def speculation() -> Truths:
-    from myvllm.engine.spec_decode.rejection_sampler import rejection_sample
-    from myvllm.engine.spec_decode.verification import accept_greedy
+    from myvllm.spec_decode.rejection_sampler import rejection_sample
+    from myvllm.spec_decode.verification import accept_greedy
 
     the, cat, sat, on, mat, dot, my = 1, 2, 3, 4, 5, 6, 7
     prompt = [the, cat, sat, on, the, mat, dot, the, cat]

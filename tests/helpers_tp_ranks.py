@@ -5,7 +5,7 @@
 
 
 The ranks are spawned processes on a free local port, as the engine's workers are
-(engine/tp_workers.py), but without the engine: each rank builds the model class, loads its
+(executor/tp_workers.py), but without the engine: each rank builds the model class, loads its
 shard of the checkpoint through the weight loaders and runs one prefill forward. That is all
 a model file decides under tensor parallelism, in a few seconds instead of an engine's start.
 """
@@ -57,7 +57,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout_s: float = 180.0) -> list[Any]:
     """fn(*args) in every rank of a gloo group; its return values in rank order. A rank that
     raised gives a RuntimeError holding its traceback in its place."""
-    from myvllm.engine.tp_workers import pick_init_method
+    from myvllm.executor.tp_workers import pick_init_method
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

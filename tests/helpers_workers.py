@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from myvllm.engine.errors import EngineDeadError
+from myvllm.executor.errors import EngineDeadError
 
 # A call still blocked this long after a worker died counts as hung (the watchdog notices a
 # death within about a second).

@@ -27,8 +27,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "utils": ("settings",),
     "layers": ("kernels", "utils.context", "utils.distributed"),
     "models": ("layers",),
-    "engine": ("models", "layers", "kernels", "utils", "settings"),
-    "entrypoints": ("engine", "utils", "settings"),
+    "engine": ("models", "layers", "kernels", "utils", "settings", "worker", "sample",
+               "spec_decode", "structured_output", "executor", "serving"),
+    "worker": ("engine", "models", "layers", "kernels", "utils", "settings", "sample", "spec_decode"),
+    "sample": ("engine", "worker", "layers", "kernels", "utils", "settings", "structured_output", "serving"),
+    "spec_decode": ("engine", "worker", "sample", "models", "layers", "kernels", "utils", "settings"),
+    "structured_output": ("engine", "layers", "utils", "settings"),
+    "executor": ("engine", "worker", "sample", "utils", "settings", "kernels", "models", "layers", "serving"),
+    "serving": ("engine", "executor", "sample", "spec_decode", "structured_output", "worker", "utils", "settings"),
+    "entrypoints": ("engine", "serving", "sample", "structured_output", "executor", "utils", "settings"),
 }
 
 

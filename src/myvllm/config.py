@@ -99,7 +99,7 @@ class Config:
 
     cpu_threads: int = 0
     """torch's threads for an engine on the CPU, in each of its processes (tensor-parallel
-    ranks share them out). 0 = the engine's choice (engine/cpu_threads.py says how it was
+    ranks share them out). 0 = the engine's choice (worker/cpu_threads.py says how it was
     measured): one thread for a small model, every core for a larger one. No effect on a GPU."""
 
     kv_cache_dtype: str = "auto"
@@ -168,7 +168,7 @@ class Config:
     followed; "draft" = a second, small model with the target's vocabulary proposes them
     (speculative_model; one GPU only, its steps eager). Each decode row then computes its last token and the proposals in one
     forward pass, and rejection sampling keeps the tokens the target model would have drawn
-    itself (engine/spec_decode/). With async scheduling, a step whose rows verify proposals,
+    itself (spec_decode/). With async scheduling, a step whose rows verify proposals,
     or are about to look up the next ones, is read back before the next step is planned
     (the proposals need the sequence's tokens on the host); other steps overlap as usual."""
 

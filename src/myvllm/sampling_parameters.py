@@ -35,7 +35,7 @@ class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's name and fields): exactly one of
     json, regex, choice, grammar, json_object. The engine compiles it into a grammar
     (xgrammar) and lets the sampler pick only tokens that keep the output inside it
-    (engine/structured_output.py). The output ends with eos once the grammar is complete;
+    (structured_output/manager.py). The output ends with eos once the grammar is complete;
     max_tokens, max_model_length or a stop string can still cut it short."""
 
     json: str | dict[str, Any] | None = None
@@ -144,7 +144,7 @@ class SamplingParams:
     whole prompt is computed. None = off."""
 
     # The sampling controls below are vLLM's. A request that keeps them all at their defaults
-    # costs nothing for them (engine/sampling_controls.py builds their tensors only for the
+    # costs nothing for them (sample/sampling_controls.py builds their tensors only for the
     # rows that ask); the order they act in is layers/logits_processors.py's.
 
     presence_penalty: float = 0.0

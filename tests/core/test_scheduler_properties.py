@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from myvllm.config import Config
-from myvllm.engine.forks import can_fork, fork_source, num_shared_prompt_blocks
+from myvllm.sample.forks import can_fork, fork_source, num_shared_prompt_blocks
 from myvllm.engine.prefix_hash import compute_hash
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus

@@ -214,7 +214,7 @@ def test_no_answers_and_no_terminal_says_how_to_answer(tmp_path: Path) -> None:
 
 
 def test_quoted_code_is_still_there() -> None:
-    engine = REPO / "src/myvllm/engine"
+    engine = REPO / "src/myvllm/worker"
     assert "num_blocks = budget // block_bytes" in (engine / "kv_cache.py").read_text()
     padded = (engine / "padded_steps.py").read_text()
     assert "slot_mapping + [-1] * pad" in padded, "decode padding rows get slot -1"

@@ -28,7 +28,7 @@ import torch
 from helpers_models import tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-import myvllm.engine.executor as executor
+import myvllm.executor.executor as executor
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.model_runner import ModelRunner

@@ -15,7 +15,7 @@ import pytest
 from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
-from myvllm.engine.padded_steps import pad_steps
+from myvllm.worker.padded_steps import pad_steps
 from helpers_blocks import used_block_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -10,8 +10,8 @@ import torch
 from helpers_models import tiny_checkpoint
 
 from myvllm import LLM, Config, SamplingParams
-from myvllm.engine import cpu_threads
-from myvllm.engine.cpu_threads import SMALL_MODEL_HIDDEN, cpu_thread_count
+from myvllm.worker import cpu_threads
+from myvllm.worker.cpu_threads import SMALL_MODEL_HIDDEN, cpu_thread_count
 
 
 def model_of(hidden_size: int) -> SimpleNamespace:

@@ -16,9 +16,9 @@ from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_ch
 
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
-from myvllm.engine.padded_steps import pad_steps
-from myvllm.engine.sampling import prepare_sample
-from myvllm.engine.warmup import warmup_cached_prefix_prefill
+from myvllm.worker.padded_steps import pad_steps
+from myvllm.sample.sampling import prepare_sample
+from myvllm.worker.warmup import warmup_cached_prefix_prefill
 
 
 
@@ -210,7 +210,7 @@ def test_add_request_and_step_give_what_generate_gives() -> None:
 
 
 def test_cuda_graph_batch_sizes_cover_every_batch() -> None:
-    from myvllm.engine.padded_steps import cuda_graph_batch_sizes
+    from myvllm.worker.padded_steps import cuda_graph_batch_sizes
 
     assert cuda_graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert cuda_graph_batch_sizes(5) == [1, 2, 4, 5]
@@ -218,7 +218,7 @@ def test_cuda_graph_batch_sizes_cover_every_batch() -> None:
 
 
 def test_cached_prefix_warmup_writes_only_blocks_nobody_owns_yet() -> None:
-    """warmup_cached_prefix_prefill (engine/warmup.py: run at start-up on a GPU, after the KV cache
+    """warmup_cached_prefix_prefill (worker/warmup.py: run at start-up on a GPU, after the KV cache
     exists and before any request, to compile the prefill kernel's cached-prefix variant)
     runs here on the CPU: it writes K/V only into the first blocks, registers no hash, and
     the engine then generates what a fresh engine does."""

@@ -14,8 +14,8 @@ from helpers_models import random_prompts, tiny_checkpoint
 
 import myvllm.kernels.reference as reference
 from myvllm import LLM, Config, SamplingParams
-from myvllm.engine import kv_cache
-from myvllm.engine.kv_cache import KVCacheLayout, count_blocks
+from myvllm.worker import kv_cache
+from myvllm.worker.kv_cache import KVCacheLayout, count_blocks
 from myvllm.layers.attention import Attention
 
 MAX_TOKENS = 32

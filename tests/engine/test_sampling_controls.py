@@ -1,6 +1,6 @@
 """Sampling controls on a batch's logits, against transformers' logits processors.
 
-Each test builds real Sequences with SamplingParams, lets engine/sampling_controls.py turn
+Each test builds real Sequences with SamplingParams, lets sample/sampling_controls.py turn
 them into the tensors of layers/logits_processors.py, and compares process_logits (and the
 Sampler's min-p) with transformers applied row by row to the same logits: the repetition
 penalty (RepetitionPenaltyLogitsProcessor, over prompt + completion), min-p
@@ -16,8 +16,8 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
                           RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from myvllm import SamplingParams
-from myvllm.engine.sampling_controls import needs_full_sampler
-from myvllm.engine.sampling_controls import prepare_logits_processing, uses_sampling_controls
+from myvllm.sample.sampling_controls import needs_full_sampler
+from myvllm.sample.sampling_controls import prepare_logits_processing, uses_sampling_controls
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import apply_min_p, process_logits
 from myvllm.layers.sampler import Sampler

@@ -41,7 +41,7 @@ import pytest
 from helpers_models import build_tiny_checkpoint
 
 from myvllm import Config
-from myvllm.engine.async_llm import AsyncLLM, StatLogger
+from myvllm.serving.async_llm import AsyncLLM, StatLogger
 from myvllm.engine.llm_engine import LLMEngine
 from myvllm.engine.scheduler import Scheduler
 from myvllm.sampling_parameters import SamplingParams

@@ -1,4 +1,4 @@
-"""engine/staging.py, static_buffers.py, token_pool.py and padded_steps.py: how a step's
+"""worker/staging.py, static_buffers.py, token_pool.py and padded_steps.py: how a step's
 host arrays reach the device (run on the CPU; pinned memory and events are GPU-only and exercised by
 tests/gpu/test_gpu.py)."""
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from myvllm.engine.padded_steps import PaddedSteps
-from myvllm.engine.pending_tokens import input_ids, token_index
-from myvllm.engine.staging import FreshTensors, block_table_array
-from myvllm.engine.static_buffers import PinnedSlots, StaticBuffers
-from myvllm.engine.token_pool import TokenPool
+from myvllm.worker.padded_steps import PaddedSteps
+from myvllm.worker.pending_tokens import input_ids, token_index
+from myvllm.worker.staging import FreshTensors, block_table_array
+from myvllm.worker.static_buffers import PinnedSlots, StaticBuffers
+from myvllm.worker.token_pool import TokenPool
 
 CPU = torch.device("cpu")
 FIELDS = {"a": (torch.int64, 4), "b": (torch.int64, 6), "c": (torch.int32, 4),
@@ -123,8 +123,8 @@ def test_building_an_engine_imports_no_triton() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; import myvllm.engine.llm_engine, myvllm.engine.padded_steps; "
-            "import myvllm.engine.cuda_graphs; "
+    code = ("import sys; import myvllm.engine.llm_engine, myvllm.worker.padded_steps; "
+            "import myvllm.worker.cuda_graphs; "
             "assert 'triton' not in sys.modules, 'triton was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -35,8 +35,8 @@ from helpers_workers import (HANG_LIMIT_S, assert_stopped_for_good, kill_during_
                              returns_within)
 
 from myvllm import LLM, SamplingParams
-from myvllm.engine.errors import EngineDeadError
-from myvllm.engine.tp_watchdog import WorkerWatchdog, describe_exit
+from myvllm.executor.errors import EngineDeadError
+from myvllm.executor.tp_watchdog import WorkerWatchdog, describe_exit
 
 ENGINE_KW: dict[str, Any] = dict(block_size=4, max_model_length=64, max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from myvllm import LLM, Config, SamplingParams
-from myvllm.engine.dp_async_llm import DPAsyncLLM, replica_devices
+from myvllm.serving.dp_async_llm import DPAsyncLLM, replica_devices
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

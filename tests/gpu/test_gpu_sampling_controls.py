@@ -19,9 +19,9 @@ import torch
 from helpers_models import random_prompts, tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
-from myvllm.engine.sampling_controls import prepare_logits_processing
+from myvllm.sample.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.staging import FreshTensors
+from myvllm.worker.staging import FreshTensors
 from myvllm.layers.logits_processors import process_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

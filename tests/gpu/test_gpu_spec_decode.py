@@ -62,7 +62,7 @@ def test_gpu_speculative_seeded_sampling_repeats() -> None:
 
 def test_gpu_async_speculation_takes_the_fast_path_and_keeps_the_tokens(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import myvllm.engine.spec_decode.verification as verification
+    import myvllm.spec_decode.verification as verification
 
     path = str(tiny_checkpoint("qwen3"))
     common = dict(dtype="float32", max_model_length=256, num_kvcache_blocks=256)

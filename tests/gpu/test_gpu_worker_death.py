@@ -52,7 +52,7 @@ def test_sigkill_over_nccl_fails_fast_and_a_new_engine_works(checkpoint: Path,
     from helpers_workers import assert_stopped_for_good, kill_during_step, returns_within
 
     from myvllm import LLM, SamplingParams
-    from myvllm.engine.errors import EngineDeadError
+    from myvllm.executor.errors import EngineDeadError
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     rng = random.Random(0)

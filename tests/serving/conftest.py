@@ -15,7 +15,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from test_server import MAX_MODEL_LENGTH, MODEL, SERVED, served_in_thread, tiny_chat_checkpoint
 
     from myvllm import Config
-    from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.serving.async_llm import AsyncLLM
 
     path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
     # A small KV cache: 16 concurrent requests fit, and a leaked block shows in the usage.

@@ -235,7 +235,7 @@ def test_ctrl_c_while_loading_is_one_line_and_leaves_no_process(
     command says so in one line (no traceback) and exits 130, as a shell expects."""
     import multiprocessing
 
-    from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.serving.async_llm import AsyncLLM
 
     def interrupted(self: Any, ready: Any) -> Any:
         raise KeyboardInterrupt

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from myvllm import LLM, Config, SamplingParams
-from myvllm.engine.dp_async_llm import DPAsyncLLM
+from myvllm.serving.dp_async_llm import DPAsyncLLM
 from test_server import (MAX_MODEL_LENGTH, MODEL, fetch, metrics, served_in_thread,
                          tiny_chat_checkpoint, wait_for)
 

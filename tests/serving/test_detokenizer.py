@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers_models import save_byte_tokenizer
-from myvllm.engine.detokenizer import IncrementalDetokenizer
+from myvllm.serving.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

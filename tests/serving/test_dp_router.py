@@ -1,4 +1,4 @@
-"""The data-parallel router's policy (engine/dp_router.py), with no engine: prompts sharing a
+"""The data-parallel router's policy (serving/dp_router.py), with no engine: prompts sharing a
 prefix go to one replica, unrelated ones spread by load, one hot prefix does not pile every
 request onto one replica; and the settings that cannot work are clear errors."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from myvllm.config import Config
-from myvllm.engine.dp_async_llm import DPAsyncLLM, replica_devices
-from myvllm.engine.dp_router import MAX_ROUTED_BLOCKS, PrefixRouter
+from myvllm.serving.dp_async_llm import DPAsyncLLM, replica_devices
+from myvllm.serving.dp_router import MAX_ROUTED_BLOCKS, PrefixRouter
 from myvllm.entrypoints import cli
 
 BLOCK = 4
@@ -156,7 +156,7 @@ def test_the_flag_and_its_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_one_engine_clients_refuse_replicas() -> None:
     from myvllm import LLM
-    from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.serving.async_llm import AsyncLLM
 
     with pytest.raises(ValueError, match="LLM runs one engine in this process"):
         LLM(Config(data_parallel_size=2))

@@ -21,9 +21,9 @@ import zmq
 from helpers_models import tiny_checkpoint
 from myvllm import Config, SamplingParams
 from myvllm.engine.core import EngineCore
-from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
+from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreMessage, CoreOutputs, Shutdown)
-from myvllm.engine.core_process import EngineCoreProc
+from myvllm.serving.core_process import EngineCoreProc
 from myvllm.engine.startup import resolve_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -261,7 +261,7 @@ def test_a_core_that_fails_to_start_is_a_clear_error(tmp_path: Path) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.serving.async_llm import AsyncLLM
 
     path = tmp_path / "broken"
     shutil.copytree(tiny_checkpoint("qwen3"), path)

@@ -28,7 +28,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from helpers_models import build_tiny_checkpoint  # noqa: E402
-from myvllm.engine.core_messages import AddRequest  # noqa: E402
+from myvllm.serving.core_messages import AddRequest  # noqa: E402
 
 MODEL = "tiny"
 MAX_MODEL_LENGTH = 256  # the tiny model's max_position_embeddings

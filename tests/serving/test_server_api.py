@@ -22,8 +22,8 @@ openai = pytest.importorskip("openai")
 
 from test_server import MAX_MODEL_LENGTH, MODEL, SERVED, fetch, free_socket, wait_for  # noqa: E402,E501
 
-from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
-from myvllm.engine.core_messages import AddRequest  # noqa: E402
+from myvllm.serving.async_llm import AsyncLLM  # noqa: E402
+from myvllm.serving.core_messages import AddRequest  # noqa: E402
 from myvllm.entrypoints import openai_server  # noqa: E402
 from myvllm.entrypoints.h11_deadlines import DeadlineConfig, H11WithHeadDeadline  # noqa: E402
 

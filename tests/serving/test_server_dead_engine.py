@@ -34,7 +34,7 @@ from test_cli import engine_children  # noqa: E402
 from test_server import fetch, free_socket, served_in_thread  # noqa: E402
 
 from myvllm import Config  # noqa: E402
-from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
+from myvllm.serving.async_llm import AsyncLLM  # noqa: E402
 from myvllm.entrypoints.openai_server import make_server  # noqa: E402
 
 HANG_LIMIT_S = 30.0  # a request still open this long after the death counts as hung

@@ -45,7 +45,7 @@ from test_server import (  # noqa: E402
 )
 
 from myvllm import Config  # noqa: E402
-from myvllm.engine.async_llm import AsyncLLM  # noqa: E402
+from myvllm.serving.async_llm import AsyncLLM  # noqa: E402
 from myvllm.entrypoints.openai_server import make_server  # noqa: E402
 
 # Long enough that a request whose client left can't end on its own while the test watches:

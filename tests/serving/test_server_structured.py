@@ -32,7 +32,7 @@ def client(base_url: str) -> Any:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
-# Few places for whitespace (at most 16 characters each, engine/structured_output.py): a
+# Few places for whitespace (at most 16 characters each, structured_output/manager.py): a
 # random model's answer ends within max_tokens, whitespace and all.
 SMALL_SCHEMA = {"type": "object", "required": ["kind", "ok"], "additionalProperties": False,
                 "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}}}

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from myvllm import LLM, SamplingParams
-from myvllm.engine.spec_decode import verification
-from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
-from myvllm.engine.spec_decode.verification import accept_greedy
+from myvllm.spec_decode import verification
+from myvllm.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from myvllm.spec_decode.verification import accept_greedy
 
 EXAMPLES = settings(max_examples=int(os.environ.get("MYVLLM_HYPOTHESIS_EXAMPLES", "100")),
                     deadline=None)

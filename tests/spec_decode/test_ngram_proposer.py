@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from myvllm import LLM, SamplingParams
-from myvllm.engine.spec_decode.ngram_proposer import NgramProposer
-from myvllm.engine.spec_decode.scheduling import MAX_SKIPPED_STEPS
+from myvllm.spec_decode.ngram_proposer import NgramProposer
+from myvllm.spec_decode.scheduling import MAX_SKIPPED_STEPS
 
 EXAMPLES = settings(max_examples=int(os.environ.get("MYVLLM_HYPOTHESIS_EXAMPLES", "100")),
                     deadline=None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from myvllm.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
 
 V = 5
 CHI2_999 = {4: 18.47, 2: 13.82}  # 0.999 quantiles by degrees of freedom

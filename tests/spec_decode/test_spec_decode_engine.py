@@ -17,7 +17,7 @@ from helpers_models import random_prompts, tiny_checkpoint
 
 from helpers_blocks import used_block_ids
 from myvllm import LLM, SamplingParams
-from myvllm.engine.spec_decode.stats import SpecDecodeStats
+from myvllm.spec_decode.stats import SpecDecodeStats
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 REPETITIVE = [5, 6, 7, 8, 9, 10, 11] * 5
@@ -72,7 +72,7 @@ def test_greedy_tokens_equal_plain_decoding(reference: list[list[int]],
 def test_verification_runs_as_decode_rows_without_a_prompt_chunk_beside_it(
         reference: list[list[int]], settings: dict[str, int], through_prefill: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import myvllm.engine.spec_decode.verification as verification
+    import myvllm.spec_decode.verification as verification
 
     llm = LLM(str(tiny_checkpoint("qwen3")), **{**COMMON, **settings},
               speculative_method="ngram")

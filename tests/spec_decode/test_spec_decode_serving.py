@@ -23,7 +23,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_async_llm_streams_verified_tokens_and_counts_them(method: str) -> None:
-    from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.serving.async_llm import AsyncLLM
     from myvllm.entrypoints.metrics import PrometheusStatLogger
 
     path = str(tiny_checkpoint("qwen3"))

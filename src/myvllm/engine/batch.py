@@ -3,7 +3,7 @@
     Scheduler.schedule()  -> list[Sequence]
     InputBuilder          -> StepInputs      (token ids, positions, the layers' Context)
     sampling.prepare_sample -> SamplingArgs  (per-row settings as device tensors)
-    ModelRunner.run       -> SampledTokens   (engine/token_pool.py)
+    ModelRunner.run       -> SampledTokens   (worker/token_pool.py)
     EngineCore.step       -> RequestOutput  (per request: its new tokens, finished or not)
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from myvllm.engine.core_messages import LogprobsLists
+from myvllm.serving.core_messages import LogprobsLists
 from myvllm.engine.sequence import FinishReason
 from myvllm.utils.context import Context
 

@@ -7,7 +7,7 @@ Speculative decoding: a decode row with k proposals gets blocks for k more posit
 (``_lookahead_blocks``, through ``BlockManager.append(seq, num_lookahead=k)``). They are never
 registered (registration reads token_ids, where proposals never are), and after the
 verification step the ones past the accepted tokens go back (``free_lookahead_blocks``;
-engine/spec_decode/scheduling.py draws the rollback).
+spec_decode/scheduling.py draws the rollback).
 
 A failed step (undo_step, engine/queued_steps.py): its blocks were registered when it was
 scheduled, as if written; since it never ran, ``unregister_after`` makes them unfindable again.

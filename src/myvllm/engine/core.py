@@ -17,17 +17,17 @@ from typing import Any
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core_delegates import ExecutorDelegates
-from myvllm.engine.executor import Executor
-from myvllm.engine.logprobs import read_step_logprobs
+from myvllm.executor.executor import Executor
+from myvllm.sample.logprobs import read_step_logprobs
 from myvllm.engine.queued_steps import InFlight, QueuedStep, queued_step, undo_step
 from myvllm.engine.request_checks import check_request
 from myvllm.engine.request_outputs import request_outputs
-from myvllm.engine.sampling import samples_this_step
+from myvllm.sample.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.spec_decode.verification import verified_token_lists
+from myvllm.spec_decode.verification import verified_token_lists
 from myvllm.engine.startup import fit_max_model_length
-from myvllm.engine.structured_output import StructuredOutputManager
+from myvllm.structured_output.manager import StructuredOutputManager
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config

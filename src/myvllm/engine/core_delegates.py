@@ -1,6 +1,6 @@
 """The calls that pass straight on: LLMEngine's (llm_engine.py) to its EngineCore (core.py),
 the scheduler and the model runner (for tests, examples and diagnostics), the engine's life
-and the step as the core returns it; and EngineCore's to its Executor (engine/executor.py).
+and the step as the core returns it; and EngineCore's to its Executor (executor/executor.py).
 LLMEngine derives from CoreDelegates and EngineCore from ExecutorDelegates, so these stay
 their methods.
 """
@@ -13,7 +13,7 @@ from myvllm.engine.batch import RequestOutput
 
 if TYPE_CHECKING:
     from myvllm.engine.core import EngineCore
-    from myvllm.engine.executor import Executor
+    from myvllm.executor.executor import Executor
 
 
 class ExecutorDelegates:

@@ -19,8 +19,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from myvllm.engine.batch import RequestOutput
-from myvllm.engine.core_messages import LogprobsLists
-from myvllm.engine.logprobs import LogprobsCollector
+from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.logprobs import LogprobsCollector
 from myvllm.engine.sequence import Sequence
 
 # A finished output's logprobs when its request asked for none.

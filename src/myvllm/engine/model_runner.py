@@ -15,19 +15,19 @@ from typing import Any
 import torch
 
 from myvllm.config import Config, stop_token_ids
-from myvllm.engine import pending_tokens, warmup
+from myvllm.worker import pending_tokens, warmup
 from myvllm.engine.batch import StepInputs
-from myvllm.engine.cuda_graphs import GraphCache, GraphKey
-from myvllm.engine.input_builder import InputBuilder
-from myvllm.engine.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
-from myvllm.engine.logits_features import LogitsFeatures
-from myvllm.engine.model_loading import CausalLM, build_model
-from myvllm.engine.sampling import prepare_sample
-from myvllm.engine.sampling_controls import needs_full_sampler
+from myvllm.worker.cuda_graphs import GraphCache, GraphKey
+from myvllm.worker.input_builder import InputBuilder
+from myvllm.worker.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
+from myvllm.sample.logits_features import LogitsFeatures
+from myvllm.worker.model_loading import CausalLM, build_model
+from myvllm.sample.sampling import prepare_sample
+from myvllm.sample.sampling_controls import needs_full_sampler
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.spec_decode.draft_proposer import make_draft_proposer
-from myvllm.engine.spec_decode.verification import VerificationStep
-from myvllm.engine.token_pool import SampledTokens
+from myvllm.spec_decode.draft_proposer import make_draft_proposer
+from myvllm.spec_decode.verification import VerificationStep
+from myvllm.worker.token_pool import SampledTokens
 from myvllm.kernels import set_batch_invariant
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
@@ -78,7 +78,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
-        """Warm up (GPU: engine/warmup.py), size and allocate the KV cache, capture graphs;
+        """Warm up (GPU: worker/warmup.py), size and allocate the KV cache, capture graphs;
         returns the block count. Collective under tensor parallelism."""
         start = time.perf_counter()
         on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
@@ -158,7 +158,7 @@ class ModelRunner:
         # overwrites with its own samples.
         features = LogitsFeatures(seqs, is_prefill, self.rank, to_device,
                                   self.inputs.pool.tokens, self.eos_token_ids)
-        # Speculative decoding: the rows that verify proposals (engine/spec_decode/), or None.
+        # Speculative decoding: the rows that verify proposals (spec_decode/), or None.
         verification = VerificationStep.of(seqs, self.draft, features,
                                            self.config.max_num_sequences)
         as_decode_rows = verification is not None and verification.as_decode_rows

@@ -9,11 +9,11 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.token_pool import SampledTokens
+from myvllm.worker.token_pool import SampledTokens
 
 if TYPE_CHECKING:
     from myvllm.engine.scheduler import Scheduler
-    from myvllm.engine.spec_decode.scheduling import Speculator
+    from myvllm.spec_decode.scheduling import Speculator
 
 
 @dataclasses.dataclass

@@ -1,12 +1,12 @@
 """One step's RequestOutputs (EngineCore.step): per sequence that got tokens, its new tokens,
-its logprobs if it asked (engine/logprobs.py), and for n > 1 whether its whole request has
-finished (engine/forks.py)."""
+its logprobs if it asked (sample/logprobs.py), and for n > 1 whether its whole request has
+finished (sample/forks.py)."""
 
 from __future__ import annotations
 
 from myvllm.engine.batch import RequestOutput
-from myvllm.engine.core_messages import LogprobsLists
-from myvllm.engine.logprobs import take_prompt_logprobs
+from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.logprobs import take_prompt_logprobs
 from myvllm.engine.sequence import Sequence
 
 

@@ -14,11 +14,11 @@ from collections import deque
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
-from myvllm.engine.forks import can_fork, fork, fork_source, make_forks, release_forks
+from myvllm.sample.forks import can_fork, fork, fork_source, make_forks, release_forks
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
-from myvllm.engine.sampling_controls import is_stop_token
+from myvllm.sample.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from myvllm.engine.spec_decode.scheduling import (make_speculator, proposals_for_row,
+from myvllm.spec_decode.scheduling import (make_speculator, proposals_for_row,
                                                   roll_back, verified_tokens)
 
 
@@ -52,7 +52,7 @@ class Scheduler:
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request; with SamplingParams.n > 1, seq is its first completion and the
-        others wait in seq.forks (engine/forks.py)."""
+        others wait in seq.forks (sample/forks.py)."""
         self.check_sequence(seq)
         if seq.sampling_params.n > 1 and not seq.forks:
             make_forks(seq)

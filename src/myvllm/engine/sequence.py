@@ -15,9 +15,9 @@ from typing import Literal
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int, token_id_list
 
-from myvllm.engine.pending_tokens import PendingTokens
-from myvllm.engine.request_features import RequestFeatures
-from myvllm.engine.sequence_pickling import restore_worker_copy, worker_state
+from myvllm.worker.pending_tokens import PendingTokens
+from myvllm.sample.request_features import RequestFeatures
+from myvllm.executor.sequence_pickling import restore_worker_copy, worker_state
 
 
 # Why a sequence finished: eos or a stop token, max_tokens or max_model_length, or aborted by
@@ -31,8 +31,8 @@ class SequenceStatus(Enum):
     FINISHED = auto()  # stopped (eos, a stop token, max_tokens, max_model_length); blocks freed
 
 
-# The state of the features a first reading skips (engine/request_features.py), and async
-# scheduling's tokens counted before they are known (engine/pending_tokens.py).
+# The state of the features a first reading skips (sample/request_features.py), and async
+# scheduling's tokens counted before they are known (worker/pending_tokens.py).
 class Sequence(RequestFeatures, PendingTokens):
     # One counter for the process: seq_id is the request's id (EngineCore), orders the
     # outputs, and names the sequence in the steps sent to tensor-parallel workers.
@@ -59,7 +59,7 @@ class Sequence(RequestFeatures, PendingTokens):
         self.num_computed_tokens: int = 0
         self.num_new_tokens: int = 0
         # Speculative decoding: the tokens proposed after the last one for the step being
-        # scheduled; never in token_ids (engine/spec_decode/).
+        # scheduled; never in token_ids (spec_decode/).
         self.spec_token_ids: list[int] = []
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading registered full blocks (BlockManager).

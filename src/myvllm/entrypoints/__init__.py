@@ -1,3 +1,3 @@
 """Online serving: the `myvllm` command (serve, chat), the OpenAI-compatible HTTP server and
 its request models, and the Prometheus metrics. The streaming engine they use is
-myvllm.engine.async_llm."""
+myvllm.serving.async_llm."""

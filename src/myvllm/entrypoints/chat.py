@@ -53,7 +53,7 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def run_chat(config: Config, args: argparse.Namespace) -> int:
-    from myvllm.engine.async_llm import AsyncLLM
+    from myvllm.serving.async_llm import AsyncLLM
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)

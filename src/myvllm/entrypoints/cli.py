@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve_rank_0_calls(config: Config, launch: TorchrunEnv) -> int:
     """Ranks 1..N-1 of a torchrun launch: this rank's shard of rank 0's engine, until rank 0
     exits; no server and no chat here."""
-    from myvllm.engine.tp_workers import run_launched_worker
+    from myvllm.executor.tp_workers import run_launched_worker
     from myvllm.utils.device import resolve_device
     from myvllm.utils.model_path import resolve_model_path
 
@@ -238,9 +238,9 @@ def export_tokenizer(model: str | None, out_dir: str) -> int:
 def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
           data_parallel_routing: str = "prefix") -> int:
     """Run the server until a signal (exit 0) or an engine core's death (exit 1)."""
-    from myvllm.engine.async_llm import AsyncLLM
-    from myvllm.engine.dp_async_llm import DPAsyncLLM
-    from myvllm.engine.engine_client import EngineClient
+    from myvllm.serving.async_llm import AsyncLLM
+    from myvllm.serving.dp_async_llm import DPAsyncLLM
+    from myvllm.serving.engine_client import EngineClient
     from myvllm.entrypoints.openai_server import make_server
 
     llm: EngineClient

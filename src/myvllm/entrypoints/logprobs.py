@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from myvllm.engine.core_messages import LogprobsLists
-from myvllm.engine.detokenizer import token_texts
+from myvllm.serving.core_messages import LogprobsLists
+from myvllm.serving.detokenizer import token_texts
 
 MIN_LOGPROB = -9999.0
 

@@ -35,8 +35,8 @@ from typing import Any
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from myvllm.engine.async_llm import StatLogger
-from myvllm.engine.core_messages import SpecDecodeCounts
+from myvllm.serving.async_llm import StatLogger
+from myvllm.serving.core_messages import SpecDecodeCounts
 
 # Without this every counter and histogram gets a second series, *_created (a timestamp),
 # that doubles the output and that nobody reads (vLLM turns it off the same way).

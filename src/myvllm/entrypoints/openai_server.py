@@ -11,7 +11,7 @@ data-parallel replicas behind one router; both are EngineClients).
     GET  /metrics              Prometheus text (see metrics.py)
 
 A request's way through this file (generating: serving_completion.py; the engine side:
-myvllm/engine/async_llm.py):
+myvllm/serving/async_llm.py):
 
     body bytes (a 413 over the size limit, a 408 if they stall)
       --parse_request--> a request model of protocol.py (strict; a mistake is a 400)
@@ -42,8 +42,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from myvllm.engine.async_llm import EngineDeadError
-from myvllm.engine.engine_client import EngineClient
+from myvllm.serving.async_llm import EngineDeadError
+from myvllm.serving.engine_client import EngineClient
 from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints import protocol
 from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig

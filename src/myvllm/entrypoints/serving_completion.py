@@ -32,8 +32,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from myvllm.engine.async_llm import EngineDeadError, StreamOutput
-from myvllm.engine.engine_client import EngineClient
+from myvllm.serving.async_llm import EngineDeadError, StreamOutput
+from myvllm.serving.engine_client import EngineClient
 from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,

@@ -1,6 +1,6 @@
 """Prefill attention over a cached prefix (Attention.forward, when the step has block_tables):
 all of each sequence's K/V, the prefix and the new tokens it just stored, read from the paged
-cache. On a GPU a padded chunked step (engine/padded_steps.py) also hands the prefill kernel
+cache. On a GPU a padded chunked step (worker/padded_steps.py) also hands the prefill kernel
 its query tiles (context.q_tiles) and sends its one-token rows (context.decode_rows) to the
 decode kernel instead: a prefill tile of 128 query rows would compute 127 for nothing.
 """

@@ -2,7 +2,7 @@
 
 Row i of the bitmask holds one bit per token id, packed into int32 words (xgrammar's
 layout: token t is bit t % 32 of word t // 32); a clear bit sets that logit to -inf, so no
-sampling rule can pick the token. engine/structured_output.py fills the bits on the host.
+sampling rule can pick the token. structured_output/manager.py fills the bits on the host.
 """
 
 from __future__ import annotations

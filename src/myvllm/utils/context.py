@@ -11,7 +11,7 @@ Shapes (N = tokens in the step, B = sequences in the step):
               block_tables   [B, max_blocks] int32, -1 padded; only set when a prefix is cached
                              (or the step is padded, below)
               q_tiles, decode_rows   GPU only, a padded chunked step's query tiles and
-                             one-token rows (engine/padded_steps.py, kernels/tile_map.py)
+                             one-token rows (worker/padded_steps.py, kernels/tile_map.py)
     decode    slot_mapping   [B]   int32  slot of the one new token per sequence (-1 = padding)
               context_lens   [B]   int32  tokens of context including the new one
               block_tables   [B, max_blocks] int32, -1 padded

@@ -12,7 +12,7 @@ the others. init_all_reduce, which every rank calls once its process group exist
 torchrun_env() reads the variables torchrun sets in every process it starts (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): then every rank, on every host, is a
 process of its own that torchrun started, instead of a worker the engine spawned
-(engine/tp_launch.py).
+(executor/tp_launch.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A step launched from Python pays for every kernel launch (~300 for 28 layers) whatever the
 GPU has to do; at batch 1 or a short chunk that costs more than the math. A CUDA graph
 records the launches once and replays them in one call. It replays fixed shapes on fixed
-memory, so the steps it serves are padded onto fixed buffers (engine/padded_steps.py):
+memory, so the steps it serves are padded onto fixed buffers (worker/padded_steps.py):
 
     ("decode", batch size)     a decode step, with the LM head and the sampling kernels
                                (one GPU) or without (tensor parallelism)

@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from myvllm.config import Config
-from myvllm.engine.sampling import prepare_sample
-from myvllm.engine.sampling_controls import generator_for
+from myvllm.sample.sampling import prepare_sample
+from myvllm.sample.sampling_controls import generator_for
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.spec_decode.rejection_sampler import target_probs
+from myvllm.spec_decode.rejection_sampler import target_probs
 from myvllm.utils.context import forward_context
 from myvllm.utils.hf_config import load_hf_config
 
@@ -121,13 +121,13 @@ class DraftProposer:
         sized by): the draft's kernels' variants compiled now, not in the first request. Its
         activations fit within the target's peak: its chunks are bounded by the same
         max_num_batched_tokens, and a draft is the smaller model."""
-        from myvllm.engine import warmup
+        from myvllm.worker import warmup
         warmup.warmup_model(self.runner)
 
     def allocate_cache(self, num_blocks: int) -> None:
         """The draft's cache, num_blocks as the target's; on a GPU then its CUDA graphs."""
-        from myvllm.engine import warmup
-        from myvllm.engine.kv_cache import allocate_kv_cache
+        from myvllm.worker import warmup
+        from myvllm.worker.kv_cache import allocate_kv_cache
         runner = self.runner
         runner.k_cache, runner.v_cache = allocate_kv_cache(
             runner.attention_layers, runner.kv_layout, num_blocks, runner.device)

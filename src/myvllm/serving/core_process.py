@@ -50,10 +50,10 @@ import zmq
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
-from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
+from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreInput, CoreOutput, CoreOutputs, Heartbeat,
                                          Refusal, SchedulerStats, Shutdown, SpecDecodeCounts)
-from myvllm.engine.tp_workers import exit_when_parent_dies
+from myvllm.executor.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
 
 logger = logging.getLogger("myvllm")

@@ -24,7 +24,7 @@ on the device (seen on two H200s: rank 0 still waiting 90 s after rank 1 was kil
 
 The abort does not depend on NCCL noticing anything itself, nor on its timeout.
 
-Workers that torchrun started (engine/tp_launch.py) are no children of rank 0: each is watched
+Workers that torchrun started (executor/tp_launch.py) are no children of rank 0: each is watched
 through its liveness connection instead of a sentinel (tp_launch.RemoteWorker), and "killing"
 one closes that connection, on which the worker ends itself.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from myvllm.engine.core_messages import LogprobsLists
+from myvllm.serving.core_messages import LogprobsLists
 from myvllm.sampling_parameters import SamplingParams
 
 if TYPE_CHECKING:
@@ -22,18 +22,18 @@ class RequestFeatures:
     seq_id: int  # Sequence's
 
     def __init__(self, seq_id: int, sampling_params: SamplingParams) -> None:
-        # Prompt logprobs still to compute (engine/logprobs.py): the prefill's LM head runs
+        # Prompt logprobs still to compute (sample/logprobs.py): the prefill's LM head runs
         # over the prompt rows too (on every rank), and reads no prefix-cache hit (a cached
         # token has no logits). Cleared once all of them reached the host; the ones read back
         # so far wait in prompt_logprobs until an output carries them away.
         self.needs_prompt_logprobs: bool = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs: LogprobsLists | None = (
             LogprobsLists([], [], []) if self.needs_prompt_logprobs else None)
-        # The seeded generator, made at the first sampled step (engine/sampling.py).
+        # The seeded generator, made at the first sampled step (sample/sampling.py).
         self.generator: torch.Generator | None = None
-        # The prompt's distinct ids for repetition_penalty (engine/sampling_controls.py).
+        # The prompt's distinct ids for repetition_penalty (sample/sampling_controls.py).
         self.penalty_prompt_ids: torch.Tensor | None = None
-        # The grammar's matcher (engine/structured_output.py).
+        # The grammar's matcher (structured_output/manager.py).
         self.grammar_matcher: Any = None
         # num_cached_tokens at the first admission: a re-prefill's hits on its own freed
         # blocks are no prompt hits.
@@ -41,7 +41,7 @@ class RequestFeatures:
         # Someone reads its tokens as they come: then the steps it decodes in stay short
         # (Config.max_prefill_tokens_while_decoding); generate() reads them at the end.
         self.streamed: bool = True
-        # SamplingParams.n > 1 (engine/forks.py): the request this sequence is one completion
+        # SamplingParams.n > 1 (sample/forks.py): the request this sequence is one completion
         # of (its first completion's seq_id), which completion it is, the others (held by the
         # first until its prefill's last chunk is scheduled) and, for those, the first.
         self.request_id: int = seq_id
@@ -49,7 +49,7 @@ class RequestFeatures:
         self.forks: list[Sequence] = []
         self.fork_source: Sequence | None = None
         # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
-        # (engine/spec_decode/draft_proposer.py).
+        # (spec_decode/draft_proposer.py).
         self.num_preemptions: int = 0
 
     def check_grammar_accepts(self, token_id: int) -> None:

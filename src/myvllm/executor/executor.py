@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from myvllm.config import Config
-from myvllm.engine.cpu_threads import cpu_thread_count
-from myvllm.engine.errors import EngineDeadError
+from myvllm.worker.cpu_threads import cpu_thread_count
+from myvllm.executor.errors import EngineDeadError
 from myvllm.engine.model_runner import ModelRunner
-from myvllm.engine.tp_workers import (WorkerPool, init_distributed, nccl_abort,
+from myvllm.executor.tp_workers import (WorkerPool, init_distributed, nccl_abort,
                                       pick_init_method, release_process_group,
                                       run_launched_worker)
 from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env

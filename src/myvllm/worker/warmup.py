@@ -5,7 +5,7 @@
                                     kernels' variants are compiled before the first request
     warmup_cached_prefix_prefill    the prefill variant that reads a cached prefix
     pad_and_capture                 steps padded onto fixed buffers from now on, and their
-                                    CUDA graphs captured (engine/padded_steps.py, cuda_graphs.py)
+                                    CUDA graphs captured (worker/padded_steps.py, cuda_graphs.py)
 
 A CPU runs none of it: it has no peak to measure, no Triton compile and no graphs.
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from myvllm.engine.batch import StepInputs
-from myvllm.engine.padded_steps import pad_steps
+from myvllm.worker.padded_steps import pad_steps
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import LogitsProcessing, Penalties, process_logits
 

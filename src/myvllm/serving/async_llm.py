@@ -53,12 +53,12 @@ import zmq
 import zmq.asyncio
 
 from myvllm.config import Config
-from myvllm.engine.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
+from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreMessage, CoreOutput, CoreOutputs, Heartbeat,
                                          LogprobsLists, Shutdown, SpecDecodeCounts)
-from myvllm.engine.core_process import run_engine_core
-from myvllm.engine.detokenizer import IncrementalDetokenizer
-from myvllm.engine.errors import EngineDeadError
+from myvllm.serving.core_process import run_engine_core
+from myvllm.serving.detokenizer import IncrementalDetokenizer
+from myvllm.executor.errors import EngineDeadError
 from myvllm.engine.request_checks import check_sampling_token_ids, check_token_ids
 from myvllm.engine.startup import ResolvedEngine, resolve_engine
 from myvllm.sampling_parameters import SamplingParams
@@ -235,7 +235,7 @@ class AsyncLLM:
         if config.data_parallel_size != 1:
             raise ValueError(f"AsyncLLM runs one engine core; data_parallel_size="
                              f"{config.data_parallel_size} replicas are DPAsyncLLM's "
-                             "(myvllm.engine.dp_async_llm; `myvllm serve` picks it)")
+                             "(myvllm.serving.dp_async_llm; `myvllm serve` picks it)")
         if resolved is None:
             with gguf_parsed_once():
                 resolved = resolve_engine(config)

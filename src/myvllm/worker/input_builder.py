@@ -1,8 +1,8 @@
 """Step 4a: the InputBuilder turns a scheduled batch into the tensors of one forward pass.
 
-It computes each step's inputs on the host and stages them on the device (engine/staging.py;
+It computes each step's inputs on the host and stages them on the device (worker/staging.py;
 on a GPU a step that fits a CUDA graph is padded onto fixed buffers instead,
-engine/padded_steps.py). A token's slot in the paged KV cache is block_id * block_size +
+worker/padded_steps.py). A token's slot in the paged KV cache is block_id * block_size +
 offset:
 
     block_table of a sequence = [7, 2, 9], block_size 4, 10 tokens
@@ -16,11 +16,11 @@ import torch
 
 from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
-from myvllm.engine import pending_tokens
-from myvllm.engine.padded_steps import PaddedSteps
+from myvllm.worker import pending_tokens
+from myvllm.worker.padded_steps import PaddedSteps
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.staging import FreshTensors, block_table_array
-from myvllm.engine.token_pool import TokenPool
+from myvllm.worker.staging import FreshTensors, block_table_array
+from myvllm.worker.token_pool import TokenPool
 from myvllm.utils.context import Context
 from myvllm.utils.device import resolve_device
 
@@ -48,7 +48,7 @@ class InputBuilder:
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Block tables padded with -1 to a rectangle, as wide as a multiple of 16: Triton
         compiles a kernel variant per "divisible by 16 or not" of each int argument (the
-        rows' stride too), and one met first mid-run took ~2 s (engine/warmup.py compiles
+        rows' stride too), and one met first mid-run took ~2 s (worker/warmup.py compiles
         this one)."""
         width = -(-max(len(seq.block_table) for seq in seqs) // 16) * 16
         return self.fresh.tensor(block_table_array([seq.block_table for seq in seqs], width),

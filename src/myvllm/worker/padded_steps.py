@@ -1,7 +1,7 @@
 """Padded steps on fixed buffers: what lets a GPU replay a step from a CUDA graph.
 
 A CUDA graph replays fixed shapes on fixed memory. So on a GPU every step that fits a graph
-is padded to one of a few sizes and staged into StaticBuffers (engine/static_buffers.py),
+is padded to one of a few sizes and staged into StaticBuffers (worker/static_buffers.py),
 graph or not: enforce_eager=True then sees the same shapes, picks the same kernels and
 computes bit-identical tokens.
 
@@ -24,7 +24,7 @@ graph cover the whole model body here.
 
 All fields live in one StaticBuffers, the sampled-token pool first and the ids known on the
 host right after it, so that one index_select gathers every step's input ids
-(engine/pending_tokens.py).
+(worker/pending_tokens.py).
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ import numpy as np
 import torch
 
 from myvllm.engine.batch import StepInputs
-from myvllm.engine.pending_tokens import gather, token_index
-from myvllm.engine.static_buffers import StaticBuffers
-from myvllm.engine.token_pool import TokenPool
+from myvllm.worker.pending_tokens import gather, token_index
+from myvllm.worker.static_buffers import StaticBuffers
+from myvllm.worker.token_pool import TokenPool
 from myvllm.kernels.batch_invariant import is_batch_invariant
 from myvllm.kernels.tile_map import (SPLIT_KEY_TILES, DecodeRows, TileMap, build_tile_map,
                                      tile_map_slots)
 from myvllm.utils.context import Context
 
 if TYPE_CHECKING:
-    from myvllm.engine.input_builder import InputBuilder
+    from myvllm.worker.input_builder import InputBuilder
 
 # Above this many tokens a step's GPU work (tens of milliseconds) dwarfs launching it, and a
 # graph would keep that many tokens' activations allocated for good.

@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 from myvllm.config import Config
-from myvllm.engine.tp_launch import (connect_to_rank_0, connect_workers,
+from myvllm.executor.tp_launch import (connect_to_rank_0, connect_workers,
                                      exit_when_rank_0_leaves, hang_up)
-from myvllm.engine.tp_watchdog import WorkerProcess, WorkerWatchdog
+from myvllm.executor.tp_watchdog import WorkerProcess, WorkerWatchdog
 from myvllm.utils.distributed import (TorchrunEnv, init_all_reduce, local_device_index,
                                       release_all_reduce)
 
@@ -119,7 +119,7 @@ def worker_main(config: Config, rank: int, init_method: str, model_path: str,
                 use_cuda: bool, cpu_threads: int | None, conn: Connection,
                 parent_pid: int) -> None:
     """Entry point of a worker process (must be importable: processes are spawned).
-    cpu_threads: this rank's share of the cores on a CPU (engine/cpu_threads.py)."""
+    cpu_threads: this rank's share of the cores on a CPU (worker/cpu_threads.py)."""
     threading.Thread(target=exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)

@@ -1,6 +1,6 @@
 """Staging: one step's host arrays become the device tensors its forward pass reads, as
 FreshTensors (all a CPU uses) or, on a GPU, for a step that fits a CUDA graph, in the fixed
-places of StaticBuffers (engine/static_buffers.py) that the graph reads.
+places of StaticBuffers (worker/static_buffers.py) that the graph reads.
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from myvllm.config import Config
-from myvllm.engine.sampling_controls import uses_sampling_controls
+from myvllm.sample.sampling_controls import uses_sampling_controls
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer
-from myvllm.engine.spec_decode.stats import SpecDecodeStats
+from myvllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
+from myvllm.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from myvllm.engine.block_manager import BlockManager

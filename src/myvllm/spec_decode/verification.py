@@ -49,17 +49,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from myvllm.engine.batch import SamplingArgs, StepInputs
-from myvllm.engine.input_builder import InputBuilder
-from myvllm.engine.logits_features import LogitsFeatures
-from myvllm.engine.pending_tokens import last_token
-from myvllm.engine.sampling_controls import ToDevice, generator_for
+from myvllm.worker.input_builder import InputBuilder
+from myvllm.sample.logits_features import LogitsFeatures
+from myvllm.worker.pending_tokens import last_token
+from myvllm.sample.sampling_controls import ToDevice, generator_for
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
-from myvllm.engine.staging import FreshTensors
-from myvllm.engine.token_pool import SampledTokens, TokenPool
+from myvllm.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from myvllm.worker.staging import FreshTensors
+from myvllm.worker.token_pool import SampledTokens, TokenPool
 
 if TYPE_CHECKING:
-    from myvllm.engine.spec_decode.draft_proposer import DraftProposer
+    from myvllm.spec_decode.draft_proposer import DraftProposer
 
 
 class VerificationStep:

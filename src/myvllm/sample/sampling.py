@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from myvllm.engine.batch import SamplingArgs
-from myvllm.engine.sampling_controls import ToDevice, generator_for, prepare_min_ps
+from myvllm.sample.sampling_controls import ToDevice, generator_for, prepare_min_ps
 from myvllm.engine.sequence import Sequence
 
 

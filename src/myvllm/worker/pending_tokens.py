@@ -8,7 +8,7 @@ one pending token (its K/V slot, its place in a block), which Scheduler.postproc
 only what reads token values waits.
 
 The runner's side, the functions below: a pending token is read on the device, from its row
-of the sampled-token pool (engine/token_pool.py; that row is Sequence.sampled_row). A step's
+of the sampled-token pool (worker/token_pool.py; that row is Sequence.sampled_row). A step's
 input ids are gathered there:
 
     source      = [ pool (size rows) | host ids (n) ]
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from myvllm.engine.sequence import Sequence
-    from myvllm.engine.staging import FreshTensors
-    from myvllm.engine.token_pool import TokenPool
+    from myvllm.worker.staging import FreshTensors
+    from myvllm.worker.token_pool import TokenPool
 
 
 class PendingTokens:
@@ -42,7 +42,7 @@ class PendingTokens:
     def __init__(self) -> None:
         # Tokens counted in num_tokens, not yet in token_ids.
         self.num_pending_tokens: int = 0
-        # The row of its token in the last step's sampled-token pool (engine/token_pool.py).
+        # The row of its token in the last step's sampled-token pool (worker/token_pool.py).
         self.sampled_row: int | None = None
 
     def add_pending_token(self) -> None:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from myvllm.engine.batch import RequestOutput
-from myvllm.engine.core_messages import LogprobsLists
-from myvllm.engine.sampling import ToDevice, samples_this_step
+from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.sampling import ToDevice, samples_this_step
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logprobs import gather_logprobs
 

@@ -10,7 +10,7 @@ the stream) and sends each buffer with one copy per run of written fields.
     static.field("positions", 3)                       # its place on the device, int64 [3]
 
 The two alternating pinned slots are PinnedSlots, used both ways: StaticBuffers stages each
-step through them, and the sampled-token pool (engine/token_pool.py) reads each step's tokens
+step through them, and the sampled-token pool (worker/token_pool.py) reads each step's tokens
 back through them.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from myvllm.engine.staging import block_table_array
+from myvllm.worker.staging import block_table_array
 
 # Fields of a StaticBuffers written in one step are sent as one copy when less than this many
 # elements lie unwritten between them (a copy costs microseconds; 16 KiB costs less).

@@ -4,13 +4,13 @@ object per step, so that the runner makes one call per stage (the guide's Step 7
 
     before the forward  LogitsFeatures(seqs, ...): the prompt rows that asked for logprobs
                         (on every rank: the LM head over them is collective) and, on rank 0,
-                        the sampling controls' tensors (engine/sampling_controls.py; pending
+                        the sampling controls' tensors (sample/sampling_controls.py; pending
                         tokens are read from the pool before a decode graph overwrites it)
     forward_prefill     add_prompt_logprobs: the LM head over those prompt rows
     after the LM head   sample: the controls rewrite the logits (process_logits), a
-                        grammar's bitmask masks them (engine/structured_output.py), the
+                        grammar's bitmask masks them (structured_output/manager.py), the
                         Sampler draws, and the rows that asked get their logprobs (of the raw
-                        logits, as vLLM's default; engine/logprobs.py)
+                        logits, as vLLM's default; sample/logprobs.py)
     read_back           .logprobs, copied to the host with the step's tokens
 
 A step whose rows ask for none of these builds nothing: the Sampler alone runs.
@@ -23,12 +23,12 @@ from collections.abc import Callable
 import torch
 
 from myvllm.engine.batch import SamplingArgs
-from myvllm.engine.logprobs import (LogprobRows, StepLogprobs, prompt_logprobs, prompt_spans,
+from myvllm.sample.logprobs import (LogprobRows, StepLogprobs, prompt_logprobs, prompt_spans,
                                     sampled_logprobs)
-from myvllm.engine.sampling import samples_this_step
-from myvllm.engine.sampling_controls import ToDevice, prepare_logits_processing
+from myvllm.sample.sampling import samples_this_step
+from myvllm.sample.sampling_controls import ToDevice, prepare_logits_processing
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.structured_output import fill_token_bitmask
+from myvllm.structured_output.manager import fill_token_bitmask
 from myvllm.layers.logits_processors import process_logits
 from myvllm.layers.sampler import Sampler
 

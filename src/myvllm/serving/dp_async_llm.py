@@ -42,10 +42,10 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 import torch
 
 from myvllm.config import Config
-from myvllm.engine.async_llm import HANG_TIMEOUT_S, AsyncLLM, StatLogger, StreamOutput
-from myvllm.engine.core_messages import SpecDecodeCounts
-from myvllm.engine.dp_router import PrefixRouter
-from myvllm.engine.errors import EngineDeadError
+from myvllm.serving.async_llm import HANG_TIMEOUT_S, AsyncLLM, StatLogger, StreamOutput
+from myvllm.serving.core_messages import SpecDecodeCounts
+from myvllm.serving.dp_router import PrefixRouter
+from myvllm.executor.errors import EngineDeadError
 from myvllm.engine.startup import resolve_engine
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any, Protocol
 
 from myvllm.config import Config
-from myvllm.engine.async_llm import StatLogger, StreamOutput
+from myvllm.serving.async_llm import StatLogger, StreamOutput
 from myvllm.sampling_parameters import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """The sampled-token pool: where each step's tokens land on the device, row by row
 (Sequence.sampled_row), and their way back to the host (read_back -> SampledTokens). A token
-still pending under async scheduling is read from its row (engine/pending_tokens.py).
+still pending under async scheduling is read from its row (worker/pending_tokens.py).
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from myvllm.engine.logprobs import StepLogprobs
+from myvllm.sample.logprobs import StepLogprobs
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.static_buffers import PinnedSlots
+from myvllm.worker.static_buffers import PinnedSlots
 
 if TYPE_CHECKING:
-    from myvllm.engine.spec_decode.verification import VerifiedTokens
+    from myvllm.spec_decode.verification import VerifiedTokens
 
 
 class TokenPool:

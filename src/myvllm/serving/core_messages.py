@@ -94,7 +94,7 @@ class Refusal(msgspec.Struct, array_like=True):
 
 
 class SpecDecodeCounts(msgspec.Struct, array_like=True):
-    """Speculative decoding since the core started (engine/spec_decode/stats.py)."""
+    """Speculative decoding since the core started (spec_decode/stats.py)."""
 
     num_drafts: int  # verification rows
     num_draft_tokens: int  # tokens proposed
