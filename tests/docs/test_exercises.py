@@ -178,6 +178,29 @@ def test_unreadable_missing_and_misnamed_answers_are_not_right() -> None:
     assert "['slot9'] match no question" in lines[-1]
 
 
+def test_exact_text_counts_every_space(monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """What a stream releases is the point of the stop-string exercise: its trailing space
+    is part of the answer, in the answers file and at the prompt (typed in quotes)."""
+    from grading import grade
+
+    questions = probes().QUESTIONS["stop-string"]
+    right = RIGHT["stop-string"]
+    assert str(right["client_text"]).endswith(" ")
+    for wrong_text in ("5€ Obstacle.", " 5€ Obstacle. ", "5€ Obstacle.  "):
+        lines, all_right = grade(questions, right | {"client_text": wrong_text},
+                                 truths("stop-string"))
+        assert not all_right, f"{wrong_text!r} was accepted"
+        (line,) = [line for line in lines if not line.startswith("right  ")]
+        assert line.startswith(f"wrong  client_text = {wrong_text!r}: the probe says "
+                               f"{right['client_text']!r} (only the spaces differ"), line
+    typed = iter(["2", "3", '"5€ Obstacle. "', "27"])
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
+    assert probes().main(["stop-string", "--answers", "/nonexistent/answers.toml"]) == 0
+    assert "right  client_text = '5€ Obstacle. '" in capsys.readouterr().out
+
+
 def test_the_command_grades_an_answers_file(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     answers = tmp_path / "answers.toml"
