@@ -7,9 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from myvllm.engine import block_manager
-from myvllm.engine.block_manager import Block, BlockManager
-from myvllm.engine.free_block_queue import FreeBlockQueue
-from myvllm.engine.prefix_hash import compute_hash
+from myvllm.engine.block_manager import Block, BlockManager, FreeBlockQueue, compute_hash
 from myvllm.engine.sequence import Sequence
 from helpers_blocks import used_block_ids
 

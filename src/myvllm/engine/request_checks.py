@@ -55,7 +55,8 @@ def check_request(token_ids: Any, params: Any, vocab_size: int) -> list[int]:
     """A prompt of token ids and its SamplingParams checked: the prompt as a list of ints."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-    check_sampling_token_ids(params, vocab_size)
+    if params.logit_bias is not None or params.stop_token_ids is not None:
+        check_sampling_token_ids(params, vocab_size)
     return check_token_ids(token_ids, vocab_size)
 
 
