@@ -6,10 +6,10 @@ of running, to the front of waiting, 4. no progress while work remains is an err
 Rules 1 and 2 are Config(enable_chunked_prefill=False); the default replaces them by a token
 budget (engine/chunk_budget.py, Step 5b): decode rows first, then chunks of prompts.
 
-The optional features each enter with a check of their own, and a plain request passes none:
-speculative decoding (`if self.speculator is not None`, spec_decode/scheduling.py), the other
-completions of an n > 1 request and a request's own stop tokens and min_tokens (`if
-seq.extras is not None`: sample/forks.py, sample/sampling_controls.py).
+Each optional feature enters through one check of its own, which a plain request fails:
+speculative decoding through `self.speculator is not None` (spec_decode/scheduling.py); the
+other completions of an n > 1 request, and a request's own stop tokens and min_tokens, through
+`seq.extras is not None` (sample/forks.py, sample/sampling_controls.py).
 """
 
 from __future__ import annotations
