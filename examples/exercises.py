@@ -188,8 +188,8 @@ class ClearOnFree(BlockManager):
     """The original's behaviour: a block that is freed forgets its tokens (so it never
     matches again). Ours keeps them; this subclass puts the original's line back."""
 
-    def _release_block(self, block_id: int) -> None:
-        super()._release_block(block_id)
+    def release_block(self, block_id: int) -> None:
+        super().release_block(block_id)
         if self.blocks[block_id].ref_count == 0:
             self.blocks[block_id].token_ids = []
 
@@ -612,7 +612,8 @@ def speculation() -> Truths:
     print(f"Block size 4, k = 3, prompt lookup 1..3. The sequence so far ({len(seq)} tokens):")
     print(f"  {_words(seq.token_ids)}")
     batch, _ = sch.schedule()
-    proposals = list(seq.spec_token_ids)
+    assert seq.extras is not None  # the speculator made them
+    proposals = list(seq.extras.spec_token_ids)
     blocks_verifying = len(seq.block_table)
     print(f"the decode step: proposals {_words(proposals)!r}, {seq.num_new_tokens} new "
           f"tokens, {blocks_verifying} blocks")

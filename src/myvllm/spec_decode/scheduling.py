@@ -3,7 +3,7 @@ accepted count does to the sequence afterwards.
 
 Scheduling a decode row with proposals d_1..d_k (n = the sequence's tokens, t_n its last):
 
-    spec_token_ids      = [d_1 .. d_k]          never in token_ids until accepted
+    extras.spec_token_ids = [d_1 .. d_k]        never in token_ids until accepted
     num_new_tokens      = 1 + k                 t_n and the proposals, one forward pass
     num_computed_tokens = n + k                 K/V written up to position n + k - 1
     blocks              for n + k positions     BlockManager.append(seq, num_lookahead=k)
@@ -17,8 +17,9 @@ one by one (tokens after a stop are dropped). Then the sequence rolls back to wh
                                                 inputs (t_n, d_1 .. d_a); the slots of the
                                                 rejected proposals are overwritten later
     blocks              past the ones n + a + 1 tokens occupy are released (they held only
-                        rejected proposals); none was registered for prefix hits, since
-                        registration reads token_ids, where proposals never are
+                        rejected proposals: free_lookahead_blocks); none was registered
+                        for prefix hits, since registration reads token_ids, where
+                        proposals never are
 
 Proposals never cost another sequence its place: a row whose lookahead blocks do not fit,
 or whose budget is spent, decodes plainly. They are cut so that even all accepted, the row
@@ -45,8 +46,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from myvllm.config import Config
-from myvllm.sample.sampling_controls import uses_sampling_controls
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.sampling_controls import uses_sampling_controls
 from myvllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from myvllm.spec_decode.stats import SpecDecodeStats
 
@@ -98,12 +99,12 @@ class Speculator:
         # and min_p, and a grammar's bitmask come from the one-token path; verification
         # samples from the plain target distribution.
         return (seq.sampling_params.logprobs is None and not uses_sampling_controls(seq)
-                and seq.grammar_matcher is None)
+                and (seq.extras is None or seq.extras.grammar_matcher is None))
 
     def needs_tokens_on_host(self, seq: Sequence) -> bool:
         """Must the step just queued for seq be read back before the next one is planned?
         Yes if seq verifies proposals in it, or will look up proposals in the next."""
-        if seq.spec_token_ids:
+        if seq.extras is not None and seq.extras.spec_token_ids:
             return True
         if not self.may_propose(seq):
             return False
@@ -159,16 +160,21 @@ def make_speculator(config: Config) -> Speculator | None:
 
 
 # ---------------------------------------------------------------- the Scheduler's calls
-def proposals_for_row(speculator: Speculator | None, block_manager: BlockManager,
+def proposals_for_row(speculator: Speculator, block_manager: BlockManager,
                       seq: Sequence, max_model_length: int, budget: int) -> list[int]:
-    """The proposals seq's decode row carries in the step being scheduled: none without a
-    speculator, and none if their lookahead blocks do not fit (proposals never preempt:
-    the row decodes plainly)."""
-    if speculator is None:
-        return []
+    """The proposals seq's decode row carries in the step being scheduled: none if their
+    lookahead blocks do not fit (proposals never preempt: the row decodes plainly)."""
     proposals = speculator.propose(seq, max_model_length, budget)
     if proposals and not block_manager.can_append(seq, len(proposals)):
         return []
+    return proposals
+
+
+def take_proposals(seq: Sequence) -> list[int]:
+    """The proposals seq's row carried in the step just read back; none is left on it."""
+    if seq.extras is None:
+        return []
+    proposals, seq.extras.spec_token_ids = seq.extras.spec_token_ids, []
     return proposals
 
 
@@ -189,4 +195,11 @@ def roll_back(block_manager: BlockManager, seq: Sequence) -> None:
     proposals holds, the rejected ones' blocks go (their slots in kept blocks are
     rewritten)."""
     seq.num_computed_tokens = seq.num_tokens - 1
-    block_manager.free_lookahead_blocks(seq)
+    free_lookahead_blocks(block_manager, seq)
+
+
+def free_lookahead_blocks(block_manager: BlockManager, seq: Sequence) -> None:
+    """Release the blocks past the ones seq's tokens occupy: after a verification step, the
+    blocks that held only rejected proposals (never registered: fresh blocks)."""
+    while len(seq.block_table) > seq.num_blocks:
+        block_manager.release_block(seq.block_table.pop())
