@@ -1,6 +1,6 @@
-"""The steps EngineCore.step queued and has not read back yet (engine/core.py): a step's
-pending tokens, the step kept in flight under async scheduling (the guide's Step 6, "Async
-scheduling"), and the undo of a step that failed before it ran.
+"""async_scheduling's steps that EngineCore.step queued and has not read back yet
+(engine/core.py): a step's pending tokens and the step kept in flight (the guide's Step 6,
+"Async scheduling"); and the undo of a step that failed before it ran (any step).
 """
 
 from __future__ import annotations
@@ -41,11 +41,10 @@ def queued_step(seqs: list[Sequence], num_tokens: int, sampled: SampledTokens,
 
 
 class InFlight:
-    """async_scheduling: the step queued by the previous EngineCore.step call, not read yet.
-    Without async scheduling nothing stays in flight."""
+    """async_scheduling: the step queued by the previous EngineCore.step call, not read yet
+    (the core has none without async scheduling)."""
 
-    def __init__(self, async_scheduling: bool) -> None:
-        self.async_scheduling = async_scheduling
+    def __init__(self) -> None:
         self.step: QueuedStep | None = None
 
     def take_constrained(self) -> QueuedStep | None:
@@ -58,10 +57,7 @@ class InFlight:
         return step
 
     def swap(self, queued: QueuedStep | None) -> QueuedStep | None:
-        """The step to read back now: with async scheduling the one in flight (queued takes
-        its place), else queued itself."""
-        if not self.async_scheduling:
-            return queued
+        """The step to read back now: the one in flight (queued takes its place)."""
         earlier, self.step = self.step, queued
         return earlier
 
