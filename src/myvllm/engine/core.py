@@ -77,8 +77,10 @@ class EngineCore:
                                           max_model_length=max_len)
         self.max_model_length: int = max_len
         self.scheduler = Scheduler(self.config)
-        self.structured_outputs = StructuredOutputManager(
-            model_path, hf_config.vocab_size, sorted(self.scheduler.eos_token_ids))
+        self.model_path = model_path
+        # Made at the first request that asks for structured outputs (its compiler reads
+        # the tokenizer), then shared by all of them.
+        self.structured_outputs: StructuredOutputManager | None = None
         self.async_scheduling = bool(config.async_scheduling)
         # async_scheduling: the step queued and not read yet (None without it).
         self._in_flight = InFlight() if self.async_scheduling else None
@@ -132,8 +134,15 @@ class EngineCore:
                        self.config.block_size, sampling_params)
         # An empty or too long prompt, one that can never fit the KV cache: refused here.
         self.scheduler.check_sequence(seq)
-        self.structured_outputs.add_matcher(seq)
+        if sampling_params.structured_outputs is not None:
+            self._grammars().add_matcher(seq)
         return seq
+
+    def _grammars(self) -> StructuredOutputManager:
+        if self.structured_outputs is None:
+            self.structured_outputs = StructuredOutputManager(
+                self.model_path, self.vocab_size, sorted(self.scheduler.eos_token_ids))
+        return self.structured_outputs
 
     def add_sequence(self, seq: Sequence) -> int:
         """Queue a sequence made by make_sequence (and its other completions, n > 1);

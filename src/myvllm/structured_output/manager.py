@@ -183,9 +183,3 @@ def fill_token_bitmask(seqs: list[Sequence], samples: list[bool],
         seq.grammar_matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
 
-
-def fork_matcher(parent: Sequence) -> Any:
-    """A copy of parent's matcher in its current state, for a sequence forked from it (n > 1),
-    which then advances on its own tokens; None when parent has no grammar."""
-    matcher = parent.grammar_matcher
-    return None if matcher is None else matcher.fork()
