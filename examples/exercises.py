@@ -612,7 +612,8 @@ def speculation() -> Truths:
     print(f"Block size 4, k = 3, prompt lookup 1..3. The sequence so far ({len(seq)} tokens):")
     print(f"  {_words(seq.token_ids)}")
     batch, _ = sch.schedule()
-    proposals = list(seq.spec_token_ids)
+    assert seq.extras is not None  # the speculator made them
+    proposals = list(seq.extras.spec_token_ids)
     blocks_verifying = len(seq.block_table)
     print(f"the decode step: proposals {_words(proposals)!r}, {seq.num_new_tokens} new "
           f"tokens, {blocks_verifying} blocks")

@@ -174,6 +174,11 @@ def chain_hashes(tokens: list[int], block_size: int, num_full: int) -> list[int]
     return hashes
 
 
+def forks_of(seq: Sequence) -> list[Sequence]:
+    """The other completions seq still holds (n > 1)."""
+    return seq.extras.forks if seq.extras is not None else []
+
+
 def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Sequence],
                      caching: bool, chunked: bool = False) -> None:
     bm = sch.block_manager
@@ -191,7 +196,8 @@ def check_invariants(sch: Scheduler, seqs: list[Sequence], scheduled: list[Seque
     assert len(sch.running) <= sch.max_num_sequences
     for s in seqs:
         # a fork not yet released by its first completion is in neither queue
-        held = s.fork_source is not None and any(f is s for f in s.fork_source.forks)
+        source = s.extras.fork_source if s.extras is not None else None
+        held = source is not None and any(f is s for f in forks_of(source))
         where = (s.seq_id in waiting_ids or held, s.seq_id in running_ids, s.is_finished)
         assert sum(where) == 1, (s, where)
         if s.status != SequenceStatus.RUNNING:
@@ -331,8 +337,8 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
                 event("a request was rejected up front")
                 continue
             assert fits, f"accepted a sequence that can never be prefilled: {seq}"
-            accepted += [(s, r) for s in (seq, *seq.forks)]
-            if seq.forks:
+            accepted += [(s, r) for s in (seq, *forks_of(seq))]
+            if forks_of(seq):
                 event("n > 1 completions")
         if sch.is_finished() and not in_flight:
             step = pending[0].arrival if pending else step

@@ -98,3 +98,79 @@ def test_pickle_with_a_pending_token_carries_its_row_of_the_pool() -> None:
     s.append_token(9)  # read back: nothing pending, the next message carries the token
     w = pickle.loads(pickle.dumps(s))
     assert (w.num_pending_tokens, w.sampled_row, w.last_token, len(w)) == (0, None, 9, 5)
+
+
+def test_a_plain_request_has_no_extras() -> None:
+    # Temperature, top-k, top-p, max_tokens and ignore_eos are the plain path's own.
+    for params in (None, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3,
+                                        ignore_eos=True)):
+        assert Sequence([1, 2, 3], 4, params).extras is None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=2), SamplingParams(seed=3), SamplingParams(logprobs=0),
+    SamplingParams(prompt_logprobs=1), SamplingParams(repetition_penalty=1.2),
+    SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=-0.5),
+    SamplingParams(min_p=0.1), SamplingParams(logit_bias={1: 2.0}),
+    SamplingParams(min_tokens=1), SamplingParams(stop_token_ids=[7]),
+])
+def test_a_request_that_asks_for_a_feature_has_extras(params: SamplingParams) -> None:
+    extras = Sequence([1, 2, 3], 4, params).extras
+    assert extras is not None
+    assert extras.needs_prompt_logprobs == (params.prompt_logprobs is not None)
+    assert (extras.prompt_logprobs is not None) == (params.prompt_logprobs is not None)
+    assert (extras.generator, extras.grammar_matcher, extras.forks, extras.fork_source,
+            extras.spec_token_ids) == (None, None, [], None, [])
+
+
+def test_extras_of_makes_them_later() -> None:
+    from myvllm.sample.extras import extras_of, proposals_of
+
+    s = Sequence([1, 2, 3], 4)
+    assert proposals_of(s) == [] and s.extras is None
+    extras_of(s).spec_token_ids = [5, 6]
+    assert s.extras is not None and proposals_of(s) == [5, 6]
+    assert extras_of(s) is s.extras
+
+
+def test_the_grammar_matcher_sees_every_appended_token() -> None:
+    class Matcher:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def accept_token(self, token_id: int) -> bool:
+            self.seen.append(token_id)
+            return token_id != 13
+
+    s = Sequence([1, 2], 4, SamplingParams(seed=0))
+    assert s.extras is not None
+    s.extras.grammar_matcher = matcher = Matcher()
+    s.append_token(5)
+    assert matcher.seen == [5] and s.token_ids == [1, 2, 5]
+    with pytest.raises(RuntimeError, match="grammar does not accept"):
+        s.append_token(13)
+
+
+def test_pickle_keeps_only_what_a_worker_reads_of_the_extras() -> None:
+    plain = pickle.loads(pickle.dumps(Sequence([1, 2, 3], 4)))
+    assert plain.extras is None and plain.status == SequenceStatus.RUNNING
+    s = Sequence([1, 2, 3], 4, SamplingParams(seed=1, n=2))  # nothing a worker reads
+    assert s.extras is not None
+    assert pickle.loads(pickle.dumps(s)).extras is None
+    s.extras.spec_token_ids = [8, 9]
+    w = pickle.loads(pickle.dumps(s))
+    assert w.extras.spec_token_ids == [8, 9] and not w.extras.needs_prompt_logprobs
+    assert w.extras.generator is None and w.extras.prompt_logprobs is None
+    s = Sequence([1, 2, 3], 4, SamplingParams(prompt_logprobs=2))
+    w = pickle.loads(pickle.dumps(s))
+    assert w.extras.needs_prompt_logprobs and w.extras.prompt_logprobs is None
+
+
+def test_importing_the_sequence_loads_no_feature_module() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, myvllm.engine.sequence\n"
+            "bad = [m for m in ('torch', 'msgspec', 'myvllm.sample.extras') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -118,7 +118,7 @@ def test_tp_size_must_divide_the_heads() -> None:
 
 def test_tp2_logprobs_match_tp1() -> None:
     """Prompt logprobs run the LM head over prompt rows, a collective: every rank must pick
-    the same rows from what its copy of a sequence carries (needs_prompt_logprobs), also in
+    the same rows from what its copy of a sequence carries (extras.needs_prompt_logprobs), also in
     chunks (a budget of 12 tokens)."""
     path = str(tiny_checkpoint("qwen3"))
     prompts = random_prompts([7, 30])

@@ -66,7 +66,8 @@ def test_processed_logits_on_the_gpu_equal_the_cpus() -> None:
     results = []
     for device in (torch.device("cuda"), torch.device("cpu")):
         for seq in seqs:
-            seq.penalty_prompt_ids = None  # made again on this device
+            assert seq.extras is not None
+            seq.extras.penalty_prompt_ids = None  # made again on this device
         processing = prepare_logits_processing(seqs, FreshTensors(device).tensor,
                                                pool.to(device), frozenset({0}))
         assert processing is not None

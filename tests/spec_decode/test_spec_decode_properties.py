@@ -36,6 +36,7 @@ from helpers_blocks import used_block_ids
 from myvllm.config import Config
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.sample.extras import proposals_of
 from myvllm.sampling_parameters import SamplingParams
 
 VOCAB = 4
@@ -79,8 +80,8 @@ class FakeVerifier:
         for seq, w in zip(batch, pickle.loads(pickle.dumps(batch)), strict=True):
             end = w.num_computed_tokens
             start = end - w.num_new_tokens
-            if w.spec_token_ids:
-                inputs = [w.last_token] + w.spec_token_ids
+            if proposals_of(w):
+                inputs = [w.last_token] + proposals_of(w)
             elif w.num_new_tokens == 1 and end == w.num_tokens:
                 inputs = [w.last_token]
             else:
@@ -98,13 +99,13 @@ class FakeVerifier:
                 predictions.append(v % VOCAB)
             if end < w.num_tokens:
                 continue  # a prompt chunk short of its end samples nothing
-            if w.spec_token_ids:
+            if proposals_of(w):
                 accepted = 0
-                while (accepted < len(w.spec_token_ids)
-                       and w.spec_token_ids[accepted] == predictions[accepted]):
+                while (accepted < len(proposals_of(w))
+                       and proposals_of(w)[accepted] == predictions[accepted]):
                     accepted += 1
-                verified[len(samplers)] = w.spec_token_ids[:accepted] + [predictions[accepted]]
-                event(f"accepted {accepted} of {len(w.spec_token_ids)}")
+                verified[len(samplers)] = proposals_of(w)[:accepted] + [predictions[accepted]]
+                event(f"accepted {accepted} of {len(proposals_of(w))}")
             samplers.append(seq)
             tokens.append(predictions[-1])
         return samplers, tokens, verified
@@ -123,7 +124,7 @@ def check_invariants(sch: Scheduler) -> None:
     for h, b in bm.hash_to_block_id.items():
         assert bm.blocks[b].hash == h
     for s in sch.running:
-        assert s.spec_token_ids == []
+        assert proposals_of(s) == []
         assert len(s.block_table) <= s.num_blocks, f"{s}: holds a block past its tokens"
         for i, block_id in enumerate(s.block_table):
             block = bm.blocks[block_id]

@@ -57,7 +57,8 @@ class BlockManager(BlockRollback):
         hits: list[int] = []
         hit_set: set[int] = set()
         # A cached prompt token has no logits, so prompt logprobs read no hit (vLLM's rule).
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        if not self.enable_prefix_caching or (seq.extras is not None
+                                               and seq.extras.needs_prompt_logprobs):
             return hits
         h = -1
         for i in range(seq.num_blocks):

@@ -148,7 +148,8 @@ class EngineCore:
         """Queue a sequence made by make_sequence (and its other completions, n > 1);
         returns its request id."""
         self.scheduler.add_sequence(seq)
-        self._requests[seq.seq_id] = [seq, *seq.forks]
+        forks = seq.extras.forks if seq.extras is not None else []
+        self._requests[seq.seq_id] = [seq, *forks]
         return seq.seq_id
 
     def add_request(self, token_ids: Any, sampling_params: SamplingParams, *,

@@ -35,7 +35,8 @@ def queued_step(seqs: list[Sequence], num_tokens: int, sampled: SampledTokens,
     for seq, sample in zip(seqs, samples, strict=True):
         if sample:
             seq.add_pending_token()
-            constrained = (constrained or seq.grammar_matcher is not None or (
+            constrained = (constrained or (
+                seq.extras is not None and seq.extras.grammar_matcher is not None) or (
                 speculator is not None and speculator.needs_tokens_on_host(seq)))
     return QueuedStep(seqs, num_tokens, sampled, samples, constrained)
 

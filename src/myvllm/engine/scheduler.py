@@ -16,6 +16,7 @@ from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
 from myvllm.sample.forks import can_fork, fork, fork_source, make_forks, release_forks
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
+from myvllm.sample.extras import extras_of
 from myvllm.sample.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.spec_decode.scheduling import (make_speculator, proposals_for_row,
@@ -52,9 +53,9 @@ class Scheduler:
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request; with SamplingParams.n > 1, seq is its first completion and the
-        others wait in seq.forks (sample/forks.py)."""
+        others wait in seq.extras.forks (sample/forks.py)."""
         self.check_sequence(seq)
-        if seq.sampling_params.n > 1 and not seq.forks:
+        if seq.sampling_params.n > 1 and not (seq.extras is not None and seq.extras.forks):
             make_forks(seq)
         self.waiting.append(seq)
 
@@ -124,7 +125,8 @@ class Scheduler:
                         break
                 else:
                     self.block_manager.append(seq, num_lookahead=len(proposals))
-                    seq.spec_token_ids = proposals
+                    if proposals:
+                        extras_of(seq).spec_token_ids = proposals
                     self._schedule_chunk(seq, 1 + len(proposals))
                     budget.tokens -= 1 + len(proposals)
                 if seq.status != SequenceStatus.RUNNING:
@@ -151,7 +153,8 @@ class Scheduler:
                             else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
-            seq.fork_source = None  # a fork at the first admission only
+            if seq.extras is not None:
+                seq.extras.fork_source = None  # a fork at the first admission only
             if source is not None:
                 fork(self.block_manager, source, seq)
             else:
@@ -176,7 +179,8 @@ class Scheduler:
         seq.num_new_tokens = num_tokens
         seq.num_computed_tokens += num_tokens
         self.block_manager.register_full_blocks(seq, num_written=seq.num_computed_tokens)
-        if seq.forks and seq.num_computed_tokens == seq.num_tokens:
+        if (seq.extras is not None and seq.extras.forks
+                and seq.num_computed_tokens == seq.num_tokens):
             # Its prompt's K/V is written by this step at the latest: its forks may share it.
             release_forks(seq, self.waiting)
 
@@ -205,7 +209,9 @@ class Scheduler:
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             if seq.is_finished:
                 continue
-            proposals, seq.spec_token_ids = seq.spec_token_ids, []
+            proposals: list[int] = []
+            if seq.extras is not None:
+                proposals, seq.extras.spec_token_ids = seq.extras.spec_token_ids, []
             new_tokens = (verified_tokens(self.speculator, seq, proposals, verified, i)
                           if proposals else [token_id])
             for token in new_tokens:

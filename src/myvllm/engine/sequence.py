@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from myvllm.executor.sequence_pickling import restore_worker_copy, worker_state
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int, token_id_list
 
-from myvllm.worker.pending_tokens import PendingTokens
-from myvllm.sample.request_features import RequestFeatures
-from myvllm.executor.sequence_pickling import restore_worker_copy, worker_state
+if TYPE_CHECKING:
+    from myvllm.sample.extras import SequenceExtras
 
 
 # Why a sequence finished: eos or a stop token, max_tokens or max_model_length, or aborted by
@@ -31,9 +31,18 @@ class SequenceStatus(Enum):
     FINISHED = auto()  # stopped (eos, a stop token, max_tokens, max_model_length); blocks freed
 
 
-# The state of the features a first reading skips (sample/request_features.py), and async
-# scheduling's tokens counted before they are known (worker/pending_tokens.py).
-class Sequence(RequestFeatures, PendingTokens):
+def asks_for_extras(params: SamplingParams) -> bool:
+    """Does the request ask for an optional feature whose state lives in Sequence.extras
+    (or whose code reads them): n > 1, a seed, logprobs, a sampling control, a grammar?"""
+    return (params.n > 1 or params.seed is not None or params.logprobs is not None
+            or params.prompt_logprobs is not None or params.structured_outputs is not None
+            or params.presence_penalty != 0 or params.frequency_penalty != 0
+            or params.repetition_penalty != 1 or params.min_p != 0
+            or params.logit_bias is not None or params.min_tokens != 0
+            or params.stop_token_ids is not None)
+
+
+class Sequence:
     # One counter for the process: seq_id is the request's id (EngineCore), orders the
     # outputs, and names the sequence in the steps sent to tensor-parallel workers.
     _ids = count()
@@ -58,9 +67,6 @@ class Sequence(RequestFeatures, PendingTokens):
         # being scheduled computes (its chunk; 1 for a decode row).
         self.num_computed_tokens: int = 0
         self.num_new_tokens: int = 0
-        # Speculative decoding: the tokens proposed after the last one for the step being
-        # scheduled; never in token_ids (spec_decode/).
-        self.spec_token_ids: list[int] = []
         self.block_table: list[int] = []
         # Chained prefix-cache hashes of the leading registered full blocks (BlockManager).
         self.block_hashes: list[int] = []
@@ -69,8 +75,29 @@ class Sequence(RequestFeatures, PendingTokens):
         # The next forward is a prefill (new, or after a preemption): a worker gets all tokens.
         self.needs_prefill: bool = True
         self.finish_reason: FinishReason | None = None
-        RequestFeatures.__init__(self, self.seq_id, self.sampling_params)
-        PendingTokens.__init__(self)
+        # Someone reads its tokens as they come: then the steps it decodes in stay short
+        # (Config.max_prefill_tokens_while_decoding); generate() reads them at the end.
+        self.streamed: bool = True
+        # The request this sequence is a completion of (its first completion's seq_id), and
+        # which completion it is (SamplingParams.n > 1: sample/forks.py).
+        self.request_id: int = self.seq_id
+        self.index: int = 0
+        # num_cached_tokens at the first admission: a re-prefill's hits on its own freed
+        # blocks are no prompt hits.
+        self.num_cached_prompt_tokens: int | None = None
+        # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
+        # (spec_decode/draft_proposer.py).
+        self.num_preemptions: int = 0
+        # Async scheduling (the guide's Step 6): tokens counted in num_tokens, not yet in
+        # token_ids (their values are still on the device), and the row of the last one in
+        # the last step's sampled-token pool (worker/pending_tokens.py, worker/token_pool.py).
+        self.num_pending_tokens: int = 0
+        self.sampled_row: int | None = None
+        # The optional features' state (sample/extras.py): None for a plain request.
+        self.extras: SequenceExtras[Sequence] | None = None
+        if asks_for_extras(self.sampling_params):
+            from myvllm.sample.extras import SequenceExtras
+            self.extras = SequenceExtras(self.sampling_params.prompt_logprobs is not None)
 
     # ------------------------------------------------------------------ token access
     def __len__(self) -> int:
@@ -78,7 +105,8 @@ class Sequence(RequestFeatures, PendingTokens):
 
     def append_token(self, token_id: int) -> None:
         """Record the next sampled token, in the oldest pending slot if there is one."""
-        self.check_grammar_accepts(token_id)
+        if self.extras is not None and self.extras.grammar_matcher is not None:
+            self.extras.advance_grammar(self.seq_id, token_id)
         self.token_ids.append(token_id)
         self.last_token = token_id
         if self.num_pending_tokens:
@@ -88,13 +116,29 @@ class Sequence(RequestFeatures, PendingTokens):
         # Preempted while this token was pending: the next forward still recomputes all.
         self.needs_prefill = self.status == SequenceStatus.WAITING
 
+    def add_pending_token(self) -> None:
+        """Async scheduling: count a token sampled by a step not read back yet (its K/V
+        slot and its place in a block); append_token fills it in."""
+        self.num_tokens += 1
+        self.num_pending_tokens += 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget tokens that will never be read (the sequence finished, or its step was
+        abandoned); the next step recomputes from the last known token."""
+        if self.num_pending_tokens:
+            self.num_tokens -= self.num_pending_tokens
+            self.num_pending_tokens = 0
+            # The last known token's K/V came from the abandoned step: compute it again.
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
+
     def reset_for_recompute(self) -> None:
         """Preempted: back to waiting, nothing of it in the cache, the next forward a prefill
         over prompt + completion so far (its blocks are freed by the BlockManager)."""
         self.status = SequenceStatus.WAITING
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
-        self.spec_token_ids = []
+        if self.extras is not None:
+            self.extras.spec_token_ids = []
         self.num_preemptions += 1
         self.needs_prefill = True
 
@@ -131,9 +175,14 @@ class Sequence(RequestFeatures, PendingTokens):
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    # Tensor parallelism: a worker gets a partial copy each step (sequence_pickling.py).
-    __getstate__ = worker_state
-    __setstate__ = restore_worker_copy
+    # Tensor parallelism: a worker gets a partial copy each step
+    # (executor/sequence_pickling.py).
+    def __getstate__(self) -> tuple[Any, ...]:
+        return worker_state(self)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        restore_worker_copy(self, state)
+        self.status = SequenceStatus.RUNNING
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "

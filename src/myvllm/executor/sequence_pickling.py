@@ -6,9 +6,9 @@ sample, so they need neither the sampling params nor the status. What they need:
 
   prefill: seq_id, num_tokens, num_prompt_tokens, num_cached_tokens, block_table and ALL
            token_ids (the runner feeds token_ids[num_cached_tokens:]), and
-           needs_prompt_logprobs (the LM head over prompt rows is collective)
+           extras.needs_prompt_logprobs (the LM head over prompt rows is collective)
   decode:  the same counters and block_table, but only last_token (the one new token) and
-           the tokens proposed after it (speculative decoding), if any
+           extras.spec_token_ids, the tokens proposed after it (speculative decoding), if any
 
 Sending the whole token list every decode step would cost O(length) per sequence per step;
 sending one int keeps a step's message small. "Prefill" means needs_prefill, not just "no
@@ -20,43 +20,47 @@ yet. The worker gets num_pending_tokens and sampled_row instead, and reads the t
 own sampled-token pool, where rank 0 broadcast it (ModelRunner.run).
 
 A worker-side copy is therefore partial: in a decode step it has no token_ids (reading them
-raises AttributeError instead of returning wrong data) and its sampling_params is None.
+raises AttributeError instead of returning wrong data), its sampling_params is None, and its
+extras hold those two fields alone (None when neither is set).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from myvllm.engine.sequence import Sequence
+# The functions take the Sequence as Any: engine/sequence.py imports this module.
 
 
-def worker_state(seq: Sequence) -> tuple[Any, ...]:
+def worker_state(seq: Any) -> tuple[Any, ...]:
     """Sequence.__getstate__: the partial copy a tensor-parallel worker needs (see above)."""
     tokens: list[int] | int | None = seq.token_ids if seq.needs_prefill else seq.last_token
+    extras = seq.extras
+    # Of the features' state only what the worker's forward reads (None when none is set).
+    worker_extras = ((extras.needs_prompt_logprobs, extras.spec_token_ids)
+                     if extras is not None
+                     and (extras.needs_prompt_logprobs or extras.spec_token_ids) else None)
     return (seq.seq_id, seq.block_size, seq.num_tokens, seq.num_prompt_tokens,
             seq.num_cached_tokens, seq.num_computed_tokens, seq.num_new_tokens,
             seq.block_table, seq.needs_prefill, tokens, seq.num_pending_tokens,
-            seq.sampled_row if seq.num_pending_tokens else None,
-            seq.needs_prompt_logprobs, seq.spec_token_ids)
+            seq.sampled_row if seq.num_pending_tokens else None, worker_extras)
 
 
-def restore_worker_copy(seq: Sequence, state: tuple[Any, ...]) -> None:
-    """Sequence.__setstate__: a worker's copy from worker_state; rank 0's state is None."""
-    from myvllm.engine.sequence import SequenceStatus  # sequence.py imports this module
-
+def restore_worker_copy(seq: Any, state: tuple[Any, ...]) -> None:
+    """Sequence.__setstate__: a worker's copy from worker_state (the Sequence sets its
+    status, RUNNING); rank 0's state is None."""
     (seq.seq_id, seq.block_size, seq.num_tokens, seq.num_prompt_tokens,
      seq.num_cached_tokens, seq.num_computed_tokens, seq.num_new_tokens,
      seq.block_table, seq.needs_prefill, tokens, seq.num_pending_tokens,
-     seq.sampled_row, seq.needs_prompt_logprobs, seq.spec_token_ids) = state
-    seq.status = SequenceStatus.RUNNING
+     seq.sampled_row, worker_extras) = state
     seq.num_cached_prompt_tokens = None
-    seq.prompt_logprobs = None
-    seq.generator = None
-    seq.penalty_prompt_ids = None
-    seq.grammar_matcher = None
     seq.finish_reason = None
-    seq.sampling_params = None  # type: ignore[assignment]  # rank 0 samples
+    seq.sampling_params = None  # rank 0 samples
+    seq.extras = None
+    if worker_extras is not None:
+        from myvllm.sample.extras import SequenceExtras
+
+        seq.extras = SequenceExtras()
+        seq.extras.needs_prompt_logprobs, seq.extras.spec_token_ids = worker_extras
     if seq.needs_prefill:
         seq.token_ids = tokens
         seq.last_token = tokens[-1] if tokens else -1

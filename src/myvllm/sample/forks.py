@@ -1,7 +1,8 @@
 """SamplingParams.n > 1: the other completions of a request, forked from its first.
 
-The first completion is prefilled as any prompt; the others wait in its `forks` until its
-last prompt chunk is scheduled, then join the front of waiting with `fork_source` naming it.
+The first completion is prefilled as any prompt; the others wait in its `extras.forks` until
+its last prompt chunk is scheduled, then join the front of waiting with `extras.fork_source`
+naming it.
 At their first admission `fork` gives each the first's full prompt blocks (one
 more reference each) and fresh blocks from the one holding the last prompt token, which
 every completion recomputes in a block of its own, since each writes its own tokens after
@@ -16,31 +17,35 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.sample.extras import extras_of
 
 if TYPE_CHECKING:
     from myvllm.engine.block_manager import BlockManager
 
 
 def make_forks(seq: Sequence) -> None:
-    """Make seq's request's other completions, into seq.forks. Each has the same prompt and
-    its own sampling stream (SamplingParams.for_completion); the prompt's logprobs, if
-    asked, are computed by seq alone and handed to them (take_prompt_logprobs)."""
+    """Make seq's request's other completions, into seq.extras.forks. Each has the same
+    prompt and its own sampling stream (SamplingParams.for_completion); the prompt's
+    logprobs, if asked, are computed by seq alone and handed to them (take_prompt_logprobs)."""
+    extras = extras_of(seq)
     for index in range(1, seq.sampling_params.n):
         fork = Sequence(seq.prompt_token_ids, seq.block_size,
                         seq.sampling_params.for_completion(index))
-        fork.request_id, fork.index, fork.fork_source = seq.seq_id, index, seq
+        fork.request_id, fork.index = seq.seq_id, index
         fork.streamed = seq.streamed
-        fork.needs_prompt_logprobs, fork.prompt_logprobs = False, None
-        if seq.grammar_matcher is not None:  # its own matcher, at the grammar's start
-            fork.grammar_matcher = seq.grammar_matcher.fork()
-        seq.forks.append(fork)
+        fork_extras = extras_of(fork)
+        fork_extras.fork_source = seq
+        fork_extras.needs_prompt_logprobs, fork_extras.prompt_logprobs = False, None
+        if extras.grammar_matcher is not None:  # its own matcher, at the grammar's start
+            fork_extras.grammar_matcher = extras.grammar_matcher.fork()
+        extras.forks.append(fork)
 
 
 def fork_source(seq: Sequence) -> Sequence | None:
     """The first completion of seq's request, if seq is to be forked from it now: it still
     runs, and a step already scheduled writes the K/V of the blocks to share. Otherwise None,
     and seq is prefilled as any prompt (its source was preempted or aborted first)."""
-    source = seq.fork_source
+    source = seq.extras.fork_source if seq.extras is not None else None
     if source is None or source.status != SequenceStatus.RUNNING:
         return None
     num_shared = num_shared_prompt_blocks(seq) * seq.block_size
@@ -75,10 +80,12 @@ def fork(block_manager: BlockManager, source: Sequence, seq: Sequence) -> None:
 def release_forks(seq: Sequence, waiting: deque[Sequence]) -> None:
     """Queue seq's other completions at the front of waiting (in order), to be forked from
     it: its prompt's last chunk is scheduled, or it ended before."""
-    for fork in reversed(seq.forks):
+    if seq.extras is None:
+        return
+    for fork in reversed(seq.extras.forks):
         if not fork.is_finished:  # aborted meanwhile
             waiting.appendleft(fork)
-    seq.forks = []
+    seq.extras.forks = []
 
 
 def num_shared_prompt_blocks(seq: Sequence) -> int:

@@ -64,7 +64,7 @@ class LogitsFeatures:
         to_sample = logits if self.processing is None else process_logits(logits,
                                                                            self.processing)
         bitmask = None
-        if any(seq.grammar_matcher is not None for seq in seqs):
+        if any(seq.extras is not None and seq.extras.grammar_matcher is not None for seq in seqs):
             bitmask = fill_token_bitmask(seqs, [samples_this_step(seq) for seq in seqs],
                                          vocab_size)
         tokens = sampler(to_sample, args.temperatures, args.top_ks, args.top_ps,

@@ -27,6 +27,7 @@ import torch
 
 from myvllm.engine.batch import RequestOutput
 from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.extras import extras_of
 from myvllm.sample.sampling import ToDevice, samples_this_step
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logprobs import gather_logprobs
@@ -99,15 +100,16 @@ def wants_logprobs(seq: Sequence) -> bool:
 
 def prompt_spans(seqs: list[Sequence]) -> list[PromptSpan]:
     """The rows of a prefill step whose logits give prompt logprobs: for each sequence that
-    still needs them (Sequence.needs_prompt_logprobs: known on every tensor-parallel rank,
-    as the LM head over them is collective), its chunk's rows up to the prompt's second-last
-    token (the last row predicts the first completion token: that is sampling's)."""
+    still needs them (SequenceExtras.needs_prompt_logprobs: known on every tensor-parallel
+    rank, as the LM head over them is collective), its chunk's rows up to the prompt's
+    second-last token (the last row predicts the first completion token: that is
+    sampling's)."""
     spans = []
     row = 0
     for i, seq in enumerate(seqs):
         start = seq.num_computed_tokens - seq.num_new_tokens
         end = min(seq.num_computed_tokens, seq.num_prompt_tokens - 1)
-        if seq.needs_prompt_logprobs and end > start:
+        if seq.extras is not None and seq.extras.needs_prompt_logprobs and end > start:
             spans.append(PromptSpan(i, row, start + 1, end - start))
         row += seq.num_new_tokens
     return spans
@@ -176,14 +178,15 @@ def read_step_logprobs(seqs: list[Sequence], step: StepLogprobs | None
                  for offset, span in zip(offsets, step.prompt_spans)]
         for span, lists in zip(step.prompt_spans, step.prompt.lists(spans), strict=True):
             seq = seqs[span.seq_index]
-            known = seq.prompt_logprobs
-            if known is None:  # already handed out
+            extras = seq.extras
+            known = extras.prompt_logprobs if extras is not None else None
+            if extras is None or known is None:  # already handed out
                 continue
             next_position = len(known) + 1
             if span.position <= next_position:
                 known.extend(lists.slice(next_position - span.position, span.count))
             if len(known) + 1 >= seq.num_prompt_tokens:
-                seq.needs_prompt_logprobs = False
+                extras.needs_prompt_logprobs = False
     if step.sampled is None:
         return {}
     ks = [seqs[i].sampling_params.logprobs or 0 for i in step.sampled_seqs]
@@ -196,13 +199,14 @@ def take_prompt_logprobs(seq: Sequence, completions: list[Sequence]) -> Logprobs
     completions: its request's sequences; with n > 1 the other completions' first outputs
     come in this step (after seq's: they were admitted after it) or later, and carry them
     too."""
-    if seq.prompt_logprobs is None:
+    extras = seq.extras
+    if extras is None or extras.prompt_logprobs is None:
         return None
-    lists, seq.prompt_logprobs = seq.prompt_logprobs, None
-    seq.needs_prompt_logprobs = False
+    lists, extras.prompt_logprobs = extras.prompt_logprobs, None
+    extras.needs_prompt_logprobs = False
     if seq.index == 0:
         for fork in completions[1:]:
-            fork.prompt_logprobs = lists
+            extras_of(fork).prompt_logprobs = lists
     return lists
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from myvllm.engine.batch import SamplingArgs
+from myvllm.sample.extras import proposals_of
 from myvllm.sample.sampling_controls import ToDevice, generator_for, prepare_min_ps
 from myvllm.engine.sequence import Sequence
 
@@ -17,7 +18,8 @@ from myvllm.engine.sequence import Sequence
 def samples_this_step(seq: Sequence) -> bool:
     """The step's chunk reaches the sequence's last token (a decode row always does, and
     a row verifying proposals reaches past it, to the last proposal)."""
-    return seq.num_computed_tokens == seq.num_tokens + len(seq.spec_token_ids)
+    num_proposals = len(seq.extras.spec_token_ids) if seq.extras is not None else 0
+    return seq.num_computed_tokens == seq.num_tokens + num_proposals
 
 
 def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device
@@ -32,7 +34,7 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
     if any(p.seed is not None for p in params):
         # A row verifying proposals draws from its generator in the rejection sampler.
         generators = [generator_for(seq, device)
-                      if samples_this_step(seq) and not seq.spec_token_ids else None
+                      if samples_this_step(seq) and not proposals_of(seq) else None
                       for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)

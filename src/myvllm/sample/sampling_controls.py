@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.extras import extras_of
 from myvllm.layers.logits_processors import BannedTokens, LogitBias, LogitsProcessing, Penalties
 
 # Host values -> a device tensor, without making the host wait (FreshTensors.tensor).
@@ -44,7 +45,8 @@ def needs_full_sampler(seqs: list[Sequence]) -> bool:
     logprobs, or a grammar."""
     return any(uses_filters_or_seeds(seq) or uses_sampling_controls(seq)
                or seq.sampling_params.logprobs is not None
-               or seq.grammar_matcher is not None for seq in seqs)
+               or (seq.extras is not None and seq.extras.grammar_matcher is not None)
+               for seq in seqs)
 
 
 def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None:
@@ -52,9 +54,10 @@ def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None
     seed = seq.sampling_params.seed
     if seed is None:
         return None
-    if seq.generator is None:
-        seq.generator = torch.Generator(device).manual_seed(seed)
-    return seq.generator
+    extras = extras_of(seq)
+    if extras.generator is None:
+        extras.generator = torch.Generator(device).manual_seed(seed)
+    return extras.generator
 
 
 def uses_penalties(seq: Sequence) -> bool:
@@ -187,6 +190,7 @@ def _penalties(seqs: list[Sequence], to_device: ToDevice, pool_tokens: torch.Ten
 def _distinct_prompt_ids(seq: Sequence, to_device: ToDevice) -> torch.Tensor:
     """The prompt's distinct token ids on the device, made once per sequence (a prompt never
     changes; a copy per step would cost O(prompt length) of host time each step)."""
-    if seq.penalty_prompt_ids is None:
-        seq.penalty_prompt_ids = to_device(sorted(set(seq.prompt_token_ids)), torch.int64)
-    return seq.penalty_prompt_ids
+    extras = extras_of(seq)
+    if extras.penalty_prompt_ids is None:
+        extras.penalty_prompt_ids = to_device(sorted(set(seq.prompt_token_ids)), torch.int64)
+    return extras.penalty_prompt_ids

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from myvllm.config import Config
+from myvllm.sample.extras import proposals_of
 from myvllm.sample.sampling import prepare_sample
 from myvllm.sample.sampling_controls import generator_for
 from myvllm.engine.sequence import Sequence
@@ -69,7 +70,7 @@ class DraftRow:
     fields InputBuilder.prepare_prefill reads): its tokens, the target's block table (the
     draft's cache is indexed by it), and the draft's own counts."""
 
-    spec_token_ids: list[int] = []  # never any: the draft's chunks verify nothing
+    extras = None  # no feature's state: the draft's chunks verify nothing
     num_pending_tokens = 0  # every token on the host
 
     def __init__(self, token_ids: list[int], block_table: list[int]) -> None:
@@ -144,13 +145,13 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """Fill the proposal slots (spec_token_ids) of the step's rows that have them, in
+        """Fill the proposal slots (extras.spec_token_ids) of the step's rows that have them, in
         place. Returns q [rows with proposals, k, vocab] (k: the most any row has; a row
         with fewer padded with zeros), or None when no row proposes."""
-        rows = [seq for seq in seqs if seq.spec_token_ids]
+        rows = [seq for seq in seqs if proposals_of(seq)]
         if not rows:
             return None
-        k = max(len(seq.spec_token_ids) for seq in rows)
+        k = max(len(proposals_of(seq)) for seq in rows)
         logits = self._catch_up(rows)
         vocab = logits.size(-1)
         q = torch.zeros(len(rows), k, vocab, dtype=torch.float32, device=logits.device)
@@ -159,8 +160,8 @@ class DraftProposer:
         for j in range(k):
             tokens = self._sample(logits, [rows[i] for i in active], q, active, j)
             for i, token in zip(active, tokens, strict=True):
-                rows[i].spec_token_ids[j] = token
-            active = [i for i in active if len(rows[i].spec_token_ids) > j + 1]
+                proposals_of(rows[i])[j] = token
+            active = [i for i in active if len(proposals_of(rows[i])) > j + 1]
             if not active:
                 break
             batch = []
@@ -168,7 +169,7 @@ class DraftProposer:
                 if i not in shadows:  # its own copy of the tokens: drafts get appended
                     shadows[i] = DraftRow(list(rows[i].token_ids), rows[i].block_table)
                 shadow = shadows[i]
-                shadow.append_token(rows[i].spec_token_ids[j])
+                shadow.append_token(proposals_of(rows[i])[j])
                 batch.append(shadow)
             logits = self._decode(batch)
         for seq in rows:

@@ -3,7 +3,7 @@ accepted count does to the sequence afterwards.
 
 Scheduling a decode row with proposals d_1..d_k (n = the sequence's tokens, t_n its last):
 
-    spec_token_ids      = [d_1 .. d_k]          never in token_ids until accepted
+    extras.spec_token_ids = [d_1 .. d_k]        never in token_ids until accepted
     num_new_tokens      = 1 + k                 t_n and the proposals, one forward pass
     num_computed_tokens = n + k                 K/V written up to position n + k - 1
     blocks              for n + k positions     BlockManager.append(seq, num_lookahead=k)
@@ -98,12 +98,12 @@ class Speculator:
         # and min_p, and a grammar's bitmask come from the one-token path; verification
         # samples from the plain target distribution.
         return (seq.sampling_params.logprobs is None and not uses_sampling_controls(seq)
-                and seq.grammar_matcher is None)
+                and (seq.extras is None or seq.extras.grammar_matcher is None))
 
     def needs_tokens_on_host(self, seq: Sequence) -> bool:
         """Must the step just queued for seq be read back before the next one is planned?
         Yes if seq verifies proposals in it, or will look up proposals in the next."""
-        if seq.spec_token_ids:
+        if seq.extras is not None and seq.extras.spec_token_ids:
             return True
         if not self.may_propose(seq):
             return False

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.worker.input_builder import InputBuilder
+from myvllm.sample.extras import proposals_of
 from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.worker.pending_tokens import last_token
 from myvllm.sample.sampling_controls import ToDevice, generator_for
@@ -115,7 +116,7 @@ class VerificationStep:
 
 
 def has_proposals(seqs: list[Sequence]) -> bool:
-    return any(seq.spec_token_ids for seq in seqs)
+    return any(seq.extras is not None and seq.extras.spec_token_ids for seq in seqs)
 
 
 def verifies_as_decode(seqs: list[Sequence], max_rows: int) -> bool:
@@ -123,7 +124,7 @@ def verifies_as_decode(seqs: list[Sequence], max_rows: int) -> bool:
     their k + 1 decode rows each fit in max_rows (the largest decode step)."""
     rows = 0
     for seq in seqs:
-        new = 1 + len(seq.spec_token_ids)
+        new = 1 + len(proposals_of(seq))
         if seq.num_new_tokens != new or seq.num_computed_tokens != seq.num_tokens - 1 + new:
             return False
         rows += new
@@ -141,13 +142,13 @@ def verification_decode_step(inputs: InputBuilder, seqs: list[Sequence]) -> Step
     temperatures: list[float] = []
     for seq in seqs:
         input_ids.append(last_token(seq, len(input_ids), pending))
-        input_ids.extend(seq.spec_token_ids)
+        input_ids.extend(proposals_of(seq))
         first = seq.num_tokens - 1
-        positions.extend(range(first, first + 1 + len(seq.spec_token_ids)))
-        tables.extend([seq.block_table] * (1 + len(seq.spec_token_ids)))
+        positions.extend(range(first, first + 1 + len(proposals_of(seq))))
+        tables.extend([seq.block_table] * (1 + len(proposals_of(seq))))
         # Only rank 0 samples (a worker's copy of a Sequence carries no sampling_params).
         temperature = seq.sampling_params.temperature if inputs.rank == 0 else 0.0
-        temperatures.extend([temperature] * (1 + len(seq.spec_token_ids)))
+        temperatures.extend([temperature] * (1 + len(proposals_of(seq))))
     slot_mapping = [table[pos // block_size] * block_size + pos % block_size
                     for table, pos in zip(tables, positions, strict=True)]
     context_lens = [pos + 1 for pos in positions]
@@ -165,7 +166,7 @@ class VerificationRows:
         end = 0
         for seq in seqs:
             end += seq.num_new_tokens
-            first = end - 1 - len(seq.spec_token_ids)
+            first = end - 1 - len(proposals_of(seq))
             self.first_rows.append(len(self.logit_rows))
             self.logit_rows.extend(range(first, end))
             self.last_rows.append(len(self.logit_rows) - 1)
@@ -184,19 +185,19 @@ def verify(seqs: list[Sequence], rows: VerificationRows, logits: torch.Tensor,
     draft_probs: a draft model's q [rows with proposals, k, vocab], None for prompt lookup).
     Returns (their indices in seqs, their emitted tokens [len, k+1] int64 on the device,
     PLACEHOLDER padded)."""
-    spec = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
-    k = max(len(seqs[i].spec_token_ids) for i in spec)
+    spec = [i for i, seq in enumerate(seqs) if proposals_of(seq)]
+    k = max(len(proposals_of(seqs[i])) for i in spec)
     # Each row's k + 1 logit rows, a row with fewer proposals padded with its last one.
     index = [min(rows.first_rows[i] + j, rows.last_rows[i]) for i in spec for j in range(k + 1)]
     target = logits[to_device(index, torch.int64)].view(len(spec), k + 1, -1)
-    drafts = [seqs[i].spec_token_ids + [0] * (k - len(seqs[i].spec_token_ids)) for i in spec]
+    drafts = [proposals_of(seqs[i]) + [0] * (k - len(proposals_of(seqs[i]))) for i in spec]
     at = to_device(spec, torch.int64)
     generators = None
     if any(seqs[i].sampling_params.seed is not None for i in spec):
         generators = [generator_for(seqs[i], logits.device) for i in spec]
     emitted = rejection_sample(
         target, to_device(sum(drafts, []), torch.int64).view(len(spec), k),
-        [len(seqs[i].spec_token_ids) for i in spec], args.temperatures[at],
+        [len(proposals_of(seqs[i])) for i in spec], args.temperatures[at],
         args.top_ks[at] if args.top_ks is not None else None,
         args.top_ps[at] if args.top_ps is not None else None,
         generators, draft_probs, all_greedy=args.all_greedy)
@@ -238,7 +239,8 @@ def greedy_fast_path_applies(seqs: list[Sequence], processing: object | None,
     return (processing is None and not has_prompt_logprobs
             and all(seq.sampling_params.temperature == 0
                     and seq.sampling_params.logprobs is None
-                    and seq.grammar_matcher is None for seq in seqs))
+                    and (seq.extras is None or seq.extras.grammar_matcher is None)
+                    for seq in seqs))
 
 
 def greedy_verify(seqs: list[Sequence], rows: VerificationRows, logits: torch.Tensor,
@@ -272,9 +274,9 @@ class GreedyVerifiedTokens(VerifiedTokens):
 
     def __init__(self, seqs: list[Sequence], rows: VerificationRows,
                  greedy: torch.Tensor) -> None:
-        indices = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
+        indices = [i for i, seq in enumerate(seqs) if proposals_of(seq)]
         super().__init__(indices, greedy)
-        self.drafts = [list(seqs[i].spec_token_ids) for i in indices]
+        self.drafts = [list(proposals_of(seqs[i])) for i in indices]
         self.first_rows = [rows.first_rows[i] for i in indices]
 
     def token_lists(self) -> dict[int, list[int]]:

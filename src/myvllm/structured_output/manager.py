@@ -5,7 +5,7 @@ JSON object) is compiled by xgrammar against the model's vocabulary into a Compi
 cached by its spec, so that a thousand requests with one schema compile it once. Each
 Sequence gets a GrammarMatcher of its own: the state of its output in that grammar.
 
-    make_sequence       StructuredOutputManager.add_matcher(seq) -> seq.grammar_matcher
+    make_sequence       StructuredOutputManager.add_matcher(seq) -> seq.extras.grammar_matcher
     LogitsFeatures      fill_token_bitmask(seqs): one row of bits per sequence, bit t of a
                         row = token t may come next (the matcher's fill_next_token_bitmask;
                         rows without a grammar, or whose chunk does not sample, allow all)
@@ -124,7 +124,8 @@ class StructuredOutputManager:
         raises here, before the request is queued)."""
         params = seq.sampling_params.structured_outputs
         if params is not None:
-            seq.grammar_matcher = self.matcher_for(params)
+            assert seq.extras is not None, "a grammar is a feature: its Sequence has extras"
+            seq.extras.grammar_matcher = self.matcher_for(params)
 
 
 # Keys whose values are JSON data, not subschemas.
@@ -169,7 +170,7 @@ def fill_token_bitmask(seqs: list[Sequence], samples: list[bool],
     that samples has a grammar. samples[i]: row i's token is kept (its chunk reaches its last
     token); the other rows, and rows without a grammar, allow every token (all bits set)."""
     rows = [i for i, (seq, sample) in enumerate(zip(seqs, samples, strict=True))
-            if sample and seq.grammar_matcher is not None]
+            if sample and seq.extras is not None and seq.extras.grammar_matcher is not None]
     if not rows:
         return None
     bitmask = torch.full((len(seqs), bitmask_width(vocab_size)), -1, dtype=torch.int32)
@@ -180,6 +181,6 @@ def fill_token_bitmask(seqs: list[Sequence], samples: list[bool],
             # position (EngineCore.step reads such a step back before planning the next).
             raise RuntimeError(f"sequence {seq.seq_id} has a grammar and a token in flight: "
                                "its bitmask cannot be built yet")
-        seq.grammar_matcher.fill_next_token_bitmask(bitmask, row)
+        assert seq.extras is not None  # rows: those with a grammar
+        seq.extras.grammar_matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
-

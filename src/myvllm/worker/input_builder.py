@@ -67,9 +67,10 @@ class InputBuilder:
         for seq in seqs:
             end = seq.num_computed_tokens
             start = end - seq.num_new_tokens
-            if seq.spec_token_ids:  # verification: the last token, then the proposals
+            if seq.extras is not None and seq.extras.spec_token_ids:
+                # verification: the last token, then the proposals
                 input_ids.append(pending_tokens.last_token(seq, len(input_ids), pending))
-                input_ids.extend(seq.spec_token_ids)
+                input_ids.extend(seq.extras.spec_token_ids)
             elif seq.num_new_tokens == 1 and end == len(seq):  # the sequence's last token
                 input_ids.append(pending_tokens.last_token(seq, len(input_ids), pending))
             else:

@@ -2,12 +2,12 @@
 before their value is known. Async scheduling plans step N+1 before step N's tokens reach the
 host.
 
-The Sequence's side, PendingTokens (Sequence derives from it): each sequence of step N counts
-one pending token (its K/V slot, its place in a block), which Scheduler.postprocess fills in
-(Sequence.append_token takes the oldest pending slot). What plans by length works unchanged;
-only what reads token values waits.
+The Sequence's side (Sequence.num_pending_tokens, add_pending_token, drop_pending_tokens):
+each sequence of step N counts one pending token (its K/V slot, its place in a block), which
+Scheduler.postprocess fills in (Sequence.append_token takes the oldest pending slot). What
+plans by length works unchanged; only what reads token values waits.
 
-The runner's side, the functions below: a pending token is read on the device, from its row
+The runner's side, the functions here: a pending token is read on the device, from its row
 of the sampled-token pool (worker/token_pool.py; that row is Sequence.sampled_row). A step's
 input ids are gathered there:
 
@@ -32,31 +32,6 @@ if TYPE_CHECKING:
     from myvllm.engine.sequence import Sequence
     from myvllm.worker.staging import FreshTensors
     from myvllm.worker.token_pool import TokenPool
-
-
-class PendingTokens:
-    # Sequence's
-    num_tokens: int
-    num_computed_tokens: int
-
-    def __init__(self) -> None:
-        # Tokens counted in num_tokens, not yet in token_ids.
-        self.num_pending_tokens: int = 0
-        # The row of its token in the last step's sampled-token pool (worker/token_pool.py).
-        self.sampled_row: int | None = None
-
-    def add_pending_token(self) -> None:
-        self.num_tokens += 1
-        self.num_pending_tokens += 1
-
-    def drop_pending_tokens(self) -> None:
-        """Forget tokens that will never be read (the sequence finished, or its step was
-        abandoned); the next step recomputes from the last known token."""
-        if self.num_pending_tokens:
-            self.num_tokens -= self.num_pending_tokens
-            self.num_pending_tokens = 0
-            # The last known token's K/V came from the abandoned step: compute it again.
-            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
 
 def last_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
