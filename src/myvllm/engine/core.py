@@ -32,12 +32,13 @@ from myvllm.executor.executor import Executor
 from myvllm.sample.logprobs import read_step_logprobs
 from myvllm.sample.sampling import samples_this_step
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.spec_decode.draft_proposer import make_draft_proposer
 from myvllm.spec_decode.verification import verified_token_lists
 from myvllm.structured_output.manager import StructuredOutputManager
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
 from myvllm.worker.cpu_threads import claim_cpu_threads
-from myvllm.worker.token_pool import SampledTokens
+from myvllm.worker.staging import SampledTokens
 
 
 class EngineCore:
@@ -65,6 +66,11 @@ class EngineCore:
                     self.model_runner: ModelRunner = self.workers.model_runner
                 else:
                     self.model_runner = ModelRunner(config, 0, model_path, hf_config)
+                    # speculative_method "draft" (one GPU only): the draft model beside it.
+                    draft = make_draft_proposer(config, hf_config)
+                    if draft is not None:
+                        assert self.model_runner.verifier is not None
+                        self.model_runner.verifier.draft = draft
                 num_blocks = self._call_runner("initialize_cache")
             except BaseException:
                 self.stop_workers_now()
@@ -80,7 +86,7 @@ class EngineCore:
         self.model_path = model_path
         # Made at the first request that asks for structured outputs (its compiler reads
         # the tokenizer), then shared by all of them.
-        self.structured_outputs: StructuredOutputManager | None = None
+        self._structured_outputs: StructuredOutputManager | None = None
         self.async_scheduling = bool(config.async_scheduling)
         # async_scheduling: the step queued and not read yet (None without it).
         self._in_flight = InFlight() if self.async_scheduling else None
@@ -135,14 +141,15 @@ class EngineCore:
         # An empty or too long prompt, one that can never fit the KV cache: refused here.
         self.scheduler.check_sequence(seq)
         if sampling_params.structured_outputs is not None:
-            self._grammars().add_matcher(seq)
+            self.structured_outputs().add_matcher(seq)
         return seq
 
-    def _grammars(self) -> StructuredOutputManager:
-        if self.structured_outputs is None:
-            self.structured_outputs = StructuredOutputManager(
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The engine's grammar compiler and cache, made at the first call."""
+        if self._structured_outputs is None:
+            self._structured_outputs = StructuredOutputManager(
                 self.model_path, self.vocab_size, sorted(self.scheduler.eos_token_ids))
-        return self.structured_outputs
+        return self._structured_outputs
 
     def add_sequence(self, seq: Sequence) -> int:
         """Queue a sequence made by make_sequence (and its other completions, n > 1);

@@ -46,7 +46,8 @@ def request_outputs(seqs: list[Sequence], num_known: list[int],
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens or 0,
             logprobs=seq_logprobs,
-            prompt_logprobs=take_prompt_logprobs(seq, requests.get(seq.request_id, [])),
+            prompt_logprobs=(None if seq.extras is None  # asked for no prompt logprobs
+                             else take_prompt_logprobs(seq, requests.get(seq.request_id, []))),
             index=seq.index))
     # A request ends with the last output of its last completion to finish.
     for out in reversed(outputs):

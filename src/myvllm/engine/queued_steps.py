@@ -9,7 +9,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from myvllm.engine.sequence import Sequence
-from myvllm.worker.token_pool import SampledTokens
+from myvllm.worker.staging import SampledTokens
 
 if TYPE_CHECKING:
     from myvllm.engine.scheduler import Scheduler
