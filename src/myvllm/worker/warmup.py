@@ -14,22 +14,48 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
-from myvllm.worker.padded_steps import pad_steps
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import LogitsProcessing, Penalties, process_logits
-
-if TYPE_CHECKING:
-    from myvllm.engine.model_runner import ModelRunner
+from myvllm.layers.sampler import Sampler
+from myvllm.worker.cuda_graphs import GraphCache
+from myvllm.worker.input_builder import InputBuilder
+from myvllm.worker.kv_cache import KVCacheLayout
+from myvllm.worker.padded_steps import pad_steps
 
 logger = logging.getLogger("myvllm")
 
 
-def pad_and_capture(runner: ModelRunner) -> None:
+class WarmupRunner(Protocol):
+    """A ModelRunner (engine/model_runner.py), as its start-up here sees it."""
+
+    config: Config
+    rank: int
+    device: torch.device
+    dtype: torch.dtype
+    hf_config: Any
+    enforce_eager: bool
+    sample_in_graph: bool
+    inputs: InputBuilder
+    graphs: GraphCache
+    sampler: Sampler
+    kv_layout: KVCacheLayout
+    num_kvcache_blocks: int
+
+    def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None: ...
+
+    def body_forward(self, step: StepInputs) -> torch.Tensor: ...
+
+    def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
+                       ) -> torch.Tensor: ...
+
+
+def pad_and_capture(runner: WarmupRunner) -> None:
     """GPU: pad steps onto fixed buffers from now on, and capture their CUDA graphs
     (unless enforce_eager: padded in eager mode too, so that both compute the same)."""
     chunk_tiles = None
@@ -59,7 +85,7 @@ def pad_and_capture(runner: ModelRunner) -> None:
 
 
 @torch.inference_mode()
-def warmup_model(runner: ModelRunner) -> None:
+def warmup_model(runner: WarmupRunner) -> None:
     """Run the largest step the scheduler may send, so the peak memory is measured.
 
     That is a prefill of max_num_batched_tokens tokens (whole max_model_length sequences
@@ -91,7 +117,7 @@ def warmup_model(runner: ModelRunner) -> None:
 
 
 @torch.inference_mode()
-def warmup_sampler(runner: ModelRunner) -> None:
+def warmup_sampler(runner: WarmupRunner) -> None:
     """The sampler on max_num_sequences rows of logits, with top-p (its sort makes several
     vocabulary-sized copies), with the sampling controls as well, and without, then on 3
     rows: up to 8 rows the sampling kernels launch with programmatic dependent launch
@@ -118,7 +144,7 @@ def warmup_sampler(runner: ModelRunner) -> None:
 
 
 @torch.inference_mode()
-def warmup_cached_prefix_prefill(runner: ModelRunner) -> None:
+def warmup_cached_prefix_prefill(runner: WarmupRunner) -> None:
     """Compile the prefill kernel's variant that reads a cached prefix through the block
     tables (~2 s), here rather than in the first request with a prefix-cache hit.
 
