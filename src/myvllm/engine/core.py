@@ -206,10 +206,11 @@ class EngineCore:
         in it, and the signed count of tokens computed (never above max_num_batched_tokens):
         > 0 for a step that computes prompt tokens (decode rows beside them count too), < 0
         for a pure decode step (one per sequence). With async_scheduling both describe the
-        step queued by the previous call (step_async)."""
+        step queued by the previous call (InFlight.step_through)."""
         self.check_alive()
         if self._in_flight is not None:
-            return self.step_async(self._in_flight)
+            return self._in_flight.step_through(self.scheduler.schedule, self._queue,
+                                                self._read_queued)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return [], 0
@@ -217,28 +218,12 @@ class EngineCore:
         sampled = self._run(seqs, is_prefill)
         return self._read_back(seqs, samples, sampled), _num_tokens(seqs, is_prefill)
 
-    def step_async(self, in_flight: InFlight) -> tuple[list[RequestOutput], int]:
-        """async_scheduling: queue the next step, then read back the one queued by the
-        previous call (the guide's Step 6, "Async scheduling"), unless that one must be on
-        the host before the next is planned (a grammar's next bitmask, speculation's
-        accepted tokens): then it is read back first and nothing new is queued."""
-        # A step in flight whose tokens the next schedule needs is read back first.
-        constrained = in_flight.take_constrained()
-        waited = self._read_queued(constrained) if constrained is not None else None
-        seqs, is_prefill = self.scheduler.schedule()
-        queued = None
-        if seqs:
-            samples = [samples_this_step(seq) for seq in seqs]
-            sampled = self._run(seqs, is_prefill)
-            queued = queued_step(seqs, _num_tokens(seqs, is_prefill), sampled, samples,
-                                 self.scheduler.speculator)
-        queued = in_flight.swap(queued)  # the step queued before
-        if waited is not None:  # the step read back above (the one before is in flight)
-            assert queued is None
-            return waited
-        if queued is None:  # nothing queued (or the first step of a run, still in flight)
-            return [], 0
-        return self._read_queued(queued)
+    def _queue(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep:
+        """async_scheduling: run one step, and leave its tokens on their way."""
+        samples = [samples_this_step(seq) for seq in seqs]
+        sampled = self._run(seqs, is_prefill)
+        return queued_step(seqs, _num_tokens(seqs, is_prefill), sampled, samples,
+                           self.scheduler.speculator)
 
     def _run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens:
         """Run one step on every rank; its tokens are not waited for here."""

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
 from myvllm.worker.staging import SampledTokens
 
@@ -47,6 +49,26 @@ class InFlight:
 
     def __init__(self) -> None:
         self.step: QueuedStep | None = None
+
+    def step_through(
+            self, schedule: Callable[[], tuple[list[Sequence], bool]],
+            queue: Callable[[list[Sequence], bool], QueuedStep],
+            read_back: Callable[[QueuedStep], tuple[list[RequestOutput], int]],
+    ) -> tuple[list[RequestOutput], int]:
+        """One EngineCore.step: schedule and queue the next step, then read back the one
+        queued by the previous call, unless that one must be on the host before the next is
+        planned (a grammar's next bitmask, speculation's accepted tokens): then it is read
+        back first and nothing new is queued."""
+        constrained = self.take_constrained()
+        waited = read_back(constrained) if constrained is not None else None
+        seqs, is_prefill = schedule()
+        queued = self.swap(queue(seqs, is_prefill) if seqs else None)  # the one before
+        if waited is not None:  # the step read back above (the one before is in flight)
+            assert queued is None
+            return waited
+        if queued is None:  # nothing queued (or the first step of a run, still in flight)
+            return [], 0
+        return read_back(queued)
 
     def take_constrained(self) -> QueuedStep | None:
         """The step in flight, taken out, if the next schedule needs its tokens on the host
