@@ -94,22 +94,23 @@ def compare(name: str, cold: list[dict[str, Any]], other: list[dict[str, Any]]) 
                          for s, a, b in zip(same, cold, other)))
 
 
-def run_scenarios(batch_invariant: bool) -> list[Agreement]:
-    """Every scenario of the module docstring, compared with cold."""
+def run_scenarios(batch_invariant: bool, max_tokens: int = MAX_TOKENS) -> list[Agreement]:
+    """Every scenario of the module docstring, compared with cold (max_tokens greedy tokens
+    a request; the test of the mode runs fewer than the recorded 128)."""
     prefix, prompts, fillers = workload()
     llm = engine(batch_invariant, enable_prefix_caching=False)
-    cold = outputs(llm, prompts)
-    alone = [outputs(llm, [p])[0] for p in prompts[:NUM_ALONE]]
-    mixed = outputs(llm, [x for pair in zip(fillers, prompts) for x in pair])[1::2]
+    cold = outputs(llm, prompts, max_tokens)
+    alone = [outputs(llm, [p], max_tokens)[0] for p in prompts[:NUM_ALONE]]
+    mixed = outputs(llm, [x for pair in zip(fillers, prompts) for x in pair], max_tokens)[1::2]
     close(llm)
     llm = engine(batch_invariant, enable_prefix_caching=True)
     outputs(llm, [prefix], max_tokens=1)  # caches the prefix's 32 blocks
-    hit = outputs(llm, prompts)
+    hit = outputs(llm, prompts, max_tokens)
     if min(o["num_cached_tokens"] for o in hit) < PREFIX_LEN:
         raise RuntimeError("prefix hit: a prompt did not hit the cached 512-token prefix")
     close(llm)
     llm = engine(batch_invariant, enable_prefix_caching=False, max_num_batched_tokens=256)
-    chunked = outputs(llm, prompts)
+    chunked = outputs(llm, prompts, max_tokens)
     close(llm)
     return [compare("alone", cold[:NUM_ALONE], alone), compare("batch 256", cold, mixed),
             compare("prefix hit", cold, hit), compare("chunked", cold, chunked)]

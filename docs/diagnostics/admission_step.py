@@ -2,9 +2,9 @@
 
 Run from the repository root: python3 docs/diagnostics/admission_step.py
 
-The stall scenario of benchmark_latency.py with the engine's defaults (64 sequences decode, a
-16,000-token prompt joins), twice on one engine with different prompts, so that a cost paid
-once per engine shows apart from one paid at every admission. Each step's host phases are
+The stall scenario of benchmarks/benchmark_latency.py with the engine's defaults (64
+sequences decode, a 16,000-token prompt joins), twice on one engine with different prompts,
+so that a cost paid once per engine shows apart from one paid at every admission. Each step's host phases are
 timed with a device sync after each (schedule; the runner's run() until it returns, i.e.
 host work and launches; the wait for the device; reading back and postprocessing), for the
 last decode step before the join and the first four after it. The second admission step is
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
-from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
+from benchmarks.workload import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
 from mixed_step_profile import VOCAB, start_decoders, stop  # noqa: E402  (same folder)
 from myvllm import LLM, SamplingParams  # noqa: E402
 

@@ -6,7 +6,7 @@ import sys, time, tempfile
 from pathlib import Path
 sys.path.insert(0, "src"); sys.path.insert(0, ".")
 import torch, triton
-from benchmark_tps import build_random_checkpoint, QWEN3_CONFIG, make_workload
+from benchmarks.workload import build_random_checkpoint, QWEN3_CONFIG, make_workload
 from myvllm import LLM, SamplingParams
 
 phase = ["init"]

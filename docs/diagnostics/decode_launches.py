@@ -28,7 +28,7 @@ import myvllm.layers.fused as fused  # noqa: E402
 from myvllm import LLM, SamplingParams  # noqa: E402
 
 sys.path.insert(0, ".")
-from benchmark_tps import batch1_ms_per_token  # noqa: E402
+from benchmarks.workload import batch1_ms_per_token  # noqa: E402
 
 STORE_PAIR = ("rotary_emb", "attn")
 PROFILED_STEPS = 20

@@ -10,7 +10,7 @@ import sys, time, tempfile, random
 from pathlib import Path
 sys.path.insert(0, "src"); sys.path.insert(0, ".")
 import torch
-from benchmark_tps import build_random_checkpoint, QWEN3_CONFIG
+from benchmarks.workload import build_random_checkpoint, QWEN3_CONFIG
 from myvllm import LLM, SamplingParams
 from myvllm.utils.context import forward_context
 

@@ -3,13 +3,14 @@
 Run from the repository root: python3 docs/diagnostics/late_compiles.py [benchmark_tps.py's
 arguments]
 
-benchmark_tps.main() runs with TRITON_CACHE_DIR pointing at an empty folder (worker processes
+benchmark_tps.py runs (as __main__, in this process) with TRITON_CACHE_DIR pointing at an empty folder (worker processes
 inherit it), with the start and end of every generate() recorded. Afterwards every cache entry
 written after the warm-up generate() is listed with its time: an entry inside the first timed
 run is a kernel variant compiled in the middle of it (this found the block table's
 "divisible by 16" variant, ~2 s inside the first run on a bare machine).
 """
 import os
+import runpy
 import sys
 import tempfile
 import time
@@ -24,7 +25,6 @@ cache = Path(os.environ["TRITON_CACHE_DIR"])
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO))
-import benchmark_tps  # noqa: E402
 from myvllm.engine import llm_engine  # noqa: E402
 
 starts = []
@@ -40,8 +40,9 @@ def generate(self, prompts, *a, **k):
 
 def main() -> None:
     llm_engine.LLMEngine.generate = generate
-    sys.argv = ["benchmark_tps.py"] + sys.argv[1:]
-    benchmark_tps.main()
+    script = str(REPO / "benchmark_tps.py")
+    sys.argv = [script] + sys.argv[1:]
+    runpy.run_path(script, run_name="__main__")
     biggest = max(c[0] for c in starts)
     timed = next(i for i, c in enumerate(starts) if c[0] == biggest)  # the first workload run
     warm_end = starts[timed - 1][2]

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from admission_step import PHASES, timed  # noqa: E402  (same folder)
-from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
+from benchmarks.workload import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
 from myvllm import LLM, SamplingParams  # noqa: E402
 
 VOCAB = 100_000

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import triton.testing as tt  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
+from benchmarks.workload import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
 from myvllm import LLM, SamplingParams  # noqa: E402
 from myvllm.kernels.prefill_attention import (  # noqa: E402
     PrefillConfig,

@@ -3,10 +3,11 @@
 Run from the repository root: BATCH=1 python3 docs/diagnostics/profile_spec_decode.py
 
 One engine with n-gram speculation (k = 4, lookup 2..4) on BATCH copies of the copy-heavy
-prompts of benchmark_spec_decode.py, 128 greedy tokens each: a warm-up run, a timed run (ms
-per engine step and how many steps), then the same run under cProfile (the host's Python,
-written to $OUT/b{BATCH}_cprofile_spec.txt by cumulative and _tottime.txt by own time) and
-under torch.profiler (CPU ops and CUDA kernels: $OUT/b{BATCH}_torchprof_spec_{cpu,cuda}.txt).
+prompts of benchmarks/benchmark_spec_decode.py, 128 greedy tokens each: a warm-up run, a
+timed run (ms per engine step and how many steps), then the same run under cProfile (the
+host's Python, written to $OUT/b{BATCH}_cprofile_spec.txt by cumulative and _tottime.txt by
+own time) and under torch.profiler (CPU ops and CUDA kernels:
+$OUT/b{BATCH}_torchprof_spec_{cpu,cuda}.txt).
 """
 import cProfile
 import io
@@ -20,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "src")
 sys.path.insert(0, ".")
-from benchmark_spec_decode import COPY_PROMPTS  # noqa: E402
+from benchmarks.benchmark_spec_decode import COPY_PROMPTS  # noqa: E402
 from myvllm import LLM, SamplingParams  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp")

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
-from benchmark_tps import QWEN3_CONFIG, fresh_copy, make_workload  # noqa: E402
+from benchmarks.workload import QWEN3_CONFIG, fresh_copy, make_workload  # noqa: E402
 
 from myvllm import LLM, SamplingParams  # noqa: E402
 from myvllm.engine.llm_engine import LLMEngine  # noqa: E402

@@ -1,8 +1,8 @@
-"""The decode stall of benchmark_latency.py (64 streams decoding, a 16,000-token prompt
-joins) at chosen values of max_prefill_tokens_while_decoding, with the other defaults: the
-gaps between streamed tokens, then each step drained. The part of the latency sweep needed
-to choose the cap's default beside a serving sweep (benchmark_serving.py), without the
-sweep's throughput and time-to-first-token runs.
+"""The decode stall of benchmarks/benchmark_latency.py (64 streams decoding, a 16,000-token
+prompt joins) at chosen values of max_prefill_tokens_while_decoding, with the other defaults:
+the gaps between streamed tokens, then each step drained. The part of the latency sweep
+needed to choose the cap's default beside a serving sweep (benchmarks/benchmark_serving.py),
+without the sweep's throughput and time-to-first-token runs.
 
     PYTHONPATH=src python3 docs/diagnostics/stall_by_cap.py --caps 512,768,1024   # a GPU
 """
@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
 
-from benchmark_latency import build, free_memory, measure_stall  # noqa: E402
-from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
+from benchmarks.benchmark_latency import build, free_memory, measure_stall  # noqa: E402
+from benchmarks.workload import QWEN3_CONFIG, build_random_checkpoint  # noqa: E402
 
 
 def main() -> None:

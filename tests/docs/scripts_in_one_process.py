@@ -60,8 +60,8 @@ def run_script(argv: list[str]) -> dict[str, object]:
 
 def main() -> None:
     runs_path, results_path = sys.argv[1:3]
-    # As `python SCRIPT` would: the scripts import their neighbours (benchmark_decoding,
-    # benchmarks/) from the repository root.
+    # As `python SCRIPT` would from the repository root: the scripts import their helpers from
+    # benchmarks/ (those under benchmarks/ put the root on sys.path themselves).
     os.chdir(REPO)
     sys.path.insert(0, str(REPO))
     runs = json.loads(Path(runs_path).read_text())

@@ -24,18 +24,19 @@ IN_ONE_PROCESS = Path(__file__).with_name("scripts_in_one_process.py")
 
 pytestmark = pytest.mark.slow
 
-# Each run with --quick after the script (test_docs.py looks for ["benchmark_X.py"] here).
+# Each run with --quick after the script (test_docs.py looks for ["[benchmarks/]benchmark_X.py"]
+# here).
 QUICK_RUNS = {
     "prefilling": ["benchmark_prefilling.py"],
     # A cached prefix read through a shuffled block table, against SDPA's lower-right mask.
     "prefilling-prefix": ["benchmark_prefilling.py", "--prefix", "24", "--seq-lens", "16"],
     "decoding": ["benchmark_decoding.py"],
-    "moe": ["benchmark_moe.py"],
-    "sampler": ["benchmark_sampler.py"],
+    "moe": ["benchmarks/benchmark_moe.py"],
+    "sampler": ["benchmarks/benchmark_sampler.py"],
     # Greedy tokens with n-gram speculation equal plain decoding's, copy-heavy and free.
-    "spec-decode": ["benchmark_spec_decode.py"],
+    "spec-decode": ["benchmarks/benchmark_spec_decode.py"],
     # The same with the target as its own draft model.
-    "spec-decode-draft": ["benchmark_spec_decode.py", "--method", "draft"],
+    "spec-decode-draft": ["benchmarks/benchmark_spec_decode.py", "--method", "draft"],
 }
 
 

@@ -14,7 +14,7 @@ classified and checked, from the repository root, in a CPU-only environment:
   repository path it names must exist.
 - `python examples/exercises.py ...`: run and checked by tests/docs/test_exercises.py, which also
   checks that the guide lists every probe. Skipped here so they do not run twice.
-- `python benchmark_X.py --quick` with no output excerpt: run by
+- `python [benchmarks/]benchmark_X.py --quick` with no output excerpt: run by
   tests/docs/test_benchmark_scripts_quick.py, which also checks that every implementation the
   script compares is marked OK. Skipped here so it does not run twice (tens of seconds); a test
   below checks that the benchmark test runs that script.
@@ -60,7 +60,7 @@ COVERED_BY_EXERCISE_TEST = "examples/exercises.py"
 BENCHMARK_TEST = REPO / "tests" / "docs" / "test_benchmark_scripts_quick.py"
 # Scripts that load a real model (the bundled SmolLM2 GGUF or a random checkpoint built on the fly).
 SLOW_SCRIPTS = ("main.py", "main_llama32.py", "examples/prefix_cache_demo.py",
-                "benchmark_spec_decode.py")
+                "benchmarks/benchmark_spec_decode.py")
 TIMEOUT_S = 300
 SLOW_TIMEOUT_S = 900
 
@@ -144,7 +144,7 @@ def kind(command: Command) -> str:
     script = python_script(words)
     if script == COVERED_BY_EXERCISE_TEST:
         return "exercise"
-    if (script is not None and re.fullmatch(r"benchmark_\w+\.py", script)
+    if (script is not None and re.fullmatch(r"(benchmarks/)?benchmark_\w+\.py", script)
             and words[words.index(script) + 1:] == ["--quick"] and not command.output):
         return "benchmark"
     if script is not None:
@@ -243,7 +243,7 @@ def test_gpu_command_has_working_help(command: Command) -> None:
 
 
 def test_benchmark_quick_commands_are_run_by_the_benchmark_test() -> None:
-    """The `benchmark_X.py --quick` commands skipped above are run there instead."""
+    """The `[benchmarks/]benchmark_X.py --quick` commands skipped above are run there instead."""
     source = BENCHMARK_TEST.read_text()
     for command in (c for c in all_commands() if kind(c) == "benchmark"):
         script = python_script(command.words)

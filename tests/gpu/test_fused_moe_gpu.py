@@ -117,7 +117,9 @@ def test_tiny_qwen3_moe_graph_tokens_equal_eager() -> None:
     path = str(tiny_checkpoint("qwen3_moe"))
     prompts = random_prompts([5, 40, 17, 3, 90, 11], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    args = dict(max_model_length=256, max_num_batched_tokens=1024, max_num_sequences=8)
+    # A fixed cache (tests/gpu/conftest.py: not millions of tiny blocks).
+    args = dict(max_model_length=256, max_num_batched_tokens=1024, max_num_sequences=8,
+                num_kvcache_blocks=256)
     outs = []
     for eager in (True, False):
         llm = LLM(path, enforce_eager=eager, **args)

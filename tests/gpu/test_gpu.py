@@ -1,15 +1,25 @@
-"""GPU checks (issue: "On the H200"). Skipped without CUDA: CI has no GPU.
+"""GPU checks of the core path (skipped without CUDA: CI has no GPU).
 
 Run on a GPU machine with `PYTHONPATH=src python3 -m pytest tests/gpu/test_gpu.py -q`.
 What passed there, with date, GPU and versions, is recorded in docs/benchmarks.md.
 
-- the three Triton kernels in bf16 against the PyTorch references at Qwen3-0.6B shapes
-  (16 query heads, 8 KV heads, head_dim 128), block sizes 16 and 256, contexts to 8k;
-- a random-weight model of Qwen3-0.6B's real shape against transformers' Qwen3ForCausalLM;
-- the CUDA-graph decode path gives exactly the eager path's greedy tokens for batch sizes 1,
-  3, 17 and max_num_sequences; a prefix-cache hit gives the cold tokens.
+- the decode and prefill kernels in bf16 against the PyTorch references at Qwen3-0.6B's
+  shapes (16 query heads, 8 KV heads, head_dim 128), block sizes 16 and 256, contexts to 8k,
+  the prefill kernel with and without a 1,024-token cached prefix read through block tables;
+- the model at Qwen3-0.6B's real shape (random weights: the session's checkpoint,
+  tests/gpu/conftest.py) against transformers' Qwen3ForCausalLM;
+- two engines of that shape, built once for the file (eager with the synchronous loop; CUDA
+  graphs with async scheduling): greedy tokens of the graph engine equal the eager engine's
+  at batch sizes 1, 3, 17 and 64 (padded to the captured 1, 4, 32 and 64), the first decode
+  step replaying the smallest graph that fits; sampling in the graph (temperature only) is
+  reproducible under a seed and not the argmax, and seeded top-p outside it equals eager;
+- async scheduling gives the synchronous loop's tokens with CUDA graphs, 64 sequences
+  stopping at different steps on eos and max_tokens;
+- a prefix-cache hit gives the cold tokens (the tiny random Qwen3, fp32);
+- chunked prefill under a 256-token budget (chunk graphs, mixed steps, async) gives the
+  eager engine's tokens, and prefill-first's first tokens;
+- on two GPUs, tensor parallelism over NCCL gives one GPU's tokens (skipped on one).
 """
-
 from __future__ import annotations
 
 import os
@@ -20,9 +30,6 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-REPO = Path(__file__).resolve().parents[2]
-QWEN3_CONFIG_DIR = REPO / "configs" / "Qwen3-0.6B"
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -98,19 +105,6 @@ def test_prefill_kernel_bf16_real_shapes(cached: int, block_size: int) -> None:
                                          max(new_lens), max(ctx_lens), scale, tables,
                                          k_cache.float(), v_cache.float())
     assert rel_err(out, ref) < 2e-2
-
-
-@pytest.fixture(scope="module")
-def qwen3_random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-0.6B's real shape (the hub's config.json) with random weights, bf16."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen3-0.6b-random")
-    config = AutoConfig.from_pretrained(QWEN3_CONFIG_DIR)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def test_qwen3_06b_logits_match_transformers(qwen3_random_checkpoint: Path) -> None:
@@ -227,24 +221,30 @@ def test_cuda_graph_sampling(eager_and_graph_engines) -> None:
     assert [o["token_ids"] for o in graph_out] == [o["token_ids"] for o in eager_out]
 
 
-def test_prefix_cache_hit_gives_cold_tokens(qwen3_random_checkpoint: Path) -> None:
-    """A second request reuses the first request's 192-token prefix (12 full blocks of 16)
-    and gives exactly the tokens of an engine without prefix caching. In fp32: a hit changes
+def test_prefix_cache_hit_gives_cold_tokens() -> None:
+    """A second request reuses the first request's 160-token prefix (10 full blocks of 16),
+    read by the prefill kernel through the block table, and gives exactly the tokens of an
+    engine without prefix caching. On the tiny random Qwen3 (the kernel's cached-prefix path
+    at the real shape is test_prefill_kernel_bf16_real_shapes[1024]), in fp32: a hit changes
     which tokens one prefill computes, hence the bf16 rounding of the prefix K/V, which can
     flip near-tied argmaxes of a random-weight model."""
-    rng = random.Random(7)
-    shared = [rng.randint(0, 150000) for _ in range(200)]
-    prompts = [shared + [rng.randint(0, 150000) for _ in range(n)] for n in (3, 40)]
-    cold = run_greedy(qwen3_random_checkpoint, prompts[1:], dtype="float32",
-                      enable_prefix_caching=False)[0]
+    from helpers_models import random_prompts, tiny_checkpoint
+
     from myvllm import LLM, SamplingParams
 
-    llm = LLM(str(qwen3_random_checkpoint), dtype="float32", **ENGINE_ARGS)
+    shared, tails = random_prompts([160], seed=7)[0], random_prompts([3, 40], seed=8)
+    prompts = [shared + tail for tail in tails]
+    path = str(tiny_checkpoint("qwen3"))
+    tiny = dict(dtype="float32", max_model_length=256, num_kvcache_blocks=256)
     params = SamplingParams(**GREEDY_24)
+    llm = LLM(path, enable_prefix_caching=False, **tiny)
+    cold = llm.generate(prompts[1:], params, use_tqdm=False)[0]
+    llm.exit()
+    llm = LLM(path, **tiny)
     llm.generate(prompts[:1], params, use_tqdm=False)
     warm = llm.generate(prompts[1:], params, use_tqdm=False)[0]
     llm.exit()
-    assert cold["num_cached_tokens"] == 0 and warm["num_cached_tokens"] == 192
+    assert cold["num_cached_tokens"] == 0 and warm["num_cached_tokens"] == 160
     assert warm["token_ids"] == cold["token_ids"]
 
 

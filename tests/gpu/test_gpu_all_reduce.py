@@ -28,7 +28,6 @@ import torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
-REPO = Path(__file__).resolve().parents[2]
 ROWS = (1, 3, 16, 64, 256)
 
 
@@ -97,15 +96,9 @@ def test_symmetric_memory_kernels_sum_as_nccl_does() -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-0.6B's real shape (the hub's config.json) with random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen3-0.6b-random-all-reduce")
-    config = AutoConfig.from_pretrained(REPO / "configs" / "Qwen3-0.6B")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    return path
+def checkpoint(qwen3_random_checkpoint: Path) -> Path:
+    """Qwen3-0.6B's real shape with random weights: the session's (tests/gpu/conftest.py)."""
+    return qwen3_random_checkpoint
 
 
 def test_engine_tokens_with_symmetric_memory_equal_nccl_only(checkpoint: Path) -> None:

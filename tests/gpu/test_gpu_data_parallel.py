@@ -28,26 +28,18 @@ ENGINE_ARGS = dict(max_model_length=1024, num_kvcache_blocks=2048, max_num_seque
                    dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-0.6B's real shape with random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen3-0.6b-random-dp")
-    config = AutoConfig.from_pretrained(REPO / "configs" / "Qwen3-0.6B")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    return path
-
-
-def test_more_replicas_than_gpus_is_refused(checkpoint: Path) -> None:
+def test_more_replicas_than_gpus_is_refused() -> None:
+    """Refused before anything starts or loads: a folder with config.json alone will do."""
     count = torch.cuda.device_count()
     with pytest.raises(ValueError, match=f"needs {count + 1} GPUs, but only {count} visible"):
-        DPAsyncLLM(Config(model=str(checkpoint), data_parallel_size=count + 1, **ENGINE_ARGS))
+        DPAsyncLLM(Config(model=str(REPO / "configs" / "Qwen3-0.6B"), load_format="dummy",
+                          data_parallel_size=count + 1, **ENGINE_ARGS))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_two_replicas_each_on_its_gpu_give_one_engines_tokens(checkpoint: Path) -> None:
+def test_two_replicas_each_on_its_gpu_give_one_engines_tokens(
+        qwen3_random_checkpoint: Path) -> None:
+    checkpoint = qwen3_random_checkpoint
     rng = random.Random(5)
     prompts = [[rng.randint(0, 150000) for _ in range(rng.randint(5, 300))] for _ in range(32)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -36,8 +36,10 @@ def reference(hf: Any, token_ids: list[int]) -> torch.Tensor:
 def test_gpu_logprobs_match_transformers(dtype: str, atol: float) -> None:
     path = tiny_checkpoint("qwen3")
     hf = load_hf_reference(path).cuda()
-    # A budget of 64 tokens: the 150-token prompt runs in padded chunk steps.
-    llm = LLM(str(path), dtype=dtype, max_model_length=256, max_num_batched_tokens=64)
+    # A budget of 64 tokens: the 150-token prompt runs in padded chunk steps. A fixed cache
+    # (tests/gpu/conftest.py: not millions of tiny blocks).
+    llm = LLM(str(path), dtype=dtype, max_model_length=256, max_num_batched_tokens=64,
+              num_kvcache_blocks=256)
     prompts = random_prompts([150, 9, 33], seed=5)
     greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = llm.generate(prompts, SamplingParams(**greedy), use_tqdm=False)
@@ -46,6 +48,7 @@ def test_gpu_logprobs_match_transformers(dtype: str, atol: float) -> None:
               SamplingParams(**greedy),
               SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, logprobs=2)]
     outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.exit()
     assert outs[0]["token_ids"] == plain[0]["token_ids"]
     assert outs[1]["token_ids"] == plain[1]["token_ids"] and outs[1]["logprobs"] is None
     for prompt, out, p in zip(prompts, outs, params):

@@ -36,12 +36,15 @@ def qwen25_random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = Qwen2Config(**QWEN25_05B)
     config.architectures = ["Qwen2ForCausalLM"]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device("cuda"):  # random init of 0.5B parameters: seconds here, not on the host
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # transformers starts biases at 0; trained Qwen2 k biases are large
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
     return path
 
 

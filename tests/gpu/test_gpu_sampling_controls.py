@@ -36,11 +36,13 @@ def test_mixed_batch_on_the_gpu_equals_the_cpu_reference() -> None:
     path = str(tiny_checkpoint("qwen3"))
     prompts = random_prompts([40, 9, 5, 12, 7, 20, 3], seed=21)
     params = [SamplingParams(**{**GREEDY, **c}) for c in CONTROLS]
-    settings = dict(dtype="float32", max_model_length=256, max_num_batched_tokens=32)
+    # A fixed cache (tests/gpu/conftest.py: not millions of tiny blocks).
+    settings = dict(dtype="float32", max_model_length=256, max_num_batched_tokens=32,
+                    num_kvcache_blocks=256)
     gpu = LLM(path, async_scheduling=True, **settings)  # pending tokens read from the pool
     on_gpu = gpu.generate(prompts, params, use_tqdm=False)
     plain = gpu.generate(prompts[5:], params[5:], use_tqdm=False)
-    del gpu
+    gpu.exit()
     cpu = LLM(path, device="cpu", **settings)
     on_cpu = cpu.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in on_gpu] == [o["token_ids"] for o in on_cpu]

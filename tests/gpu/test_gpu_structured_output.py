@@ -4,16 +4,21 @@ Run on a GPU machine with `PYTHONPATH=src python3 -m pytest tests/gpu/test_gpu_s
 
 - a decode step with a constrained row leaves the decode graph's sampling (needs_full_sampler):
   the LM head and the Sampler run eagerly, its temperature-only rows through the Triton
-  sampling kernels on logits masked to -inf, beside plain rows that keep no mask;
+  sampling kernels on logits masked to -inf, beside plain rows that keep no mask, whose
+  tokens are those of the plain rows alone (CUDA graphs);
 - async scheduling (on by default on a GPU) waits for a constrained row's token before the
   next step, and gives the tokens of the same run with it off;
 - the bundled model (SmolLM2-135M, bf16) writes JSON for generated schemas that validates.
+
+The first two share two engines of the tiny random Qwen3, built once for the file (async
+scheduling on and off, a fixed KV cache, no prefix caching).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,7 +32,21 @@ jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_gpu_constrained_batch_gives_valid_json_beside_plain_rows() -> None:
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[bool, LLM]]:
+    """{async_scheduling: a tiny Qwen3 engine with CUDA graphs} for both settings. No prefix
+    caching: each run computes its prompts whole, as on a fresh engine, whatever ran before."""
+    kw = dict(max_model_length=256, max_num_sequences=64, num_kvcache_blocks=1024,
+              enable_prefix_caching=False)
+    built = {mode: LLM(str(tiny_checkpoint("qwen3")), async_scheduling=mode, **kw)
+             for mode in (True, False)}
+    yield built
+    for llm in built.values():
+        llm.exit()
+
+
+def test_gpu_constrained_batch_gives_valid_json_beside_plain_rows(
+        engines: dict[bool, LLM]) -> None:
     rng = random.Random(0)
     schemas = [random_object_schema(rng) for _ in range(48)]
     constrained = [SamplingParams(temperature=1.0, max_tokens=200,
@@ -35,13 +54,10 @@ def test_gpu_constrained_batch_gives_valid_json_beside_plain_rows() -> None:
                                       json=s, disable_any_whitespace=True)) for s in schemas]
     plain = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 16
     prompts = random_prompts([rng.randint(1, 30) for _ in range(64)], seed=1)
-    # A fixed KV cache: several engines live in one process here.
-    kw = dict(max_model_length=256, max_num_sequences=64, num_kvcache_blocks=1024)
-    alone = LLM(str(tiny_checkpoint("qwen3")), **kw).generate(prompts[48:], plain,
-                                                               use_tqdm=False)
+    # The plain rows alone: decode steps that replay the graphs, sampling in them.
+    alone = engines[True].generate(prompts[48:], plain, use_tqdm=False)
     for async_scheduling in (True, False):
-        llm = LLM(str(tiny_checkpoint("qwen3")), async_scheduling=async_scheduling, **kw)
-        outs = llm.generate(prompts, constrained + plain, use_tqdm=False)
+        outs = engines[async_scheduling].generate(prompts, constrained + plain, use_tqdm=False)
         for schema, out in zip(schemas, outs):
             assert finished_on_eos(out), (schema, out["text"])
             jsonschema.validate(json.loads(out["text"]), schema)
@@ -49,16 +65,15 @@ def test_gpu_constrained_batch_gives_valid_json_beside_plain_rows() -> None:
         assert [o["token_ids"] for o in outs[48:]] == [o["token_ids"] for o in alone]
 
 
-def test_gpu_greedy_constrained_tokens_do_not_depend_on_async_scheduling() -> None:
+def test_gpu_greedy_constrained_tokens_do_not_depend_on_async_scheduling(
+        engines: dict[bool, LLM]) -> None:
     rng = random.Random(2)
     params = [SamplingParams(temperature=0.0, max_tokens=200,
                              structured_outputs=StructuredOutputsParams(
                                  json=random_object_schema(rng), disable_any_whitespace=True))
               for _ in range(16)]
     prompts = random_prompts([rng.randint(1, 30) for _ in params], seed=2)
-    runs = [LLM(str(tiny_checkpoint("qwen3")), async_scheduling=a, max_model_length=256,
-                num_kvcache_blocks=1024).generate(prompts, params, use_tqdm=False)
-            for a in (False, True)]
+    runs = [engines[a].generate(prompts, params, use_tqdm=False) for a in (False, True)]
     assert [o["token_ids"] for o in runs[0]] == [o["token_ids"] for o in runs[1]]
 
 

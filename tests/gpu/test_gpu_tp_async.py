@@ -25,7 +25,6 @@ import torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
-REPO = Path(__file__).resolve().parents[2]
 # fp32: async scheduling may put a sequence that just stopped on eos into one more step (its
 # surplus token is dropped), so a step can hold other rows than under the plain loop. Each
 # row's numbers then come from kernels picked for another batch size; in fp32 that rounding is
@@ -36,15 +35,9 @@ ENGINE_ARGS: dict[str, Any] = dict(max_model_length=1024, num_kvcache_blocks=409
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-0.6B's real shape (the hub's config.json) with random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("qwen3-0.6b-random-tp-async")
-    config = AutoConfig.from_pretrained(REPO / "configs" / "Qwen3-0.6B")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    return path
+def checkpoint(qwen3_random_checkpoint: Path) -> Path:
+    """Qwen3-0.6B's real shape with random weights: the session's (tests/gpu/conftest.py)."""
+    return qwen3_random_checkpoint
 
 
 @pytest.fixture(scope="module")

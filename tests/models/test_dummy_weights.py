@@ -170,11 +170,11 @@ def test_benchmark_runs_configs_folders_with_dummy_weights(tmp_path: Path) -> No
     """benchmark_tps.py --model configs/NAME: dummy weights; a checkpoint: its own weights."""
     import argparse
 
-    import benchmark_tps
+    from benchmarks.workload import pick_model
 
     def pick(model: str | None, load_format: str | None = None) -> tuple[Path, str]:
         args = argparse.Namespace(model=model, load_format=load_format, quick=False)
-        return benchmark_tps.pick_model(args, tmp_path, "cpu")
+        return pick_model(args, tmp_path, "cpu")
 
     assert pick("configs/Qwen3-8B") == (Path("configs/Qwen3-8B"), "dummy")
     assert pick(None, "dummy") == (REPO / "configs" / "Qwen3-0.6B", "dummy")

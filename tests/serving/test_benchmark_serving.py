@@ -1,7 +1,7 @@
-"""benchmark_serving.py --quick: a tiny model served in its own process, requests at once and
-then as a Poisson process at 0.8x the measured peak; every request must complete with the
-number of tokens it asked for before any figure is reported; the prefix-cache hit rate of each
-rate comes from the server's /metrics."""
+"""benchmarks/benchmark_serving.py --quick: a tiny model served in its own process, requests at
+once and then as a Poisson process at 0.8x the measured peak; every request must complete with
+the number of tokens it asked for before any figure is reported; the prefix-cache hit rate of
+each rate comes from the server's /metrics."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_benchmark_serving_quick(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     run = subprocess.run(
-        [sys.executable, str(REPO / "benchmark_serving.py"), "--quick", "--json", str(results)],
+        [sys.executable, str(REPO / "benchmarks" / "benchmark_serving.py"), "--quick",
+         "--json", str(results)],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ),
     )  # fmt: skip
     output = run.stdout + run.stderr

@@ -4,7 +4,7 @@ torch splits each op over all the cores by default. For a small model that is a 
 on a [4, 64] activation takes microseconds, less than the threads need to meet at its end,
 and on a busy machine (other jobs, or the engine's own processes beside each other: the
 server's core process, tensor-parallel ranks) a thread that waits for a descheduled partner
-stalls the whole step. benchmark_cpu_threads.py measures it; docs/benchmarks.md has the
+stalls the whole step. benchmarks/benchmark_cpu_threads.py measures it; docs/benchmarks.md has the
 figures behind the rule below.
 """
 

@@ -1,8 +1,8 @@
 """Latency of the scheduler's choices: the decode stall when a long prompt joins, time to first
 token, and the token budget's trade-off between the two and throughput.
 
-    uv run python benchmark_latency.py --quick          # tiny CPU run (CI)
-    python benchmark_latency.py                         # on a GPU: stall, TTFT, sweep, plot
+    uv run python benchmarks/benchmark_latency.py --quick   # tiny CPU run (CI)
+    python benchmarks/benchmark_latency.py                  # on a GPU: stall, TTFT, sweep, plot
 
 1. Stall: 64 sequences decode; then one 16,000-token prompt arrives. The longest step until
    that prompt has its first token, over the median decode step before it. Prefill-first
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,9 +57,9 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # benchmarks.* and myvllm, run as a file too
 
-from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint, make_workload  # noqa: E402
+from benchmarks.workload import QWEN3_CONFIG, build_random_checkpoint, make_workload  # noqa: E402
 
 
 def sync() -> None:

@@ -1,7 +1,7 @@
 """How many torch threads the CPU path should use: generate() timed with 1 and 2 threads.
 
-    uv run python benchmark_cpu_threads.py                 # quiet machine
-    uv run python benchmark_cpu_threads.py --load 2        # with 2 busy processes beside it
+    uv run python benchmarks/benchmark_cpu_threads.py            # quiet machine
+    uv run python benchmarks/benchmark_cpu_threads.py --load 2   # 2 busy processes beside it
 
 Each (model, threads) run is a fresh process with Config.cpu_threads set, generating 4 prompts x 64 greedy tokens after one warm-up call; the figure is the
 generate() time, the median of --repeats runs. Models: the bundled SmolLM2-135M (hidden 576,

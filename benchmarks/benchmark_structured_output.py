@@ -1,8 +1,8 @@
 """What structured outputs cost one decode step: the sampler with and without a token
 bitmask on the device, and the host's work to fill the bitmask (xgrammar), at batch 256.
 
-    PYTHONPATH=src python3 benchmark_structured_output.py            # GPU, batch 256
-    PYTHONPATH=src python3 benchmark_structured_output.py --quick    # CPU, a small batch
+    PYTHONPATH=src python3 benchmarks/benchmark_structured_output.py            # GPU, batch 256
+    PYTHONPATH=src python3 benchmarks/benchmark_structured_output.py --quick    # CPU, a small batch
 
 The logits are the bundled model's width (SmolLM2: 49152) unless --vocab says otherwise;
 the bitmask is a real one: every row's matcher is a JSON schema's, part way through an
@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from benchmarks.device import require_gpu
-from myvllm.structured_output.manager import StructuredOutputManager, fill_token_bitmask
-from myvllm.engine.sequence import Sequence
-from myvllm.layers.sampler import Sampler
-from myvllm.layers.token_bitmask import apply_token_bitmask
-from myvllm.sampling_parameters import SamplingParams, StructuredOutputsParams
-from myvllm.utils.model_path import resolve_model_path
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # benchmarks.* and myvllm, run as a file too
+
+from benchmarks.device import require_gpu  # noqa: E402
+from myvllm.structured_output.manager import StructuredOutputManager, fill_token_bitmask  # noqa: E402
+from myvllm.engine.sequence import Sequence  # noqa: E402
+from myvllm.layers.sampler import Sampler  # noqa: E402
+from myvllm.layers.token_bitmask import apply_token_bitmask  # noqa: E402
+from myvllm.sampling_parameters import SamplingParams, StructuredOutputsParams  # noqa: E402
+from myvllm.utils.model_path import resolve_model_path  # noqa: E402
 
 SCHEMA = {"type": "object", "required": ["name", "age", "tags"], "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},

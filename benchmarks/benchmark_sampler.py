@@ -50,9 +50,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # benchmarks.* and myvllm, run as a file too
 
 from benchmarks.device import require_gpu  # noqa: E402
 from myvllm import SamplingParams  # noqa: E402

@@ -55,13 +55,11 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # benchmarks.* and myvllm, run as a file too
 
 from benchmarks.device import kernel_device  # noqa: E402
-
-from benchmark_decoding import bench_ms, copy_bandwidth_gbs  # noqa: E402
+from benchmarks.kernel_timing import bench_ms, copy_bandwidth_gbs  # noqa: E402
 
 # bf16: the expert outputs (up to ~4 in size) are rounded to bf16 before they are summed;
 # on the CPU the per-expert loop in bf16 measured 1e-2 at 64 tokens against float32 math.

@@ -1,7 +1,7 @@
 """The tensor-parallel all-reduce: NCCL against torch's symmetric-memory kernels, per message size.
 
-    python3 benchmark_all_reduce.py                       # 2 GPUs, hidden 4096 (Qwen3-8B)
-    python3 benchmark_all_reduce.py --world-size 4 --hidden 5120
+    python3 benchmarks/benchmark_all_reduce.py          # 2 GPUs, hidden 4096 (Qwen3-8B)
+    python3 benchmarks/benchmark_all_reduce.py --world-size 4 --hidden 5120
 
 Spawns one process per GPU. For every size from 1 to 256 rows x hidden (bf16), first the
 correctness of each kernel (its sum against NCCL's, on random partials), then microseconds per

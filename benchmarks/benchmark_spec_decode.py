@@ -1,13 +1,13 @@
 """Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding: ms
 per output token.
 
-    uv run python benchmark_spec_decode.py --quick      # tiny CPU run: correctness, counts
-    python benchmark_spec_decode.py                     # on a GPU: the bundled SmolLM2
-    python benchmark_spec_decode.py --method draft      # a draft model proposes (default:
-                                                        # the target itself, which measures
-                                                        # the mechanism, not a speed-up)
-    python benchmark_spec_decode.py --profile           # and where a verification step's
-                                                        # time goes (torch.profiler)
+    uv run python benchmarks/benchmark_spec_decode.py --quick   # tiny CPU: correctness, counts
+    python benchmarks/benchmark_spec_decode.py                  # on a GPU: the bundled SmolLM2
+    python benchmarks/benchmark_spec_decode.py --method draft   # a draft model proposes
+                                                # (default: the target itself, which measures
+                                                # the mechanism, not a speed-up)
+    python benchmarks/benchmark_spec_decode.py --profile        # and where a verification
+                                                # step's time goes (torch.profiler)
 
 Two workloads, greedy, ignore_eos, each at every batch size (--batch-sizes, default 1,16):
 
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 PASSAGE = (
     "The PagedAttention algorithm stores the key and value vectors of each sequence in "

@@ -1,9 +1,9 @@
 """Online serving benchmark: requests arrive over time at `myvllm serve`, streamed back.
 
-    uv run python benchmark_serving.py                       # random Qwen3-0.6B weights
-    uv run python benchmark_serving.py --model DIR_OR_HUB_ID --request-rates inf,4,8
-    uv run python benchmark_serving.py --base-url http://host:8000   # a server already up
-    uv run python benchmark_serving.py --quick               # tiny CPU smoke run (CI)
+    uv run python benchmarks/benchmark_serving.py            # random Qwen3-0.6B weights
+    uv run python benchmarks/benchmark_serving.py --model DIR_OR_HUB_ID --request-rates inf,4,8
+    uv run python benchmarks/benchmark_serving.py --base-url http://host:8000  # a server up
+    uv run python benchmarks/benchmark_serving.py --quick    # tiny CPU smoke run (CI)
 
 Workload: benchmark_tps.py's (nano-vllm's): prompts of random token ids in [0, 10000) with
 lengths uniform in 100..1024, max_tokens uniform in 100..1024, ignore_eos, temperature 0.6.
@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # benchmarks.* and myvllm, run as a file too
 
 
 # ---------------------------------------------------------------------------- HTTP client
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         args.plot = None
         server_args += ["--num-kvcache-blocks", "64", "--max-model-length", "256"]
 
-    from benchmark_tps import QWEN3_CONFIG, build_random_checkpoint, make_workload
+    from benchmarks.workload import QWEN3_CONFIG, build_random_checkpoint, make_workload
 
     tmp = tempfile.TemporaryDirectory(prefix="myvllm-serving-bench-")
     model = args.model or args.model_dir
