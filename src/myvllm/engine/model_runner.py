@@ -7,8 +7,6 @@ in run_graph_or_eager.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -25,7 +23,7 @@ from myvllm.spec_decode.verification import VerificationStep, Verifier
 from myvllm.worker import pending_tokens, warmup
 from myvllm.worker.cuda_graphs import GraphCache, GraphKey
 from myvllm.worker.input_builder import InputBuilder
-from myvllm.worker.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
+from myvllm.worker.kv_cache import KVCacheLayout
 from myvllm.worker.model_loading import CausalLM, build_model
 from myvllm.worker.staging import SampledTokens
 from myvllm.layers.attention import Attention
@@ -36,12 +34,13 @@ from myvllm.utils.device import rank_device, resolve_dtype, resolve_kv_cache_dty
 from myvllm.utils.distributed import get_tp_size
 from myvllm.utils.hf_config import load_hf_config
 
-logger = logging.getLogger("myvllm")
-
 
 class ModelRunner:
     # Whether a runner of this process ever turned batch-invariant mode on (see run).
     batch_invariant_used: ClassVar[bool] = False
+    # The KV cache of every layer, [layers, blocks, ...]: allocated by initialize_cache.
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
 
     def __init__(self, config: Config, rank: int, model_path: str,
                  hf_config: Any | None = None) -> None:
@@ -91,34 +90,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
-        """Warm up (GPU: worker/warmup.py), size and allocate the KV cache, capture graphs;
-        returns the block count. Collective under tensor parallelism."""
-        start = time.perf_counter()
-        on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
-        # speculative_method "draft": the draft model and its own KV cache (rank 0 only).
-        draft = self.verifier.draft if self.verifier is not None else None
-        if on_gpu:
-            if draft is not None:  # first: the target's warm-up measures the peak
-                draft.warm_up()
-            warmup.warmup_model(self)
-        # A draft model's cache has a block for each of the target's (same block tables).
-        draft_bytes = draft.block_bytes if draft is not None else 0
-        num_blocks = count_blocks(self.config, self.kv_layout, self.device,
-                                  self.inputs.max_blocks_per_seq, draft_bytes)
-        self.k_cache, self.v_cache = allocate_kv_cache(self.attention_layers, self.kv_layout,
-                                                       num_blocks, self.device)
-        if draft is not None:
-            draft.allocate_cache(num_blocks)
-        self.num_kvcache_blocks = num_blocks
-        if on_gpu:
-            warmup.warmup_cached_prefix_prefill(self)
-        if self.rank == 0:
-            gib = num_blocks * self.kv_layout.block_bytes / 2**30
-            logger.info(f"KV cache: {num_blocks} blocks of {self.config.block_size} tokens "
-                        f"({gib:.2f} GiB per rank), sized in {time.perf_counter() - start:.1f} s")
-        if on_gpu:
-            warmup.pad_and_capture(self)
-        return num_blocks
+        """Warm up (GPU), size and allocate the KV cache, capture graphs (GPU): returns the
+        block count (worker/warmup.py). Collective under tensor parallelism."""
+        return warmup.initialize_cache(self)
 
     # ------------------------------------------------------------------ one step
     def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
