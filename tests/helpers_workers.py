@@ -45,8 +45,8 @@ def kill_during_step(llm: Any, step: int) -> Any:
 
     Returns rank 1's process; once killed, its attribute `killed_at` holds the time.
     """
-    assert llm.engine_core.executor._pool is not None
-    worker = llm.engine_core.executor._pool.processes[0]
+    assert llm.engine_core.workers is not None
+    worker = llm.engine_core.workers.worker_processes[0]
     original = llm.model_runner.run
     calls = 0
 

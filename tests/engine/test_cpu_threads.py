@@ -49,7 +49,7 @@ def test_the_engine_runs_with_its_threads_and_gives_the_callers_back() -> None:
     llm = LLM(str(tiny_checkpoint("qwen3")), device="cpu", cpu_threads=wanted,
               num_kvcache_blocks=16, block_size=4, max_model_length=64)
     try:
-        runner = llm.engine_core.executor.model_runner
+        runner = llm.engine_core.model_runner
         run = runner.run
 
         def spy(*args, **kwargs):

@@ -86,8 +86,8 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 def start_tp2(path: str) -> tuple[LLM, list[int]]:
     llm = LLM(path, tensor_parallel_size=2, **ENGINE_KW)
-    assert llm.engine_core.executor._pool is not None
-    pids = [p.pid for p in llm.engine_core.executor._pool.processes]
+    assert llm.engine_core.workers is not None
+    pids = [p.pid for p in llm.engine_core.workers.worker_processes]
     assert len(pids) == 1 and all(pid_alive(pid) for pid in pids)
     return llm, pids
 
@@ -168,7 +168,7 @@ CHILD = textwrap.dedent("""
         llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=4, max_model_length=32,
                   max_num_batched_tokens=64)
         llm.generate([[1, 2, 3]], use_tqdm=False)
-        print(" ".join(str(p.pid) for p in llm.engine_core.executor._pool.processes), flush=True)
+        print(" ".join(str(p.pid) for p in llm.engine_core.workers.worker_processes), flush=True)
         time.sleep(600)
 """)
 
@@ -222,7 +222,7 @@ def test_exit_gc_and_one_engine_after_another(path: str, expected: list[list[int
     assert_all_gone(second_pids)
 
     third = LLM(path, **ENGINE_KW)
-    assert third.engine_core.executor._pool is None
+    assert third.engine_core.workers is None
     assert [o["token_ids"] for o in third.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     assert multiprocessing.active_children() == []
 
@@ -244,7 +244,7 @@ def test_a_worker_error_inside_a_step_is_reported_with_its_traceback() -> None:
     and the engine raises the worker's own error, and no worker is left running."""
     llm = LLM(str(tiny_checkpoint("qwen3")), tensor_parallel_size=2, max_model_length=64,
               max_num_batched_tokens=128)
-    pool = llm.engine_core.executor._pool
+    pool = llm.engine_core.workers._pool
     original_send = pool.send
 
     def send_garbage_to_workers(method, *args):

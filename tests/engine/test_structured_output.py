@@ -203,7 +203,7 @@ def test_the_grammar_follows_the_sampled_tokens_exactly() -> None:
         disable_any_whitespace=True)
     out = llm.generate([[3, 4]], SamplingParams(temperature=1.0, seed=7, max_tokens=50,
                                                 structured_outputs=so), use_tqdm=False)[0]
-    matcher = llm.engine_core.structured_outputs.matcher_for(so)
+    matcher = llm.engine_core.structured_outputs().matcher_for(so)
     bitmask = xgr.allocate_token_bitmask(1, 256)
     for token in out["token_ids"]:
         matcher.fill_next_token_bitmask(bitmask)
@@ -261,7 +261,7 @@ def test_a_checkpoint_without_a_tokenizer_refuses_a_constraint(tmp_path: Any) ->
 
 def test_grammars_are_compiled_once_per_spec() -> None:
     llm = engine()
-    manager = llm.engine_core.structured_outputs
+    manager = llm.engine_core.structured_outputs()
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
     first = manager.compiled_grammar(StructuredOutputsParams(json=schema))
     # The same schema as text: the same grammar.

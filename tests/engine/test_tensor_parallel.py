@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 def workers_alive(llm: LLM) -> list[bool]:
-    assert llm.engine_core.executor._pool is not None
-    return [p.is_alive() for p in llm.engine_core.executor._pool.processes]
+    assert llm.engine_core.workers is not None
+    return [p.is_alive() for p in llm.engine_core.workers.worker_processes]
 
 
 # Llama only: Qwen3's TP2 tokens are checked against TP1 by the stronger tests below

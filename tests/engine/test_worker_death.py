@@ -132,7 +132,7 @@ class ExitOnArrival:
 def test_worker_exiting_with_a_code_mid_generate(path: str, async_scheduling: bool) -> None:
     # With async scheduling, step 3 is queued while step 2 is still in flight.
     llm = LLM(path, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE_KW)
-    pool = llm.engine_core.executor._pool
+    pool = llm.engine_core.workers._pool
     assert pool is not None
     original_send = pool.send
     runs = 0

@@ -1,41 +1,47 @@
 """Step 6, the inner loop: the EngineCore turns token ids into token ids, one step at a time.
 
-It owns the Scheduler and the Executor (the model runner and any tensor-parallel workers) and
-nothing else: no tokenizer, no text. Its clients are LLMEngine (llm_engine.py), in this
-process, and AsyncLLM (async_llm.py), which runs it in a process of its own. One step:
+It owns the Scheduler and rank 0's ModelRunner, and under tensor parallelism the Executor of
+the worker processes (executor/executor.py; None with one rank), and nothing else: no
+tokenizer, no text. Its clients are LLMEngine (llm_engine.py), in this process, and AsyncLLM
+(async_llm.py), which runs it in a process of its own. One step:
 
     seqs, is_prefill = scheduler.schedule()
-    sampled = executor.call("run", seqs, is_prefill)     (and every TP worker)
-    scheduler.postprocess(seqs, sampled.token_ids())     (async_scheduling: one step later)
+    sampled = model_runner.run(seqs, is_prefill)     (workers.call("run", ...): every rank)
+    scheduler.postprocess(seqs, sampled.token_ids())
+
+With async_scheduling the step's tokens are read back one call later, after the next step
+is queued (engine/queued_steps.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
-from myvllm.engine.core_delegates import ExecutorDelegates
-from myvllm.executor.executor import Executor
-from myvllm.sample.logprobs import read_step_logprobs
+from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.outputs import request_outputs
 from myvllm.engine.queued_steps import InFlight, QueuedStep, queued_step, undo_step
 from myvllm.engine.request_checks import check_request
-from myvllm.engine.request_outputs import request_outputs
-from myvllm.sample.sampling import samples_this_step
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
-from myvllm.spec_decode.verification import verified_token_lists
 from myvllm.engine.startup import fit_max_model_length
-from myvllm.structured_output.manager import StructuredOutputManager
+from myvllm.executor.executor import Executor
+from myvllm.sample.logprobs import read_step_logprobs
+from myvllm.sample.sampling import samples_this_step
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.spec_decode.draft_proposer import make_draft_proposer
+from myvllm.spec_decode.verification import verified_token_lists
+from myvllm.structured_output.manager import StructuredOutputManager
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
+from myvllm.worker.cpu_threads import claim_cpu_threads
+from myvllm.worker.staging import SampledTokens
 
 
-# model_runner, dead_reason, check_alive and shutdown pass straight on to the Executor
-# (ExecutorDelegates).
-class EngineCore(ExecutorDelegates):
+class EngineCore:
     def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
                  fit_length_to_cache: bool = False) -> None:
         """config as the client resolved it (eos and max_model_length known); model_path a
@@ -45,12 +51,31 @@ class EngineCore(ExecutorDelegates):
                 hf_config = load_hf_config(model_path)
             self.vocab_size: int = hf_config.vocab_size
             use_cuda = resolve_device(config).type == "cuda"
-            self.executor = Executor(config, model_path, hf_config, use_cuda)
-        try:
-            num_blocks = self.executor.call("initialize_cache")
-        except BaseException:
-            self.executor.stop_workers_now()
-            raise
+            # A CPU: this process (and each worker) on its share of the cores; the
+            # caller's thread count comes back at shutdown.
+            cpu_threads: int | None = None
+            self._restore_threads: weakref.finalize | None = None
+            if not use_cuda:
+                cpu_threads, self._restore_threads = claim_cpu_threads(self, config, hf_config)
+            # Tensor parallelism: the worker processes (ranks 1..N-1), None with one rank.
+            self.workers: Executor | None = None
+            try:
+                if config.tensor_parallel_size > 1:
+                    self.workers = Executor(config, model_path, hf_config, use_cuda,
+                                            cpu_threads)
+                    self.model_runner: ModelRunner = self.workers.model_runner
+                else:
+                    self.model_runner = ModelRunner(config, 0, model_path, hf_config)
+                    # speculative_method "draft" (one GPU only): the draft model beside it.
+                    draft = make_draft_proposer(config, hf_config)
+                    if draft is not None:
+                        assert self.model_runner.verifier is not None
+                        self.model_runner.verifier.draft = draft
+                num_blocks = self._call_runner("initialize_cache")
+            except BaseException:
+                self.stop_workers_now()
+                self._give_threads_back()
+                raise
         max_len = fit_max_model_length(config, num_blocks, fit_length_to_cache)
         # The engine's settings, resolved: max_model_length and eos from the checkpoint,
         # num_kvcache_blocks from memory.
@@ -58,10 +83,13 @@ class EngineCore(ExecutorDelegates):
                                           max_model_length=max_len)
         self.max_model_length: int = max_len
         self.scheduler = Scheduler(self.config)
-        self.structured_outputs = StructuredOutputManager(
-            model_path, hf_config.vocab_size, sorted(self.scheduler.eos_token_ids))
+        self.model_path = model_path
+        # Made at the first request that asks for structured outputs (its compiler reads
+        # the tokenizer), then shared by all of them.
+        self._structured_outputs: StructuredOutputManager | None = None
         self.async_scheduling = bool(config.async_scheduling)
-        self._in_flight = InFlight(self.async_scheduling)  # the step not read yet (async)
+        # async_scheduling: the step queued and not read yet (None without it).
+        self._in_flight = InFlight() if self.async_scheduling else None
         # Requests not yet finished or aborted, by request id (its first completion's seq_id):
         # its sequences, one per completion (SamplingParams.n).
         self._requests: dict[int, list[Sequence]] = {}
@@ -71,6 +99,40 @@ class EngineCore(ExecutorDelegates):
         """Requests added and not yet finished or aborted."""
         return len(self._requests)
 
+    # ------------------------------------------------------------------ life
+    @property
+    def dead_reason(self) -> str | None:
+        """Why this engine can run no more steps (tensor parallelism: a worker died, a step
+        failed, or shutdown() was called), or None. One process never dies this way."""
+        return None if self.workers is None else self.workers.dead_reason
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if this engine can run no more steps (see dead_reason)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def stop_workers_now(self) -> None:
+        """After an interrupted step under tensor parallelism: the ranks may have stopped in
+        different places (one inside a collective), so the workers stop without waiting."""
+        if self.workers is not None:
+            self.workers.stop_workers_now()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes and release the process group (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+        self._give_threads_back()
+
+    def _give_threads_back(self) -> None:
+        if self._restore_threads is not None:
+            self._restore_threads()
+
+    def _call_runner(self, method: str, *args: Any) -> Any:
+        """A ModelRunner method on rank 0, and under tensor parallelism on every rank."""
+        if self.workers is None:
+            return getattr(self.model_runner, method)(*args)
+        return self.workers.call(method, *args)
+
     # ------------------------------------------------------------------ requests
     def make_sequence(self, token_ids: Any, sampling_params: SamplingParams) -> Sequence:
         """A request checked and made a Sequence, not queued (bad input raises here)."""
@@ -78,8 +140,16 @@ class EngineCore(ExecutorDelegates):
                        self.config.block_size, sampling_params)
         # An empty or too long prompt, one that can never fit the KV cache: refused here.
         self.scheduler.check_sequence(seq)
-        self.structured_outputs.add_matcher(seq)
+        if sampling_params.structured_outputs is not None:
+            self.structured_outputs().add_matcher(seq)
         return seq
+
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The engine's grammar compiler and cache, made at the first call."""
+        if self._structured_outputs is None:
+            self._structured_outputs = StructuredOutputManager(
+                self.model_path, self.vocab_size, sorted(self.scheduler.eos_token_ids))
+        return self._structured_outputs
 
     def add_sequence(self, seq: Sequence) -> int:
         """Queue a sequence made by make_sequence (and its other completions, n > 1);
@@ -94,7 +164,7 @@ class EngineCore(ExecutorDelegates):
         """Queue one prompt of token ids; returns its request id. streamed=False: nobody
         reads its tokens before it finishes, so the steps it decodes in need not stay short
         (Config.max_prefill_tokens_while_decoding)."""
-        self.executor.check_alive()
+        self.check_alive()
         seq = self.make_sequence(token_ids, sampling_params)
         seq.streamed = streamed
         return self.add_sequence(seq)
@@ -117,7 +187,8 @@ class EngineCore(ExecutorDelegates):
 
     def drop_in_flight(self) -> None:
         """Forget a step in flight (after an error or Ctrl-C): InFlight.drop."""
-        self._in_flight.drop()
+        if self._in_flight is not None:
+            self._in_flight.drop()
 
     def abort_all(self) -> None:
         """Drop every request and any step in flight (at shutdown, or after an error)."""
@@ -126,7 +197,8 @@ class EngineCore(ExecutorDelegates):
             self.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished() or self._in_flight.step is not None
+        return not self.scheduler.is_finished() or (
+            self._in_flight is not None and self._in_flight.step is not None)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[RequestOutput], int]:
@@ -134,50 +206,65 @@ class EngineCore(ExecutorDelegates):
         in it, and the signed count of tokens computed (never above max_num_batched_tokens):
         > 0 for a step that computes prompt tokens (decode rows beside them count too), < 0
         for a pure decode step (one per sequence). With async_scheduling both describe the
-        step queued by the previous call, which this call reads back after it queued the next
-        (the guide's Step 6, "Async scheduling"), unless that one must be on the host before
-        the next is planned (a grammar's next bitmask, speculation's accepted tokens)."""
-        self.executor.check_alive()
-        # A step in flight whose tokens the next schedule needs is read back first.
-        constrained = self._in_flight.take_constrained()
-        waited = self._read_back(constrained) if constrained is not None else None
+        step queued by the previous call (InFlight.step_through)."""
+        self.check_alive()
+        if self._in_flight is not None:
+            return self._in_flight.step_through(self.scheduler.schedule, self._queue,
+                                                self._read_queued)
         seqs, is_prefill = self.scheduler.schedule()
-        queued = self._queue_step(seqs, is_prefill) if seqs else None
-        queued = self._in_flight.swap(queued)  # async_scheduling: the step queued before
-        if waited is not None:  # the step read back above (the one before is in flight)
-            assert queued is None
-            return waited
-        if queued is None:  # nothing queued (or the first step of a run, still in flight)
+        if not seqs:
             return [], 0
-        return self._read_back(queued)
-
-    def _queue_step(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep:
-        """Run one step on every rank; its tokens are not waited for here."""
         samples = [samples_this_step(seq) for seq in seqs]
-        num_tokens = sum(seq.num_new_tokens for seq in seqs) if is_prefill else -len(seqs)
+        sampled = self._run(seqs, is_prefill)
+        return self._read_back(seqs, samples, sampled), _num_tokens(seqs, is_prefill)
+
+    def _queue(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep:
+        """async_scheduling: run one step, and leave its tokens on their way."""
+        samples = [samples_this_step(seq) for seq in seqs]
+        sampled = self._run(seqs, is_prefill)
+        return queued_step(seqs, _num_tokens(seqs, is_prefill), sampled, samples,
+                           self.scheduler.speculator)
+
+    def _run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens:
+        """Run one step on every rank; its tokens are not waited for here."""
         try:
-            sampled = self.executor.call("run", seqs, is_prefill)
+            return self._call_runner("run", seqs, is_prefill)
         except BaseException:
             undo_step(self.scheduler, seqs)  # none of its K/V was written
             raise
-        return queued_step(seqs, num_tokens, sampled, samples, self.scheduler.speculator)
 
-    def _read_back(self, step: QueuedStep) -> tuple[list[RequestOutput], int]:
-        """Wait for a queued step's tokens and hand them to the scheduler."""
-        with self.executor.watching_workers("run"):  # it may wait for a peer: a death raises
-            token_ids = step.sampled.token_ids()
-        logprobs = read_step_logprobs(step.seqs, step.sampled.logprobs)  # came with the tokens
-        sampling = [i for i, sample in enumerate(step.samples) if sample]
-        seqs = [step.seqs[i] for i in sampling]
-        known = [len(seq.token_ids) for seq in seqs]
+    def _read_queued(self, step: QueuedStep) -> tuple[list[RequestOutput], int]:
+        return self._read_back(step.seqs, step.samples, step.sampled), step.num_tokens
+
+    def _read_back(self, seqs: list[Sequence], samples: list[bool], sampled: SampledTokens
+                   ) -> list[RequestOutput]:
+        """Wait for a step's tokens and hand them to the scheduler; samples: which of seqs
+        get their token (not a chunk short of its prompt's end)."""
+        if self.workers is None:
+            token_ids = sampled.token_ids()
+        else:
+            with self.workers.watching_workers("run"):  # it may wait for a peer: a death raises
+                token_ids = sampled.token_ids()
+        sampling = [i for i, sample in enumerate(samples) if sample]
+        rows = [seqs[i] for i in sampling]
+        known = [len(seq.token_ids) for seq in rows]
+        logprobs: dict[int, Any] = {}
+        if sampled.logprobs is not None:  # came with the tokens
+            logprobs = read_step_logprobs(seqs, sampled.logprobs)
         # Speculative decoding: several tokens a row.
-        verified = verified_token_lists(step.sampled.verified, sampling)
-        self.scheduler.postprocess(seqs, [token_ids[i] for i in sampling], verified)
-        outputs = request_outputs(seqs, known, [logprobs.get(i) for i in sampling],
-                                  self._requests)
-        return outputs, step.num_tokens
+        verified = None
+        if sampled.verified is not None:
+            verified = verified_token_lists(sampled.verified, sampling)
+        self.scheduler.postprocess(rows, [token_ids[i] for i in sampling], verified)
+        return request_outputs(rows, known, [logprobs.get(i) for i in sampling],
+                               self._requests)
 
     def kv_cache_usage(self) -> float:
         """Fraction of the KV-cache blocks held by requests (cached free blocks are free)."""
         blocks = self.scheduler.block_manager
         return 1.0 - len(blocks.free_block_ids) / len(blocks.blocks)
+
+
+def _num_tokens(seqs: list[Sequence], is_prefill: bool) -> int:
+    """What step() reports: > 0 the tokens a step with prompt tokens computes, < 0 decode."""
+    return sum(seq.num_new_tokens for seq in seqs) if is_prefill else -len(seqs)

@@ -3,7 +3,7 @@
     generate(prompts)
       -> tokenize and check every prompt, then queue each in the EngineCore
       -> while not is_finished(): step()            one EngineCore.step()
-      -> outputs in input order (engine/generate_outputs.py says what each dict holds)
+      -> outputs in input order (engine/outputs.py says what each dict holds)
 
 It holds the tokenizer and an EngineCore (core.py), whose in-process client it is; the server
 and the chat shell use the other client, AsyncLLM (async_llm.py).
@@ -15,10 +15,12 @@ import time
 from typing import Any
 
 from myvllm.config import Config
+from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
-from myvllm.engine.core_delegates import CoreDelegates
-from myvllm.engine.generate_outputs import FinishedOutputs, GenerateProgress, generate_result
+from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.outputs import FinishedOutputs, GenerateProgress, generate_result
 from myvllm.engine.request_checks import check_generate_args
+from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import check_in_process, resolve_engine, to_config
 from myvllm.sampling_parameters import SamplingParams
@@ -28,9 +30,7 @@ from myvllm.utils.hf_config import gguf_parsed_once
 Prompt = str | list[int]
 
 
-# scheduler, model_runner, dead_reason, check_alive, exit, has_unfinished_requests,
-# is_finished and step_outputs pass straight on to the EngineCore (CoreDelegates).
-class LLMEngine(CoreDelegates):
+class LLMEngine:
     def __init__(self, model: Config | str | None = None, **kwargs: Any) -> None:
         config = to_config(model, **kwargs)
         check_in_process(config)
@@ -50,6 +50,36 @@ class LLMEngine(CoreDelegates):
         self.async_scheduling: bool = core.async_scheduling
         # Logprobs and n > 1 completions, gathered until their request finishes (step()).
         self.finished_outputs = FinishedOutputs()
+
+    # ------------------------------------------------------------------ the core's parts
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine_core.scheduler
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.engine_core.model_runner
+
+    # ------------------------------------------------------------------ life
+    @property
+    def dead_reason(self) -> str | None:
+        """Why this engine can run no more steps (tensor parallelism: a worker died, a step
+        failed, or exit() was called), or None."""
+        return self.engine_core.dead_reason
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if this engine can run no more steps (see dead_reason)."""
+        self.engine_core.check_alive()
+
+    def exit(self) -> None:
+        """Stop the worker processes and release the process group (idempotent)."""
+        self.engine_core.shutdown()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def is_finished(self) -> bool:
+        return not self.engine_core.has_unfinished_requests()
 
     # ------------------------------------------------------------------ requests
     def _make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
@@ -84,6 +114,11 @@ class LLMEngine(CoreDelegates):
         tokens computed, as EngineCore.step)."""
         outputs, num_tokens = self.engine_core.step()
         return self.finished_outputs.collect(outputs), num_tokens
+
+    def step_outputs(self) -> tuple[list[RequestOutput], int]:
+        """One scheduler step, a RequestOutput per request that got tokens (for callers that
+        stream): EngineCore.step."""
+        return self.engine_core.step()
 
     def generate(
         self,
@@ -132,4 +167,4 @@ class LLMEngine(CoreDelegates):
         self.engine_core.drop_in_flight()
         for seq in seqs:
             self.abort(seq.seq_id)
-        self.engine_core.executor.stop_workers_now()
+        self.engine_core.stop_workers_now()

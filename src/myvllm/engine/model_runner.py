@@ -7,28 +7,25 @@ in run_graph_or_eager.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from myvllm.config import Config, stop_token_ids
-from myvllm.worker import pending_tokens, warmup
 from myvllm.engine.batch import StepInputs
-from myvllm.worker.cuda_graphs import GraphCache, GraphKey
-from myvllm.worker.input_builder import InputBuilder
-from myvllm.worker.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
+from myvllm.engine.sequence import Sequence
+from myvllm.kernels import set_batch_invariant
 from myvllm.sample.logits_features import LogitsFeatures
-from myvllm.worker.model_loading import CausalLM, build_model
 from myvllm.sample.sampling import prepare_sample
 from myvllm.sample.sampling_controls import needs_full_sampler
-from myvllm.engine.sequence import Sequence
-from myvllm.spec_decode.draft_proposer import make_draft_proposer
-from myvllm.spec_decode.verification import VerificationStep
-from myvllm.worker.token_pool import SampledTokens
-from myvllm.kernels import set_batch_invariant
+from myvllm.spec_decode.verification import VerificationStep, Verifier
+from myvllm.worker import pending_tokens, warmup
+from myvllm.worker.cuda_graphs import GraphCache, GraphKey
+from myvllm.worker.input_builder import InputBuilder
+from myvllm.worker.kv_cache import KVCacheLayout
+from myvllm.worker.model_loading import CausalLM, build_model
+from myvllm.worker.staging import SampledTokens
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.models.config import get_head_dim
@@ -37,10 +34,14 @@ from myvllm.utils.device import rank_device, resolve_dtype, resolve_kv_cache_dty
 from myvllm.utils.distributed import get_tp_size
 from myvllm.utils.hf_config import load_hf_config
 
-logger = logging.getLogger("myvllm")
-
 
 class ModelRunner:
+    # Whether a runner of this process ever turned batch-invariant mode on (see run).
+    batch_invariant_used: ClassVar[bool] = False
+    # The KV cache of every layer, [layers, blocks, ...]: allocated by initialize_cache.
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
     def __init__(self, config: Config, rank: int, model_path: str,
                  hf_config: Any | None = None) -> None:
         self.config = config
@@ -48,17 +49,26 @@ class ModelRunner:
         self.device = rank_device(config, rank)
         self.dtype = resolve_dtype(config, self.device)
         # Before the model is built: the CUDA graphs captured below bake in what kernels read.
+        if config.batch_invariant:
+            ModelRunner.batch_invariant_used = True
         set_batch_invariant(config.batch_invariant)
+        on_gpu = self.device.type == "cuda"
         # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
-        self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
+        self.enforce_eager = config.enforce_eager or not on_gpu
         self.inputs = InputBuilder(config, self.device, rank)
         self.graphs = GraphCache()
-        # With one GPU a decode graph runs the whole step, sampling included; with tensor
-        # parallelism the LM head's gather to rank 0 (NCCL) stays outside the graph.
-        self.sample_in_graph = get_tp_size() == 1
+        # With one GPU a decode step samples inside its forward, so that its graph runs the
+        # whole step; with tensor parallelism the LM head's gather to rank 0 (NCCL) stays
+        # outside the graph, and a CPU (no graphs) samples after the forward as a prefill does.
+        self.sample_in_graph = on_gpu and get_tp_size() == 1
         # Async scheduling under tensor parallelism: every rank reads pending tokens from its
-        # own pool, so rank 0 shares its sampled tokens (see run).
+        # own pool, so rank 0 shares its sampled tokens (see sample).
         self.broadcast_sampled = get_tp_size() > 1 and bool(config.async_scheduling)
+        # The sampled tokens go through the pool (worker/token_pool.py) on a GPU, whose decode
+        # graphs sample into it and whose pinned slots bring them back, and with async
+        # scheduling, whose next step reads pending tokens from it. A CPU step without async
+        # scheduling returns the sampler's tokens as they are.
+        self.tokens_via_pool = on_gpu or bool(config.async_scheduling)
 
         # Rank 0 gets the config the engine already parsed (a GGUF parse takes seconds).
         self.hf_config = hf_config if hf_config is not None else load_hf_config(model_path)
@@ -73,37 +83,16 @@ class ModelRunner:
             head_dim=get_head_dim(self.hf_config),
             dtype=resolve_kv_cache_dtype(config, self.dtype))
         self.num_kvcache_blocks = 0  # set by initialize_cache
-        # speculative_method "draft": the draft model and its own KV cache (rank 0 only).
-        self.draft = make_draft_proposer(config, self.hf_config)
+        # Speculative decoding: the steps' rows that verify proposals (spec_decode/), and
+        # with speculative_method "draft" the draft model; None when it is off.
+        self.verifier = (Verifier(config.max_num_sequences)
+                         if config.speculative_method is not None else None)
 
     # ------------------------------------------------------------------ start-up
     def initialize_cache(self) -> int:
-        """Warm up (GPU: worker/warmup.py), size and allocate the KV cache, capture graphs;
-        returns the block count. Collective under tensor parallelism."""
-        start = time.perf_counter()
-        on_gpu = self.device.type == "cuda"  # a CPU has no peak to measure, no graphs
-        if on_gpu:
-            if self.draft is not None:  # first: the target's warm-up measures the peak
-                self.draft.warm_up()
-            warmup.warmup_model(self)
-        # A draft model's cache has a block for each of the target's (same block tables).
-        draft_bytes = self.draft.block_bytes if self.draft is not None else 0
-        num_blocks = count_blocks(self.config, self.kv_layout, self.device,
-                                  self.inputs.max_blocks_per_seq, draft_bytes)
-        self.k_cache, self.v_cache = allocate_kv_cache(self.attention_layers, self.kv_layout,
-                                                       num_blocks, self.device)
-        if self.draft is not None:
-            self.draft.allocate_cache(num_blocks)
-        self.num_kvcache_blocks = num_blocks
-        if on_gpu:
-            warmup.warmup_cached_prefix_prefill(self)
-        if self.rank == 0:
-            gib = num_blocks * self.kv_layout.block_bytes / 2**30
-            logger.info(f"KV cache: {num_blocks} blocks of {self.config.block_size} tokens "
-                        f"({gib:.2f} GiB per rank), sized in {time.perf_counter() - start:.1f} s")
-        if on_gpu:
-            warmup.pad_and_capture(self)
-        return num_blocks
+        """Warm up (GPU), size and allocate the KV cache, capture graphs (GPU): returns the
+        block count (worker/warmup.py). Collective under tensor parallelism."""
+        return warmup.initialize_cache(self)
 
     # ------------------------------------------------------------------ one step
     def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
@@ -151,40 +140,72 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
         """Queue one step that computes a token for every sequence; rank 0 returns them as
         SampledTokens, other ranks None. Nothing here waits for the device."""
-        # Again at every step: a second engine in this process may have set its own mode.
-        set_batch_invariant(self.config.batch_invariant)
-        to_device = self.inputs.fresh.tensor
-        # Before the forward: it reads pending tokens from the pool, which a decode graph
-        # overwrites with its own samples.
-        features = LogitsFeatures(seqs, is_prefill, self.rank, to_device,
-                                  self.inputs.pool.tokens, self.eos_token_ids)
-        # Speculative decoding: the rows that verify proposals (spec_decode/), or None.
-        verification = VerificationStep.of(seqs, self.draft, features,
-                                           self.config.max_num_sequences)
-        as_decode_rows = verification is not None and verification.as_decode_rows
-        if is_prefill and not as_decode_rows:
-            logits = self.forward_prefill(seqs, features, verification)
-        else:
-            logits = self.run_decode(seqs, verification if as_decode_rows else None)
+        if ModelRunner.batch_invariant_used:
+            # Again at every step: another engine in this process may have set its own mode.
+            set_batch_invariant(self.config.batch_invariant)
+        features = None
+        if any(seq.extras is not None for seq in seqs):  # some row asks for a feature
+            # Before the forward: it reads pending tokens from the pool, which a decode graph
+            # overwrites with its own samples.
+            features = LogitsFeatures(seqs, is_prefill, self.rank, self.inputs.fresh.tensor,
+                                      self.inputs.pool.tokens, self.eos_token_ids)
+            if self.verifier is not None:
+                verification = self.verifier.step(seqs, features)
+                if verification is not None:
+                    return self.run_verification(seqs, features, verification)
+        logits = (self.forward_prefill(seqs, features) if is_prefill
+                  else self.run_decode(seqs))
+        return self.sample(seqs, logits, features)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
+               features: LogitsFeatures | None = None,
+               verification: VerificationStep | None = None) -> SampledTokens | None:
+        """The step's tokens from its logits (None: the step sampled into the pool itself);
+        rank 0 returns them as SampledTokens, other ranks None."""
         num_seqs = len(seqs)
         pool = self.inputs.pool
-        if (verification is not None and logits is not None and not self.broadcast_sampled
-                and verification.greedy_fast_path_applies(features)):
-            return verification.greedy_verify(logits, pool, to_device)
-        if self.rank == 0 and logits is not None:  # else the step sampled into the pool itself
+        tokens = None
+        if self.rank == 0 and logits is not None:
+            to_device = self.inputs.fresh.tensor
             args = prepare_sample(seqs, to_device, self.device)
             if verification is not None:  # rejection sampling, then each row's last logits
                 logits = verification.verify(logits, args, to_device)
-            tokens = features.sample(self.sampler, logits[:num_seqs], args,
-                                     self.hf_config.vocab_size)
-            pool.tokens[:num_seqs].copy_(tokens)
+            if features is None:
+                tokens = self.sampler(logits[:num_seqs], args.temperatures, args.top_ks,
+                                      args.top_ps, args.generators,
+                                      all_greedy=args.all_greedy, min_ps=args.min_ps)
+            else:
+                tokens = features.sample(self.sampler, logits[:num_seqs], args,
+                                         self.hf_config.vocab_size)
+            if self.tokens_via_pool:
+                pool.tokens[:num_seqs].copy_(tokens)
         if self.broadcast_sampled:  # every rank's pool gets this step's tokens (no wait)
             pending_tokens.share(pool, num_seqs)
         if self.rank != 0:
             return None
-        sampled = pool.read_back(seqs, features.logprobs)
-        sampled.verified = verification.verified if verification is not None else None
+        logprobs = features.logprobs if features is not None else None
+        if self.tokens_via_pool:
+            sampled = pool.read_back(seqs, logprobs)
+        else:  # a CPU without async scheduling: nothing reads them on the device
+            assert tokens is not None  # a CPU step samples here (sample_in_graph is False)
+            sampled = SampledTokens(tokens, logprobs)
+        if verification is not None:
+            sampled.verified = verification.verified
         return sampled
+
+    def run_verification(self, seqs: list[Sequence], features: LogitsFeatures,
+                         verification: VerificationStep) -> SampledTokens | None:
+        """A step with rows that verify proposals (speculative decoding), scheduled as a
+        prefill-path step: run as decode rows where it can (VerificationStep.as_decode_rows).
+        Every row greedy: the argmax decides (VerificationStep.greedy_verify)."""
+        if verification.as_decode_rows:
+            logits = self.run_decode(seqs, verification)
+        else:
+            logits = self.forward_prefill(seqs, features, verification)
+        if (logits is not None and not self.broadcast_sampled
+                and verification.greedy_fast_path_applies(features)):
+            return verification.greedy_verify(logits, self.inputs.pool, self.inputs.fresh.tensor)
+        return self.sample(seqs, logits, features, verification)
 
     def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
                    ) -> torch.Tensor | None:

@@ -1,15 +1,17 @@
-"""The steps EngineCore.step queued and has not read back yet (engine/core.py): a step's
-pending tokens, the step kept in flight under async scheduling (the guide's Step 6, "Async
-scheduling"), and the undo of a step that failed before it ran.
+"""async_scheduling's steps that EngineCore.step queued and has not read back yet
+(engine/core.py): a step's pending tokens and the step kept in flight (the guide's Step 6,
+"Async scheduling"); and the undo of a step that failed before it ran (any step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
-from myvllm.worker.token_pool import SampledTokens
+from myvllm.worker.staging import SampledTokens
 
 if TYPE_CHECKING:
     from myvllm.engine.scheduler import Scheduler
@@ -42,12 +44,31 @@ def queued_step(seqs: list[Sequence], num_tokens: int, sampled: SampledTokens,
 
 
 class InFlight:
-    """async_scheduling: the step queued by the previous EngineCore.step call, not read yet.
-    Without async scheduling nothing stays in flight."""
+    """async_scheduling: the step queued by the previous EngineCore.step call, not read yet
+    (the core has none without async scheduling)."""
 
-    def __init__(self, async_scheduling: bool) -> None:
-        self.async_scheduling = async_scheduling
+    def __init__(self) -> None:
         self.step: QueuedStep | None = None
+
+    def step_through(
+            self, schedule: Callable[[], tuple[list[Sequence], bool]],
+            queue: Callable[[list[Sequence], bool], QueuedStep],
+            read_back: Callable[[QueuedStep], tuple[list[RequestOutput], int]],
+    ) -> tuple[list[RequestOutput], int]:
+        """One EngineCore.step: schedule and queue the next step, then read back the one
+        queued by the previous call, unless that one must be on the host before the next is
+        planned (a grammar's next bitmask, speculation's accepted tokens): then it is read
+        back first and nothing new is queued."""
+        constrained = self.take_constrained()
+        waited = read_back(constrained) if constrained is not None else None
+        seqs, is_prefill = schedule()
+        queued = self.swap(queue(seqs, is_prefill) if seqs else None)  # the one before
+        if waited is not None:  # the step read back above (the one before is in flight)
+            assert queued is None
+            return waited
+        if queued is None:  # nothing queued (or the first step of a run, still in flight)
+            return [], 0
+        return read_back(queued)
 
     def take_constrained(self) -> QueuedStep | None:
         """The step in flight, taken out, if the next schedule needs its tokens on the host
@@ -59,10 +80,7 @@ class InFlight:
         return step
 
     def swap(self, queued: QueuedStep | None) -> QueuedStep | None:
-        """The step to read back now: with async scheduling the one in flight (queued takes
-        its place), else queued itself."""
-        if not self.async_scheduling:
-            return queued
+        """The step to read back now: the one in flight (queued takes its place)."""
         earlier, self.step = self.step, queued
         return earlier
 

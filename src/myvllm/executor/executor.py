@@ -1,8 +1,9 @@
-"""The Executor: rank 0's ModelRunner and, under tensor parallelism, the worker processes.
+"""The Executor of tensor parallelism: the worker processes and rank 0's ModelRunner beside
+them. The EngineCore makes one only when tensor_parallel_size > 1 (with one rank it holds
+its ModelRunner itself, and none of this runs).
 
-    Executor(config, model_path, hf_config)
-      tensor_parallel_size 1: a ModelRunner in this process, nothing else
-      N > 1: spawn N-1 workers (tp_workers.py), join the process group as rank 0, build
+    Executor(config, model_path, hf_config, use_cuda, cpu_threads)
+      spawn N-1 workers (tp_workers.py), join the process group as rank 0, build
              rank 0's ModelRunner, wait until every worker has built its own
       under torchrun (every rank started by it, on one host or several): rank 0 joins the
              group and the other ranks connect to it (tp_launch.py); on ranks 1..N-1 the
@@ -11,8 +12,9 @@
     dead_reason / check_alive()      a worker died or a step failed: no more steps
     shutdown()                       workers and process group released; idempotent
 
-The engine core talks to the model only through call(), so it needs to know nothing about
-processes, pipes, NCCL or what happens when a worker dies: all of that lives here.
+Under tensor parallelism the engine core talks to the model only through call(), so it needs
+to know nothing about processes, pipes, NCCL or what happens when a worker dies: all of that
+lives here.
 """
 
 from __future__ import annotations
@@ -23,11 +25,9 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from myvllm.config import Config
-from myvllm.worker.cpu_threads import cpu_thread_count
 from myvllm.executor.errors import EngineDeadError
 from myvllm.engine.model_runner import ModelRunner
 from myvllm.executor.tp_workers import (WorkerPool, init_distributed, nccl_abort,
@@ -42,10 +42,10 @@ logger = logging.getLogger("myvllm")
 WORKER_EXIT_WAIT_S = 2.0
 
 
-def _shutdown(pool: WorkerPool | None, owns_process_group: bool, torch_threads: int | None,
-              runner: ModelRunner | None = None, graceful: bool = True) -> None:
-    """Release workers and the process group, restore the thread count; safe to call twice
-    (weakref.finalize runs it at most once).
+def _shutdown(pool: WorkerPool | None, runner: ModelRunner | None = None,
+              graceful: bool = True) -> None:
+    """Release workers and the process group; safe to call twice (weakref.finalize runs it
+    at most once).
 
     graceful=False after an error: a worker may be stuck in a collective, so the workers are
     stopped first and the group is aborted rather than torn down together.
@@ -56,19 +56,20 @@ def _shutdown(pool: WorkerPool | None, owns_process_group: bool, torch_threads: 
             pool.request_exit()  # the workers destroy their side while we destroy ours
         else:
             pool.shutdown(wait_s=0)
-    if owns_process_group and dist.is_initialized():
+    if dist.is_initialized():
         if runner is not None:
             runner.graphs.release(runner.device)  # before the group: see GraphCache.release
         release_process_group(graceful)
     if pool is not None:
         pool.shutdown()
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
 
 
 class Executor:
-    def __init__(self, config: Config, model_path: str, hf_config: Any, use_cuda: bool) -> None:
-        self._pool: WorkerPool | None = None
+    def __init__(self, config: Config, model_path: str, hf_config: Any, use_cuda: bool,
+                 cpu_threads: int | None) -> None:
+        """cpu_threads: each rank's share of the cores on a CPU (worker/cpu_threads.py; this
+        process already runs with it), None on GPUs."""
+        assert config.tensor_parallel_size > 1, "one rank needs no Executor"
         self._dead_reason: str | None = None  # set when a tensor-parallel step fails
         launch = torchrun_env()
         check_torchrun_world_size(launch, config.tensor_parallel_size)
@@ -76,52 +77,39 @@ class Executor:
             # This process is a worker of rank 0's engine, not an engine: the same script or
             # command runs on every rank, so LLM(...) here serves rank 0 and then ends.
             raise SystemExit(run_launched_worker(config, launch, model_path, use_cuda))
-        owns_group = config.tensor_parallel_size > 1
-        torch_threads = None  # the caller's thread count, restored at shutdown if we change it
-        cpu_threads = None if use_cuda else cpu_thread_count(config, hf_config)
-        if cpu_threads is not None:
-            # Each rank (this one and every worker) runs with its share of the cores, or
-            # OpenMP threads of different ranks stall each other at every barrier.
-            torch_threads = torch.get_num_threads()
-            torch.set_num_threads(cpu_threads)
+        pool: WorkerPool | None = None
+        runner: ModelRunner | None = None
         try:
-            if owns_group and launch is not None:
+            if launch is not None:
                 init_distributed(config, 0, "env://", use_cuda)
-                self._pool = WorkerPool.connect(config, launch, cpu_threads)
-            elif owns_group:
+                pool = WorkerPool.connect(config, launch, cpu_threads)
+            else:
                 init_method = pick_init_method()
-                self._pool = WorkerPool.spawn(config, model_path, init_method, use_cuda,
-                                              cpu_threads)
-                self._pool.wait_for("alive")
+                pool = WorkerPool.spawn(config, model_path, init_method, use_cuda, cpu_threads)
+                pool.wait_for("alive")
                 init_distributed(config, 0, init_method, use_cuda)
-            if self._pool is not None:
-                abort = nccl_abort() if use_cuda else None
-                if abort is not None:  # gloo needs none: a dead peer's sockets close
-                    self._pool.watchdog.call_on_death(abort)
-            self.model_runner = ModelRunner(config, 0, model_path, hf_config)
-            if self._pool is not None:
-                self._pool.wait_for("ready")
+            abort = nccl_abort() if use_cuda else None
+            if abort is not None:  # gloo needs none: a dead peer's sockets close
+                pool.watchdog.call_on_death(abort)
+            runner = ModelRunner(config, 0, model_path, hf_config)
+            pool.wait_for("ready")
         except BaseException:
-            _shutdown(self._pool, owns_group, torch_threads, getattr(self, "model_runner", None),
-                      graceful=False)
+            _shutdown(pool, runner, graceful=False)
             raise
+        self._pool = pool
+        self.model_runner = runner
         # Runs on shutdown(), on garbage collection, and at interpreter exit, whichever is
-        # first. The runner is passed only with tensor parallelism, where its graphs must go
-        # before the process group; otherwise the finalizer would keep its GPU memory alive.
-        self._finalizer = weakref.finalize(self, _shutdown, self._pool, owns_group,
-                                           torch_threads,
-                                           self.model_runner if owns_group else None)
+        # first. The runner's graphs must go before the process group.
+        self._finalizer = weakref.finalize(self, _shutdown, pool, runner)
 
     @property
     def worker_processes(self) -> list[Any]:
-        """The tensor-parallel worker processes (rank 1 first); empty with one rank."""
-        return [] if self._pool is None else list(self._pool.processes)
+        """The tensor-parallel worker processes (rank 1 first)."""
+        return list(self._pool.processes)
 
     def call(self, method: str, *args: Any) -> Any:
         """Run a ModelRunner method on every rank (workers first, they block on NCCL/gloo);
         returns rank 0's result."""
-        if self._pool is None:
-            return getattr(self.model_runner, method)(*args)
         self.check_alive()
         with self.watching_workers(method):
             self._pool.send(method, *args)
@@ -137,9 +125,6 @@ class Executor:
         sees, and the executor stops: the ranks are out of step for good.
         """
         pool = self._pool
-        if pool is None:
-            yield
-            return
         try:
             yield
         except Exception as e:
@@ -163,14 +148,10 @@ class Executor:
 
     @property
     def dead_reason(self) -> str | None:
-        """Why no more steps can run, or None while they can.
-
-        Only under tensor parallelism: a worker died (noticed by the watchdog even while the
-        engine is idle), a step failed, or shutdown() was called. One process has nothing to
-        get out of step, and an executor of size 1 keeps working after an error.
-        """
-        if self._pool is None:
-            return None
+        """Why no more steps can run, or None while they can: a worker died (noticed by the
+        watchdog even while the engine is idle), a step failed, or shutdown() was called.
+        (One process has nothing to get out of step: the EngineCore of one rank has no
+        Executor, and keeps working after an error.)"""
         if self._dead_reason is not None:
             return self._dead_reason
         if self._pool.failure is not None:
@@ -188,11 +169,10 @@ class Executor:
         raise EngineDeadError(f"This engine cannot run: {reason}. Build a new engine.")
 
     def stop_workers_now(self) -> None:
-        """After an interrupted step under tensor parallelism: the ranks may have stopped in
-        different places (one inside a collective), so stop the workers without waiting."""
-        if self._pool is not None:
-            self._pool.shutdown(wait_s=0)
-            self.shutdown()
+        """After an interrupted step: the ranks may have stopped in different places (one
+        inside a collective), so stop the workers without waiting."""
+        self._pool.shutdown(wait_s=0)
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Stop the worker processes and release the process group (idempotent)."""

@@ -43,6 +43,8 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
         top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
         top_ps=to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
         generators=generators,
-        min_ps=prepare_min_ps(seqs, to_device),
+        # min-p is a sampling control: its rows have extras (engine/sequence.py).
+        min_ps=(prepare_min_ps(seqs, to_device)
+                if any(seq.extras is not None for seq in seqs) else None),
         all_greedy=all(p.temperature == 0 for p in params),
     )

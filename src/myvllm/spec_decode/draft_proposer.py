@@ -40,11 +40,12 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
 from myvllm.config import Config
+from myvllm.engine.model_runner import ModelRunner
 from myvllm.sample.extras import proposals_of
 from myvllm.sample.sampling import prepare_sample
 from myvllm.sample.sampling_controls import generator_for
@@ -53,8 +54,6 @@ from myvllm.spec_decode.rejection_sampler import target_probs
 from myvllm.utils.context import forward_context
 from myvllm.utils.hf_config import load_hf_config
 
-if TYPE_CHECKING:
-    from myvllm.engine.model_runner import ModelRunner
 
 
 @dataclass
@@ -101,8 +100,6 @@ class DraftProposer:
                 f"Config.speculative_model={path!r} has a vocabulary of "
                 f"{hf_config.vocab_size} tokens, the target model one of "
                 f"{target_hf_config.vocab_size}: the draft must share the target's vocabulary")
-        # Imported here: model_runner imports this module's caller (verification) first.
-        from myvllm.engine.model_runner import ModelRunner
         draft_config = dataclasses.replace(config, speculative_method=None,
                                            speculative_model=None)
         self.runner: ModelRunner = ModelRunner(draft_config, 0, path, hf_config)

@@ -46,29 +46,56 @@ from __future__ import annotations
 import torch
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from myvllm.engine.batch import SamplingArgs, StepInputs
-from myvllm.worker.input_builder import InputBuilder
+from myvllm.engine.sequence import Sequence
 from myvllm.sample.extras import proposals_of
 from myvllm.sample.logits_features import LogitsFeatures
-from myvllm.worker.pending_tokens import last_token
 from myvllm.sample.sampling_controls import ToDevice, generator_for
-from myvllm.engine.sequence import Sequence
 from myvllm.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
-from myvllm.worker.staging import FreshTensors
-from myvllm.worker.token_pool import SampledTokens, TokenPool
+from myvllm.worker.input_builder import InputBuilder, last_token
+from myvllm.worker.staging import FreshTensors, SampledTokens, VerifiedRows
+from myvllm.worker.token_pool import TokenPool
 
-if TYPE_CHECKING:
-    from myvllm.spec_decode.draft_proposer import DraftProposer
+
+class DraftModel(Protocol):
+    """speculative_method "draft": the model that fills the proposal slots before the target
+    verifies them (spec_decode/draft_proposer.py's DraftProposer), beside rank 0's runner."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def warm_up(self) -> None: ...
+
+    def allocate_cache(self, num_blocks: int) -> None: ...
+
+    def propose(self, seqs: list[Sequence]) -> torch.Tensor | None: ...
+
+
+class Verifier:
+    """A ModelRunner's part in speculative decoding (the runner holds None when it is off):
+    the VerificationStep of each step that has proposals, and the draft model, if any."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows  # the largest decode step (max_num_sequences)
+        # speculative_method "draft": set by the EngineCore after it built the runner.
+        self.draft: DraftModel | None = None
+
+    def step(self, seqs: list[Sequence], features: LogitsFeatures
+             ) -> VerificationStep | None:
+        """The step's verification, or None when no row has proposals."""
+        if not has_proposals(seqs):
+            return None
+        return VerificationStep(seqs, self.draft, features, self.max_rows)
 
 
 class VerificationStep:
     """One step's rows that verify proposals, as ModelRunner.run meets them: where their
     logits are (VerificationRows), a draft model's q, and after sampling their verified
-    tokens. ModelRunner.run makes one only when some row has proposals."""
+    tokens. Made (Verifier.step) only when some row has proposals."""
 
-    def __init__(self, seqs: list[Sequence], draft: DraftProposer | None,
+    def __init__(self, seqs: list[Sequence], draft: DraftModel | None,
                  features: LogitsFeatures, max_rows: int) -> None:
         self.seqs = seqs
         self.rows = VerificationRows(seqs)
@@ -79,12 +106,6 @@ class VerificationStep:
         self.as_decode_rows = (not features.prompt_spans
                                and verifies_as_decode(seqs, max_rows))
         self.verified: VerifiedTokens | None = None
-
-    @classmethod
-    def of(cls, seqs: list[Sequence], draft: DraftProposer | None, features: LogitsFeatures,
-           max_rows: int) -> VerificationStep | None:
-        """The step's verification, or None when no row has proposals."""
-        return cls(seqs, draft, features, max_rows) if has_proposals(seqs) else None
 
     def decode_step(self, inputs: InputBuilder) -> StepInputs:
         return verification_decode_step(inputs, self.seqs)
@@ -222,7 +243,7 @@ class VerifiedTokens:
                 for i, row in zip(self.indices, self.host.tolist(), strict=True)}
 
 
-def verified_token_lists(verified: VerifiedTokens | None, sampling: list[int]
+def verified_token_lists(verified: VerifiedRows | None, sampling: list[int]
                          ) -> dict[int, list[int]] | None:
     """{j: the emitted tokens of sampling[j]} for the rows of a read-back step that verified
     proposals (sampling: the indices in the step's seqs of the rows that sampled), or None

@@ -184,10 +184,3 @@ def fill_token_bitmask(seqs: list[Sequence], samples: list[bool],
         assert seq.extras is not None  # rows: those with a grammar
         seq.extras.grammar_matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
-
-
-def fork_matcher(parent: Sequence) -> Any:
-    """A copy of parent's matcher in its current state, for a sequence forked from it (n > 1),
-    which then advances on its own tokens; None when parent has no grammar."""
-    matcher = parent.extras.grammar_matcher if parent.extras is not None else None
-    return None if matcher is None else matcher.fork()

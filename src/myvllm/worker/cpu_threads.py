@@ -11,7 +11,10 @@ figures behind the rule below.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
+
+import torch
 
 from myvllm.config import Config
 
@@ -42,3 +45,15 @@ def cpu_thread_count(config: Config, hf_config: Any) -> int:
     else:
         wanted = cores
     return max(1, wanted // config.tensor_parallel_size)
+
+
+def claim_cpu_threads(owner: object, config: Config, hf_config: Any
+                      ) -> tuple[int, weakref.finalize]:
+    """Run this process's torch ops on its share of the cores (cpu_thread_count) until the
+    engine ends: returns the share (each tensor-parallel worker takes the same) and what
+    gives the caller its own thread count back, called at shutdown, or when owner is
+    collected or the interpreter exits, whichever comes first (at most once)."""
+    threads = cpu_thread_count(config, hf_config)
+    give_back = weakref.finalize(owner, torch.set_num_threads, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    return threads, give_back

@@ -19,6 +19,7 @@ from myvllm.engine.batch import StepInputs
 from myvllm.worker import pending_tokens
 from myvllm.worker.padded_steps import PaddedSteps
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.extras import proposals_of
 from myvllm.worker.staging import FreshTensors, block_table_array
 from myvllm.worker.token_pool import TokenPool
 from myvllm.utils.context import Context
@@ -67,14 +68,13 @@ class InputBuilder:
         for seq in seqs:
             end = seq.num_computed_tokens
             start = end - seq.num_new_tokens
-            if seq.extras is not None and seq.extras.spec_token_ids:
-                # verification: the last token, then the proposals
-                input_ids.append(pending_tokens.last_token(seq, len(input_ids), pending))
-                input_ids.extend(seq.extras.spec_token_ids)
-            elif seq.num_new_tokens == 1 and end == len(seq):  # the sequence's last token
-                input_ids.append(pending_tokens.last_token(seq, len(input_ids), pending))
-            else:
+            if seq.num_new_tokens == 1 and end == len(seq):  # a decode row: its last token
+                input_ids.append(last_token(seq, len(input_ids), pending))
+            elif end <= len(seq):  # a chunk of known tokens (a prompt's, or a recomputed one's)
                 input_ids.extend(seq.token_ids[start:end])
+            else:  # past its last token: it verifies proposals (speculative decoding)
+                input_ids.append(last_token(seq, len(input_ids), pending))
+                input_ids.extend(proposals_of(seq))
             positions.extend(range(start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
@@ -103,13 +103,13 @@ class InputBuilder:
             block_tables=(self.prepare_block_tables(seqs)
                           if cu_seqlens_k[-1] > cu_seqlens_q[-1] else None),
         )
-        return StepInputs(pending_tokens.input_ids(self.pool, self.fresh, input_ids, pending),
+        return StepInputs(self.input_ids(input_ids, pending),
                           self.fresh.tensor(positions, torch.int64), context)
 
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
         """One new token per sequence; its K/V goes to the slot after the last one used."""
         pending: list[tuple[int, int]] = []
-        input_ids = [pending_tokens.last_token(seq, row, pending) for row, seq in enumerate(seqs)]
+        input_ids = [last_token(seq, row, pending) for row, seq in enumerate(seqs)]
         positions = [len(seq) - 1 for seq in seqs]
         context_lens = [len(seq) for seq in seqs]
         slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
@@ -129,12 +129,28 @@ class InputBuilder:
         if self.padded is not None:
             return self.padded.decode(input_ids, pending, positions, slot_mapping,
                                       context_lens, temperatures, tables)
+        # Unpadded: a CPU's, which samples outside its forward (ModelRunner.sample_in_graph),
+        # so the step carries no temperatures and no place for its tokens.
         block_tables = block_table_array(tables, max(len(table) for table in tables))
         context = Context(is_prefill=False,
                           slot_mapping=self.fresh.tensor(slot_mapping, torch.int32),
                           context_lens=self.fresh.tensor(context_lens, torch.int32),
                           block_tables=self.fresh.tensor(block_tables, torch.int32))
-        return StepInputs(pending_tokens.input_ids(self.pool, self.fresh, input_ids, pending),
-                          self.fresh.tensor(positions, torch.int64), context,
-                          temperatures=self.fresh.tensor(temperatures, torch.float32),
-                          sampled=self.pool.tokens[:len(input_ids)])
+        return StepInputs(self.input_ids(input_ids, pending),
+                          self.fresh.tensor(positions, torch.int64), context)
+
+    def input_ids(self, host_ids: list[int], pending: list[tuple[int, int]]) -> torch.Tensor:
+        """A step's input ids on the device; any still pending (async scheduling) are read
+        from the pool (worker/pending_tokens.py)."""
+        if pending:
+            return pending_tokens.input_ids(self.pool, self.fresh, host_ids, pending)
+        return self.fresh.tensor(host_ids, torch.int64)
+
+
+def last_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
+    """The host id of seq's last token, an input at position `at` of the step; one still
+    pending (async scheduling) gets a placeholder, and is read from the pool
+    (pending_tokens.pending_token)."""
+    if not seq.num_pending_tokens:
+        return seq.last_token
+    return pending_tokens.pending_token(seq, at, pending)

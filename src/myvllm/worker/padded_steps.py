@@ -29,11 +29,12 @@ host right after it, so that one index_select gathers every step's input ids
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
 from myvllm.worker.pending_tokens import gather, token_index
 from myvllm.worker.static_buffers import StaticBuffers
@@ -43,9 +44,6 @@ from myvllm.kernels.tile_map import (SPLIT_KEY_TILES, DecodeRows, TileMap, build
                                      tile_map_slots)
 from myvllm.utils.context import Context
 
-if TYPE_CHECKING:
-    from myvllm.worker.input_builder import InputBuilder
-
 # Above this many tokens a step's GPU work (tens of milliseconds) dwarfs launching it, and a
 # graph would keep that many tokens' activations allocated for good.
 MAX_CHUNK_GRAPH_TOKENS = 2048
@@ -54,7 +52,17 @@ MAX_CHUNK_GRAPH_TOKENS = 2048
 NUM_SPLIT_PARTS = 64
 
 
-def pad_steps(inputs: InputBuilder, chunk_tiles: tuple[int, int] | None,
+class PaddableInputs(Protocol):
+    """An InputBuilder (worker/input_builder.py), as pad_steps sees it."""
+
+    config: Config
+    max_blocks_per_seq: int
+    device: torch.device
+    padded: PaddedSteps | None
+    pool: TokenPool
+
+
+def pad_steps(inputs: PaddableInputs, chunk_tiles: tuple[int, int] | None,
               max_chunk_tokens: int = MAX_CHUNK_GRAPH_TOKENS) -> PaddedSteps:
     """From now on the builder pads decode steps, and (with chunk_tiles, the prefill kernel's
     query and key tile) chunked steps of up to max_chunk_tokens, to graph sizes on fixed

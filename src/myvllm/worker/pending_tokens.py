@@ -17,7 +17,8 @@ input ids are gathered there:
     input_ids   = source[token_index]
 
 A first reading on a CPU can skip this file: without async scheduling (a CPU's default) no
-token is pending, so last_token is seq.last_token and input_ids the host ids on the device.
+token is pending, and the InputBuilder (worker/input_builder.py) calls none of it: a step's
+last tokens are seq.last_token, its input ids the host ids on the device.
 """
 
 from __future__ import annotations
@@ -34,11 +35,9 @@ if TYPE_CHECKING:
     from myvllm.worker.token_pool import TokenPool
 
 
-def last_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
-    """The host id of seq's last token, an input at position `at` of the step; if it is
-    still pending, 0 as a placeholder and (at, its row of the pool) added to pending."""
-    if not seq.num_pending_tokens:
-        return seq.last_token
+def pending_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
+    """seq's last token is pending, an input at position `at` of the step: 0 as its host id
+    (a placeholder) and (at, its row of the pool) added to pending."""
     assert seq.sampled_row is not None, "a pending token but no step"
     pending.append((at, seq.sampled_row))
     return 0
@@ -46,12 +45,10 @@ def last_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
 
 def input_ids(pool: TokenPool, fresh: FreshTensors, host_ids: list[int],
               pending: list[tuple[int, int]]) -> torch.Tensor:
-    """A step's input ids on the device (host_ids, built with last_token), the pending ones
-    read from the pool. (PaddedSteps stages its host ids right after the pool and gathers
-    from there.)"""
+    """A step's input ids on the device (host_ids, with pending_token's placeholders), the
+    pending ones read from the pool. (PaddedSteps stages its host ids right after the pool
+    and gathers from there.)"""
     ids = fresh.tensor(host_ids, torch.int64)
-    if not pending:
-        return ids
     index = fresh.tensor(token_index(pool.size, len(host_ids), pending), torch.int64)
     return gather(torch.cat([pool.tokens, ids]), index)
 

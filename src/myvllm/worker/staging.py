@@ -1,12 +1,20 @@
 """Staging: one step's host arrays become the device tensors its forward pass reads, as
 FreshTensors (all a CPU uses) or, on a GPU, for a step that fits a CUDA graph, in the fixed
-places of StaticBuffers (worker/static_buffers.py) that the graph reads.
+places of StaticBuffers (worker/static_buffers.py) that the graph reads; and the step's
+sampled tokens come back as SampledTokens (on a GPU, and with async scheduling, through the
+sampled-token pool: worker/token_pool.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from myvllm.sample.logprobs import StepLogprobs
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
@@ -41,3 +49,31 @@ def block_table_array(tables: list[list[int]], width: int, num_rows: int | None 
     for row, table in enumerate(tables):
         array[row, : len(table)] = table
     return array
+
+
+class VerifiedRows(Protocol):
+    """Speculative decoding's tokens of a step's verification rows (spec_decode/
+    verification.py's VerifiedTokens)."""
+
+    def token_lists(self) -> dict[int, list[int]]: ...
+
+
+class SampledTokens:
+    """The token ids of one step, on their way to the host: token_ids() waits for the copy.
+
+    host: the tokens in host memory (a CPU: the sampler's own output). wait: what waits until
+    the device's copy into it has landed (a GPU's pinned slot, TokenPool.read_back), None
+    when the step has run already (a CPU)."""
+
+    def __init__(self, host: torch.Tensor, logprobs: StepLogprobs | None = None,
+                 wait: Callable[[], None] | None = None) -> None:
+        self.host = host
+        self.wait = wait
+        self.logprobs = logprobs  # valid once token_ids() has waited
+        # Speculative decoding: the rows' verified tokens (their token_ids() entry is unused).
+        self.verified: VerifiedRows | None = None
+
+    def token_ids(self) -> list[int]:
+        if self.wait is not None:
+            self.wait()
+        return self.host.tolist()

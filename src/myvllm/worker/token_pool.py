@@ -1,20 +1,22 @@
 """The sampled-token pool: where each step's tokens land on the device, row by row
 (Sequence.sampled_row), and their way back to the host (read_back -> SampledTokens). A token
 still pending under async scheduling is read from its row (worker/pending_tokens.py).
+
+Only GPUs (where decode graphs sample into it, and its pinned slots bring the tokens back)
+and async scheduling (where the next step reads pending tokens from it) use it: a CPU step
+without async scheduling returns the sampler's tokens as they are (ModelRunner.run).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
 
 import torch
 
-from myvllm.sample.logprobs import StepLogprobs
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.logprobs import StepLogprobs
+from myvllm.worker.staging import SampledTokens
 from myvllm.worker.static_buffers import PinnedSlots
-
-if TYPE_CHECKING:
-    from myvllm.spec_decode.verification import VerifiedTokens
 
 
 class TokenPool:
@@ -38,24 +40,8 @@ class TokenPool:
         host_logprobs = logprobs.to_host() if logprobs is not None else None
         if self.host_slots is None:  # a CPU: the step has run; keep them past the next one
             return SampledTokens(self.tokens[:num_seqs].clone(), host_logprobs)
+        # On a GPU the host slots alternate, so the tokens must be read before two more
+        # steps run (later raises; the engine reads each step right after the next).
         host, slot, turn = self.host_slots.copy_to_host(self.tokens[:num_seqs])
-        return SampledTokens(host, host_logprobs, self.host_slots, slot, turn)
-
-
-class SampledTokens:
-    """The token ids of one step, on their way to the host: token_ids() waits for the copy.
-    On a GPU the host memory is one of two slots that alternate, so they must be read before
-    two more steps run (later raises; the engine reads each step right after the next)."""
-
-    def __init__(self, host: torch.Tensor, logprobs: StepLogprobs | None = None,
-                 slots: PinnedSlots | None = None, slot: int = 0, turn: int = 0) -> None:
-        self.host = host
-        self._slots, self._slot, self._turn = slots, slot, turn
-        self.logprobs = logprobs  # valid once token_ids() has waited
-        # Speculative decoding: the rows' verified tokens (their token_ids() entry is unused).
-        self.verified: VerifiedTokens | None = None
-
-    def token_ids(self) -> list[int]:
-        if self._slots is not None:
-            self._slots.wait_for(self._slot, self._turn)
-        return self.host.tolist()
+        return SampledTokens(host, host_logprobs,
+                             functools.partial(self.host_slots.wait_for, slot, turn))

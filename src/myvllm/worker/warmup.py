@@ -1,4 +1,5 @@
-"""What a ModelRunner does at start-up on a GPU only: warm-ups, then padding and graphs.
+"""What a ModelRunner does at start-up (initialize_cache): the KV cache sized and allocated,
+and on a GPU only, warm-ups before it, then padding and graphs.
 
     warmup_model                    the largest step the scheduler may send, so that the peak
                                     memory is measured before the KV cache is sized, and the
@@ -7,29 +8,93 @@
     pad_and_capture                 steps padded onto fixed buffers from now on, and their
                                     CUDA graphs captured (worker/padded_steps.py, cuda_graphs.py)
 
-A CPU runs none of it: it has no peak to measure, no Triton compile and no graphs.
+A CPU runs none of those: it has no peak to measure, no Triton compile and no graphs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from myvllm.config import Config
 from myvllm.engine.batch import StepInputs
-from myvllm.worker.padded_steps import pad_steps
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import LogitsProcessing, Penalties, process_logits
-
-if TYPE_CHECKING:
-    from myvllm.engine.model_runner import ModelRunner
+from myvllm.layers.attention import Attention
+from myvllm.layers.sampler import Sampler
+from myvllm.spec_decode.verification import Verifier
+from myvllm.worker.cuda_graphs import GraphCache
+from myvllm.worker.input_builder import InputBuilder
+from myvllm.worker.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
+from myvllm.worker.padded_steps import pad_steps
 
 logger = logging.getLogger("myvllm")
 
 
-def pad_and_capture(runner: ModelRunner) -> None:
+class WarmupRunner(Protocol):
+    """A ModelRunner (engine/model_runner.py), as its start-up here sees it."""
+
+    config: Config
+    rank: int
+    device: torch.device
+    dtype: torch.dtype
+    hf_config: Any
+    enforce_eager: bool
+    sample_in_graph: bool
+    inputs: InputBuilder
+    graphs: GraphCache
+    sampler: Sampler
+    kv_layout: KVCacheLayout
+    attention_layers: list[Attention]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_kvcache_blocks: int
+    verifier: Verifier | None
+
+    def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None: ...
+
+    def body_forward(self, step: StepInputs) -> torch.Tensor: ...
+
+    def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
+                       ) -> torch.Tensor: ...
+
+
+def initialize_cache(runner: WarmupRunner) -> int:
+    """Warm up (GPU), size and allocate the KV cache, capture graphs (GPU); returns the
+    block count."""
+    start = time.perf_counter()
+    on_gpu = runner.device.type == "cuda"  # a CPU has no peak to measure, no graphs
+    # speculative_method "draft": the draft model and its own KV cache (rank 0 only).
+    draft = runner.verifier.draft if runner.verifier is not None else None
+    if on_gpu:
+        if draft is not None:  # first: the target's warm-up measures the peak
+            draft.warm_up()
+        warmup_model(runner)
+    # A draft model's cache has a block for each of the target's (same block tables).
+    draft_bytes = draft.block_bytes if draft is not None else 0
+    num_blocks = count_blocks(runner.config, runner.kv_layout, runner.device,
+                              runner.inputs.max_blocks_per_seq, draft_bytes)
+    runner.k_cache, runner.v_cache = allocate_kv_cache(runner.attention_layers,
+                                                       runner.kv_layout, num_blocks,
+                                                       runner.device)
+    if draft is not None:
+        draft.allocate_cache(num_blocks)
+    runner.num_kvcache_blocks = num_blocks
+    if on_gpu:
+        warmup_cached_prefix_prefill(runner)
+    if runner.rank == 0:
+        gib = num_blocks * runner.kv_layout.block_bytes / 2**30
+        logger.info(f"KV cache: {num_blocks} blocks of {runner.config.block_size} tokens "
+                    f"({gib:.2f} GiB per rank), sized in {time.perf_counter() - start:.1f} s")
+    if on_gpu:
+        pad_and_capture(runner)
+    return num_blocks
+
+
+def pad_and_capture(runner: WarmupRunner) -> None:
     """GPU: pad steps onto fixed buffers from now on, and capture their CUDA graphs
     (unless enforce_eager: padded in eager mode too, so that both compute the same)."""
     chunk_tiles = None
@@ -59,7 +124,7 @@ def pad_and_capture(runner: ModelRunner) -> None:
 
 
 @torch.inference_mode()
-def warmup_model(runner: ModelRunner) -> None:
+def warmup_model(runner: WarmupRunner) -> None:
     """Run the largest step the scheduler may send, so the peak memory is measured.
 
     That is a prefill of max_num_batched_tokens tokens (whole max_model_length sequences
@@ -91,7 +156,7 @@ def warmup_model(runner: ModelRunner) -> None:
 
 
 @torch.inference_mode()
-def warmup_sampler(runner: ModelRunner) -> None:
+def warmup_sampler(runner: WarmupRunner) -> None:
     """The sampler on max_num_sequences rows of logits, with top-p (its sort makes several
     vocabulary-sized copies), with the sampling controls as well, and without, then on 3
     rows: up to 8 rows the sampling kernels launch with programmatic dependent launch
@@ -118,7 +183,7 @@ def warmup_sampler(runner: ModelRunner) -> None:
 
 
 @torch.inference_mode()
-def warmup_cached_prefix_prefill(runner: ModelRunner) -> None:
+def warmup_cached_prefix_prefill(runner: WarmupRunner) -> None:
     """Compile the prefill kernel's variant that reads a cached prefix through the block
     tables (~2 s), here rather than in the first request with a prefix-cache hit.
 

@@ -1,5 +1,9 @@
-"""The dicts LLMEngine.step() and generate() return, built from the core's RequestOutputs, and
-generate()'s progress bar.
+"""What steps hand back: the core's RequestOutputs, and the dicts LLMEngine.step() and
+generate() build from them (and generate()'s progress bar).
+
+request_outputs (EngineCore.step): per sequence that got tokens in a step, its new tokens,
+its logprobs if it asked (sample/logprobs.py), and for n > 1 whether its whole request has
+finished (sample/forks.py).
 
 A finished request's dict has seq_id, token_ids (completion only), finish_reason,
 num_cached_tokens, logprobs (one {token id: logprob} per completion token, the token's own and
@@ -19,9 +23,41 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from myvllm.engine.batch import RequestOutput
-from myvllm.serving.core_messages import LogprobsLists
-from myvllm.sample.logprobs import LogprobsCollector
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.logprobs import LogprobsCollector, take_prompt_logprobs
+from myvllm.serving.core_messages import LogprobsLists
+
+
+def request_outputs(seqs: list[Sequence], num_known: list[int],
+                    logprobs: list[LogprobsLists | None], requests: dict[int, list[Sequence]]
+                    ) -> list[RequestOutput]:
+    """seqs: the step's sequences that got tokens, after postprocess; num_known: how many
+    tokens each had before; logprobs: each one's, if it asked; requests: the engine's
+    unfinished requests (each one's sequences), from which one that finishes here is removed.
+    """
+    outputs = []
+    for seq, known, seq_logprobs in zip(seqs, num_known, logprobs, strict=True):
+        new_token_ids = seq.token_ids[known:]
+        if not new_token_ids:  # a surplus token of a sequence that had finished
+            continue
+        outputs.append(RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_token_ids,
+            token_ids=seq.completion_token_ids, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens or 0,
+            logprobs=seq_logprobs,
+            prompt_logprobs=(None if seq.extras is None  # asked for no prompt logprobs
+                             else take_prompt_logprobs(seq, requests.get(seq.request_id, []))),
+            index=seq.index))
+    # A request ends with the last output of its last completion to finish.
+    for out in reversed(outputs):
+        completions = requests.get(out.request_id)
+        if (out.finished and completions is not None
+                and all(s.is_finished for s in completions)):
+            del requests[out.request_id]
+            out.request_finished = True
+    return outputs
+
 
 # A finished output's logprobs when its request asked for none.
 NO_LOGPROBS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None}
