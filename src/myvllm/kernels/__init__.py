@@ -49,8 +49,9 @@ and the experts of a mixture-of-experts layer (reference in fused_reference.py):
                              summed: two grouped matmuls over all experts
                              (kernels/fused_moe_kernel.py)
 
-Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
-(and Triton is installed), otherwise the PyTorch reference. The environment variable
+Dispatch: the public functions below (linear aside: it chooses by device and shape) run the
+Triton kernel when the tensors are on CUDA (and Triton is installed), otherwise the PyTorch
+reference. The environment variable
 MYVLLM_FORCE_TRITON overrides that choice at call time:
 
     MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,

@@ -133,9 +133,9 @@ class RotaryInput:
 
 
 class FusableOp(nn.Module):
-    """An op (RMSNorm, SiluAndMul, RotaryEmbedding) whose work the layer after it can do in
-    its own kernel. fuse() sets next_layer_fuses to that layer's fuses(x): whether, for input
-    x, its kernel applies this op."""
+    """The first base of a fused op (an RMSNorm, SiluAndMul, RotaryEmbedding whose work the
+    layer after it can do in its own kernel). fuse() sets next_layer_fuses to that layer's
+    fuses(x): whether, for input x, its kernel applies this op."""
 
     next_layer_fuses: Callable[[torch.Tensor], bool] | None = None
 
