@@ -68,12 +68,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _run_time_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, anywhere, except those inside `if TYPE_CHECKING:`."""
+def _run_time_imports(tree: ast.AST, type_checking: bool = False
+                      ) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, anywhere, except those inside `if TYPE_CHECKING:` (those too
+    with type_checking=True)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -86,12 +88,14 @@ def _run_time_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, module) for each myvllm module that the file imports at run time."""
+def imported_modules(path: Path, root: Path, type_checking: bool = False
+                     ) -> list[tuple[int, str]]:
+    """(line, module) for each myvllm module that the file imports at run time (and under
+    `if TYPE_CHECKING:` too, with type_checking=True)."""
     module = _module_name(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[int, str]] = []
-    for node in _run_time_imports(ast.parse(path.read_text(), str(path))):
+    for node in _run_time_imports(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
             continue
@@ -152,3 +156,77 @@ def test_a_planted_back_arrow_is_found(tmp_path: Path) -> None:
         "myvllm)",
         "utils/top.py:1 imports myvllm.layers.linear (utils may import: settings)",
     ]
+
+
+def import_circles(root: Path = PACKAGE) -> list[list[str]]:
+    """The circles of the module graph: each group of modules that reach one another through
+    imports, every import counted (module level, in functions, under TYPE_CHECKING). A
+    package's __init__ counts as the module it is; importing a submodule is not counted as
+    importing its package."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        graph[module] = {target for _, target in imported_modules(path, root, True)
+                         if target != module}
+    # Tarjan's strongly connected components, iteratively (no recursion limit to mind).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        circles.append(sorted(group))
+    return circles
+
+
+def test_no_import_circles() -> None:
+    circles = import_circles()
+    assert not circles, "modules that import one another, directly or around a circle:" + "".join(
+        f"\n  {', '.join(group)}" for group in circles)
+
+
+def test_a_planted_circle_is_found(tmp_path: Path) -> None:
+    """A circle closed only under TYPE_CHECKING, or by an import inside a function, is one."""
+    root = tmp_path / "myvllm"
+    (root / "engine").mkdir(parents=True)
+    (root / "engine" / "__init__.py").write_text("")
+    (root / "engine" / "a.py").write_text("from myvllm.engine.b import f\n")
+    (root / "engine" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from myvllm.engine import a\n")
+    (root / "engine" / "c.py").write_text("import myvllm.engine.d\n")
+    (root / "engine" / "d.py").write_text("def g():\n    from . import c\n")
+    (root / "engine" / "e.py").write_text("from myvllm.engine import a\n")
+    assert import_circles(root) == [["myvllm.engine.a", "myvllm.engine.b"],
+                                    ["myvllm.engine.c", "myvllm.engine.d"]]
