@@ -226,12 +226,17 @@ class EngineCore:
                            self.scheduler.speculator)
 
     def _run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens:
-        """Run one step on every rank; its tokens are not waited for here."""
+        """Run one step (on every rank); its tokens are not waited for here."""
         try:
-            return self._call_runner("run", seqs, is_prefill)
+            if self.workers is None:
+                sampled = self.model_runner.run(seqs, is_prefill)
+            else:
+                sampled = self.workers.call("run", seqs, is_prefill)
         except BaseException:
             undo_step(self.scheduler, seqs)  # none of its K/V was written
             raise
+        assert sampled is not None  # rank 0's run returns its tokens
+        return sampled
 
     def _read_queued(self, step: QueuedStep) -> tuple[list[RequestOutput], int]:
         return self._read_back(step.seqs, step.samples, step.sampled), step.num_tokens
