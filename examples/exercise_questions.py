@@ -53,9 +53,9 @@ QUESTIONS: dict[str, list[Question]] = {
                  "answer depended on the order: freed blocks forgot their tokens."),
     ],
     "freed-blocks": [
-        Question("hits_kept", "(a) Block size 4. X = PREFIX + [1, 2, 3, 4] (PREFIX is 8 tokens) "
-                 "runs and finishes; then Y = PREFIX + [1, 2, 3, 4, 5] arrives. How many of "
-                 "Y's tokens hit the cache?", "number",
+        Question("hits_kept", "(a) A pool of 6 blocks of 4 tokens. X = PREFIX + [1, 2, 3, 4] "
+                 "(PREFIX is 8 tokens) runs and finishes; then Y = PREFIX + [1, 2, 3, 4, 5] "
+                 "arrives. How many of Y's tokens hit the cache?", "number",
                  "X's three full blocks are freed but keep their hashes and tokens, so Y "
                  "revives all three."),
         Question("hits_cleared", "And if freed blocks forgot their tokens, as in the article's "
@@ -69,8 +69,9 @@ QUESTIONS: dict[str, list[Question]] = {
         Question("stops_matching", "(b) When does a freed block stop matching?", "choice",
                  "_allocate_fresh_block deletes its hash entry and reset() clears its tokens: "
                  "that is eviction.", ("freed", "handed-out", "never")),
-        Question("hits_after_eviction", "After X finished, Z (16 unrelated tokens, 4 blocks) "
-                 "runs and finishes. How many of Y's tokens hit now?", "number",
+        Question("hits_after_eviction", "In the same pool of 6 blocks: after X finished, Z "
+                 "(16 unrelated tokens, 4 blocks) runs and finishes. How many of Y's tokens hit "
+                 "now?", "number",
                  "The free list hands out unhashed blocks first, then hashed ones, least "
                  "recently freed first; deallocate frees a block table last block first, so Z "
                  "evicted X's third block and the prefix's two blocks survived."),
@@ -81,8 +82,9 @@ QUESTIONS: dict[str, list[Question]] = {
                  ("flash_attention_varlen", "paged_attention_decode", "store_kvcache")),
     ],
     "block-size": [
-        Question("blocks_factor", "Qwen3-0.6B, a 1 GiB KV budget: block size 256 -> 16 "
-                 "multiplies the number of blocks by how much?", "number",
+        Question("blocks_factor", "Qwen3-0.6B's shapes, a bf16 KV cache (2 bytes an "
+                 "element), a 1 GiB budget: block size 256 -> 16 multiplies the number of "
+                 "blocks by how much?", "number",
                  "A block's bytes are proportional to block_size, and the budget is fixed."),
         Question("memory", "And the KV cache's memory?", "choice",
                  "The memory budget, not the block size, fixes it; the token capacity stays "
@@ -91,7 +93,8 @@ QUESTIONS: dict[str, list[Question]] = {
                  "kv_cache.count_blocks: num_blocks = budget // block_bytes, with "
                  "block_bytes = KVCacheLayout.block_bytes = block_size * 2 * layers * kv_heads * head_dim * "
                  "dtype size.", ("count_blocks", "allocate_kv_cache", "BlockManager")),
-        Question("seqs_256", "How many sequences of 114 tokens fit at block size 256?", "number",
+        Question("seqs_256", "How many sequences of 114 tokens fit in that bf16 GiB at block "
+                 "size 256?", "number",
                  "Each sequence takes a whole block of 256 slots for its 114 tokens: 142 of "
                  "them stay empty."),
         Question("seqs_16", "And at block size 16?", "number",
@@ -201,9 +204,11 @@ QUESTIONS: dict[str, list[Question]] = {
         Question("obstacle_silent", "How many tokens of 'Obstacle' release no text?", "number",
                  "'O', 'Ob', 'Obs' may each begin the stop string; the 't' shows they do not "
                  "and releases 'Obst' at once."),
-        Question("client_text", "What text does the client receive in all?", "text",
-                 "The output ends right before the stop string; from its 'O' on nothing is "
-                 "released."),
+        Question("client_text", "What text does the client receive in all, exactly (every "
+                 "space counts: it is what the stream held back or released)?", "exact text",
+                 "The output ends right before the stop string: the space in front of it was "
+                 "released as it came (no stop string begins with a space), and from the stop "
+                 "string's 'O' on nothing is released."),
         Question("stopped_after", "After how many of the 29 tokens does the request stop?",
                  "number", "The ':' completes the stop string; AsyncLLM then aborts the engine "
                  "request, freeing its blocks, and reports finish_reason 'stop'."),

@@ -188,8 +188,8 @@ class ClearOnFree(BlockManager):
     """The original's behaviour: a block that is freed forgets its tokens (so it never
     matches again). Ours keeps them; this subclass puts the original's line back."""
 
-    def _release_block(self, block_id: int) -> None:
-        super()._release_block(block_id)
+    def release_block(self, block_id: int) -> None:
+        super().release_block(block_id)
         if self.blocks[block_id].ref_count == 0:
             self.blocks[block_id].token_ids = []
 

@@ -22,12 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Kind = Literal["number", "yes/no", "names", "choice", "text"]
+# "text" is compared without its leading and trailing spaces; "exact text" as written, for
+# an answer whose spaces are the point (what a stream releases, space by space).
+Kind = Literal["number", "yes/no", "names", "choice", "text", "exact text"]
 FORMATS: dict[str, str] = {
     "number": "a number, e.g. 12",
     "yes/no": 'yes or no, e.g. "yes"',
     "names": 'sequence names in order, e.g. ["A", "B"] (typed: A, B)',
     "text": 'text, e.g. "abc"',
+    "exact text": 'text in quotes, every space counts, e.g. "ab c "',
 }
 
 
@@ -76,7 +79,18 @@ def normalize(question: Question, value: object) -> object:
             if word == option.lower():
                 return option
         raise ValueError(f"expected one of {', '.join(question.options)}")
+    if question.kind == "exact text":
+        return str(value)
     return str(value).strip()
+
+
+def unquoted(typed: str) -> str:
+    """A line typed at the prompt for an exact-text question: the text inside its quotes
+    (so that a trailing space can be typed), or the line as typed when it has none."""
+    inner = typed.strip()
+    if len(inner) >= 2 and inner[0] == inner[-1] and inner[0] in "'\"":
+        return inner[1:-1]
+    return typed
 
 
 def answers_from_file(path: Path, exercise: str) -> dict[str, object] | None:
@@ -98,11 +112,11 @@ def answers_typed_in(questions: list[Question]) -> dict[str, object]:
     for q in questions:
         print(f"\n{q.text} ({q.format})")
         try:
-            typed = input(f"{q.key}> ").strip()
+            typed = input(f"{q.key}> ")
         except EOFError:
             break
-        if typed:
-            answers[q.key] = typed
+        if typed.strip():
+            answers[q.key] = unquoted(typed) if q.kind == "exact text" else typed.strip()
     return answers
 
 
@@ -153,8 +167,11 @@ def grade(questions: list[Question], answers: Mapping[str, object],
         if given == (str(truth).strip() if q.kind == "text" else truth):
             lines.append(f"right  {q.key} = {shown(given)}. {q.why}")
         else:
-            lines.append(f"wrong  {q.key} = {shown(given)}: the probe says {shown(truth)}. "
-                         f"{q.why}")
+            spaces = (" (only the spaces differ, and here they count)"
+                      if q.kind == "exact text" and str(given).strip() == str(truth).strip()
+                      else "")
+            lines.append(f"wrong  {q.key} = {shown(given)}: the probe says {shown(truth)}"
+                         f"{spaces}. {q.why}")
             all_right = False
     unknown = sorted(set(answers) - {q.key for q in questions})
     if unknown:

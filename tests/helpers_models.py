@@ -253,6 +253,7 @@ def assert_prefill_logits_match_transformers(path: Path, hf: Any, top_5: bool = 
     model `hf` (on the GPU) on three prompts of 37, 300 and 5 random tokens in one varlen
     batch. bf16 through many layers: compare each last-token logit vector's direction
     (cosine > 0.99) and, with top_5, that our top 5 tokens hold transformers' top token."""
+    from myvllm.layers.fused import fuse_layer_ops
     from myvllm.models import get_model_class
     from myvllm.utils.context import Context, forward_context
     from myvllm.utils.hf_config import load_hf_config
@@ -265,6 +266,7 @@ def assert_prefill_logits_match_transformers(path: Path, hf: Any, top_5: bool = 
             ours = get_model_class(config.architectures)(config)
     finally:
         torch.set_default_dtype(torch.float32)
+    fuse_layer_ops(ours)  # as build_model does on a GPU
     load_model(ours, path)
     rng = random.Random(0)
     lens = [37, 300, 5]

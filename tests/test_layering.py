@@ -1,14 +1,18 @@
 """The layers of imports that docs/architecture.md states: which part of src/myvllm/ may import
-which. Imports point down, never up:
+which (ALLOWED below). The model's stack points down, never up:
 
-    entrypoints/  ->  engine/  ->  models/  ->  layers/  ->  kernels/
-                                                  |
-                      utils/ (layers/: only utils/context.py, utils/distributed.py)
-                      the settings: config.py, sampling_parameters.py, value_checks.py
+    models/  ->  layers/  ->  kernels/      (layers/ uses only utils/context.py and
+                                             utils/distributed.py of utils/)
+
+and above it the engine: engine/ (the core) makes the features' objects (worker/, sample/,
+spec_decode/, structured_output/, executor/), which read the core's requests and batches;
+serving/ and entrypoints/ sit on top. The settings (config.py, sampling_parameters.py,
+value_checks.py) import nothing of the package.
 
 Every import of a myvllm module is read with ast, at module level and inside functions (a late
 import is still an import). One under ``if TYPE_CHECKING:`` never runs (a type hint only) and
-may point anywhere, as the doc says.
+is spared by the layering check, but not by the circle check: no module may reach itself
+through imports of any kind (test_no_import_circles).
 """
 
 from __future__ import annotations
@@ -24,18 +28,25 @@ FACE = ("__init__", "demo")  # the package's public face: it may import anything
 ALLOWED: dict[str, tuple[str, ...]] = {
     "settings": (),
     "kernels": (),
-    "utils": ("settings",),
+    "utils": ("kernels", "settings"),
     "layers": ("kernels", "utils.context", "utils.distributed"),
     "models": ("layers",),
-    "engine": ("models", "layers", "kernels", "utils", "settings", "worker", "sample",
-               "spec_decode", "structured_output", "executor", "serving"),
-    "worker": ("engine", "models", "layers", "kernels", "utils", "settings", "sample", "spec_decode"),
-    "sample": ("engine", "worker", "layers", "kernels", "utils", "settings", "structured_output", "serving"),
-    "spec_decode": ("engine", "worker", "sample", "models", "layers", "kernels", "utils", "settings"),
+    # The core: it makes the features' objects and hands them to its parts.
+    "engine": ("worker", "sample", "spec_decode", "structured_output", "executor", "serving",
+               "models", "layers", "kernels", "utils", "settings"),
+    # The runner's machinery and the features: they read the core's requests and batches.
+    "worker": ("engine", "sample", "spec_decode", "models", "layers", "kernels", "utils",
+               "settings"),
+    "sample": ("engine", "structured_output", "serving", "layers", "kernels", "utils",
+               "settings"),
+    "spec_decode": ("engine", "worker", "sample", "models", "layers", "kernels", "utils",
+                    "settings"),
     "structured_output": ("engine", "layers", "utils", "settings"),
-    "executor": ("engine", "worker", "sample", "utils", "settings", "kernels", "models", "layers", "serving"),
-    "serving": ("engine", "executor", "sample", "spec_decode", "structured_output", "worker", "utils", "settings"),
-    "entrypoints": ("engine", "serving", "sample", "structured_output", "executor", "utils", "settings"),
+    "executor": ("engine", "worker", "sample", "utils", "settings"),
+    # Above the core: its process, its clients, the HTTP server and the CLI.
+    "serving": ("engine", "executor", "sample", "utils", "settings"),
+    "entrypoints": ("engine", "serving", "executor", "sample", "structured_output", "utils",
+                    "settings"),
 }
 
 
@@ -68,12 +79,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _run_time_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, anywhere, except those inside `if TYPE_CHECKING:`."""
+def _run_time_imports(tree: ast.AST, type_checking: bool = False
+                      ) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, anywhere, except those inside `if TYPE_CHECKING:` (those too
+    with type_checking=True)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -86,12 +99,14 @@ def _run_time_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, module) for each myvllm module that the file imports at run time."""
+def imported_modules(path: Path, root: Path, type_checking: bool = False
+                     ) -> list[tuple[int, str]]:
+    """(line, module) for each myvllm module that the file imports at run time (and under
+    `if TYPE_CHECKING:` too, with type_checking=True)."""
     module = _module_name(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[int, str]] = []
-    for node in _run_time_imports(ast.parse(path.read_text(), str(path))):
+    for node in _run_time_imports(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
             continue
@@ -150,5 +165,79 @@ def test_a_planted_back_arrow_is_found(tmp_path: Path) -> None:
     assert back_arrows(root) == [
         "kernels/late.py:2 imports myvllm.layers.linear (kernels may import: nothing else of "
         "myvllm)",
-        "utils/top.py:1 imports myvllm.layers.linear (utils may import: settings)",
+        "utils/top.py:1 imports myvllm.layers.linear (utils may import: kernels, settings)",
     ]
+
+
+def import_circles(root: Path = PACKAGE) -> list[list[str]]:
+    """The circles of the module graph: each group of modules that reach one another through
+    imports, every import counted (module level, in functions, under TYPE_CHECKING). A
+    package's __init__ counts as the module it is; importing a submodule is not counted as
+    importing its package."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        graph[module] = {target for _, target in imported_modules(path, root, True)
+                         if target != module}
+    # Tarjan's strongly connected components, iteratively (no recursion limit to mind).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        circles.append(sorted(group))
+    return circles
+
+
+def test_no_import_circles() -> None:
+    circles = import_circles()
+    assert not circles, "modules that import one another, directly or around a circle:" + "".join(
+        f"\n  {', '.join(group)}" for group in circles)
+
+
+def test_a_planted_circle_is_found(tmp_path: Path) -> None:
+    """A circle closed only under TYPE_CHECKING, or by an import inside a function, is one."""
+    root = tmp_path / "myvllm"
+    (root / "engine").mkdir(parents=True)
+    (root / "engine" / "__init__.py").write_text("")
+    (root / "engine" / "a.py").write_text("from myvllm.engine.b import f\n")
+    (root / "engine" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from myvllm.engine import a\n")
+    (root / "engine" / "c.py").write_text("import myvllm.engine.d\n")
+    (root / "engine" / "d.py").write_text("def g():\n    from . import c\n")
+    (root / "engine" / "e.py").write_text("from myvllm.engine import a\n")
+    assert import_circles(root) == [["myvllm.engine.a", "myvllm.engine.b"],
+                                    ["myvllm.engine.c", "myvllm.engine.d"]]

@@ -12,7 +12,7 @@ import torch
 import myvllm.kernels.skinny_gemm_kernel as sk
 from myvllm.kernels.layer_ops_triton import rms_norm_triton, silu_and_mul_triton
 from myvllm.kernels.fused_reference import skinny_gemm_ref
-from myvllm.kernels.layer_ops_reference import rms_norm_ref
+from myvllm.kernels.reference import rms_norm_ref
 torch.manual_seed(0)
 REPS = 56
 

@@ -7,9 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from myvllm.engine import block_manager
-from myvllm.engine.block_manager import Block, BlockManager
-from myvllm.engine.free_block_queue import FreeBlockQueue
-from myvllm.engine.prefix_hash import compute_hash
+from myvllm.engine.block_manager import Block, BlockManager, FreeBlockQueue, compute_hash
 from myvllm.engine.sequence import Sequence
 from helpers_blocks import used_block_ids
 
@@ -349,3 +347,23 @@ def test_free_block_queue_behaves_as_a_deque(ops: list[tuple[str, int]]) -> None
         assert bool(queue) == bool(reference)
         if reference:
             assert all(b in queue for b in reference) and 99 not in queue
+
+
+def test_compute_hash_is_the_block_managers() -> None:
+    bm = BlockManager(4, 4)
+    assert BlockManager.compute_hash([1, 2, 3, 4]) == bm.compute_hash([1, 2, 3, 4]) == (
+        compute_hash([1, 2, 3, 4]))
+
+
+def test_lookahead_blocks_are_taken_and_given_back() -> None:
+    from myvllm.spec_decode.scheduling import free_lookahead_blocks
+
+    bm = BlockManager(8, 4)
+    s = Sequence([1, 2, 3, 4, 5], 4)  # 2 blocks; 3 proposals reach into none more
+    bm.allocate(s)
+    assert bm.can_append(s, num_lookahead=3) and not bm.can_append(s, num_lookahead=100)
+    bm.append(s, num_lookahead=4)  # 9 positions: a third block
+    assert len(s.block_table) == 3 and len(bm.free_block_ids) == 5
+    free_lookahead_blocks(bm, s)  # none accepted: back to the blocks its tokens occupy
+    assert len(s.block_table) == 2 and len(bm.free_block_ids) == 6
+    check_consistent(bm, s)

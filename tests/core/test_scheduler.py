@@ -433,3 +433,50 @@ def test_decode_rows_that_nobody_streams_do_not_cap_prompt_chunks() -> None:
     sch.add_sequence(seq(list(range(200, 240))))
     batch, _ = sch.schedule()
     assert [s.num_new_tokens for s in batch] == [1, 1, 1, 8]  # a stream decodes: capped
+
+
+# ---------------------------------------------------------------- the features' doors
+def test_a_plain_request_runs_no_feature_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forks, speculation, a request's own stop tokens: each behind its one check, which a
+    plain request fails (eos and max_tokens are checked inline)."""
+    from myvllm.engine import scheduler
+
+    def feature(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a plain request ran feature code")
+
+    for name in ("extras_of", "can_fork", "fork", "fork_source", "make_forks",
+                 "release_forks", "is_stop_token", "proposals_for_row", "roll_back",
+                 "take_proposals", "verified_tokens"):
+        monkeypatch.setattr(scheduler, name, feature)
+    sch = make(eos=7, enable_chunked_prefill=True)
+    assert sch.speculator is None
+    a, b = seq(PREFIX + [1], max_tokens=3), seq([1, 2, 3], max_tokens=5)
+    for s in (a, b):
+        assert s.extras is None
+        sch.add_sequence(s)
+    while not sch.is_finished():
+        batch, _ = sch.schedule()
+        sch.postprocess(batch, [7 if s is b else 5 for s in batch])
+    assert (a.finish_reason, a.completion_token_ids) == ("length", [5, 5, 5])
+    assert (b.finish_reason, b.completion_token_ids) == ("stop", [7])
+
+
+def test_a_request_with_extras_stops_on_its_own_stop_tokens_after_min_tokens() -> None:
+    sch = make(eos=7)
+    s = seq([1, 2, 3], stop_token_ids=[9], min_tokens=2)
+    sch.add_sequence(s)
+    for token in (9, 9):  # a stop token before min_tokens does not stop it
+        batch, _ = sch.schedule()
+        sch.postprocess(batch, [token])
+    assert (s.finish_reason, s.completion_token_ids) == ("stop", [9, 9])
+
+
+def test_the_speculator_is_handed_in_or_made_from_the_config() -> None:
+    from myvllm.spec_decode.scheduling import Speculator
+
+    config = Config(num_kvcache_blocks=8, block_size=4, max_model_length=64,
+                    speculative_method="ngram", num_speculative_tokens=2)
+    speculator = Speculator(config)
+    assert Scheduler(config, speculator).speculator is speculator
+    assert isinstance(Scheduler(config).speculator, Speculator)
+    assert make().speculator is None

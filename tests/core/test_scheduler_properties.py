@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from myvllm.config import Config
 from myvllm.sample.forks import can_fork, fork_source, num_shared_prompt_blocks
-from myvllm.engine.prefix_hash import compute_hash
+from myvllm.engine.block_manager import compute_hash
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams

@@ -14,6 +14,7 @@ honored); the last test checks that those quotes are still in the source.
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from functools import cache
@@ -25,6 +26,7 @@ from test_docs import COVERED_BY_EXERCISE_TEST, GUIDE, _fences, extract_commands
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / COVERED_BY_EXERCISE_TEST
+ANSWERS = REPO / "docs" / "answers.md"  # the answers, with their reasons, out of the guide
 
 # The right answer to every question, as a learner would write it in examples/answers.toml.
 RIGHT: dict[str, dict[str, object]] = {
@@ -114,25 +116,47 @@ def test_guide_runs_every_probe_and_every_question_has_an_answer_here() -> None:
         assert [q.key for q in questions] == list(RIGHT[name]), name
 
 
-def test_each_answer_is_folded_away_after_its_command() -> None:
-    """In the guide an answer never comes before its exercise's command: every command is
-    followed by a <details> block, and every <details> block follows a command."""
-    lines = GUIDE.read_text().splitlines()
-    blocks = _fences(GUIDE)  # (language, first content line, 1-based; body)
-    ends = {start + len(body): COVERED_BY_EXERCISE_TEST in "\n".join(body)
-            for _, start, body in blocks}  # 1-based line of each closing fence
-    for end, is_exercise in ends.items():
-        if is_exercise:
-            after = next(line for line in lines[end:] if line.strip())
-            assert after.startswith("<details>"), (
-                f"HowToApproachvLLM.md:{end}: an exercise command without its folded answer "
-                f"right after it (found {after!r})")
-    for number, line in enumerate(lines, 1):
-        if line.startswith("<details>"):
-            fence = max(end for end in ends if end < number)
-            assert ends[fence] and not any(lines[i].strip() for i in range(fence, number - 1)), (
-                f"HowToApproachvLLM.md:{number}: an answer that does not follow an exercise "
-                "command")
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {anchor(line.lstrip("#")) for line in path.read_text().splitlines()
+            if line.startswith("#")}
+
+
+def test_each_answer_is_linked_after_its_command_and_kept_out_of_the_guide() -> None:
+    """The guide shows no answer (a <details> block is in plain sight in a terminal): every
+    exercise command is followed by a link to its section of docs/answers.md, which names
+    the same probe, and every section there is linked once and links back to the guide."""
+    text = GUIDE.read_text()
+    assert "<details>" not in text, "an answer in the guide: move it to docs/answers.md"
+    lines = text.splitlines()
+    sections = dict(re.findall(r"^## (.+)\n\n`uv run python examples/exercises.py ([\w-]+)`",
+                               ANSWERS.read_text(), flags=re.M))
+    by_anchor = {anchor(title): probe for title, probe in sections.items()}
+    linked = []
+    for _, start, body in _fences(GUIDE):
+        words = " ".join(body).split()
+        if COVERED_BY_EXERCISE_TEST not in words:
+            continue
+        probe = words[words.index(COVERED_BY_EXERCISE_TEST) + 1]
+        end = start + len(body)  # 1-based line of the closing fence
+        after = next(line for line in lines[end:] if line.strip())
+        m = re.fullmatch(r"Answer first, then check it against \[docs/answers\.md, [^]]+\]"
+                         r"\(docs/answers\.md#([\w-]+)\)\.", after)
+        assert m, (f"HowToApproachvLLM.md:{end}: the exercise command for {probe} is not "
+                   f"followed by the link to its answer (found {after!r})")
+        assert by_anchor.get(m.group(1)) == probe, (
+            f"HowToApproachvLLM.md:{end}: links #{m.group(1)}, which is not the section of "
+            f"docs/answers.md for {probe}")
+        linked.append(probe)
+    assert sorted(linked) == sorted(sections.values()), (
+        f"docs/answers.md answers {sorted(sections.values())}; the guide links {sorted(linked)}")
+    guide_anchors = anchors(GUIDE)
+    for back in re.findall(r"\(\.\./HowToApproachvLLM\.md#([\w-]+)\)", ANSWERS.read_text()):
+        assert back in guide_anchors, f"docs/answers.md links back to #{back}: no such heading"
 
 
 @pytest.mark.parametrize("name", [
@@ -176,6 +200,29 @@ def test_unreadable_missing_and_misnamed_answers_are_not_right() -> None:
     assert lines[1].startswith("unanswered  slot_9: the probe says 37")
     assert "expected yes or no" in lines[2]
     assert "['slot9'] match no question" in lines[-1]
+
+
+def test_exact_text_counts_every_space(monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """What a stream releases is the point of the stop-string exercise: its trailing space
+    is part of the answer, in the answers file and at the prompt (typed in quotes)."""
+    from grading import grade
+
+    questions = probes().QUESTIONS["stop-string"]
+    right = RIGHT["stop-string"]
+    assert str(right["client_text"]).endswith(" ")
+    for wrong_text in ("5€ Obstacle.", " 5€ Obstacle. ", "5€ Obstacle.  "):
+        lines, all_right = grade(questions, right | {"client_text": wrong_text},
+                                 truths("stop-string"))
+        assert not all_right, f"{wrong_text!r} was accepted"
+        (line,) = [line for line in lines if not line.startswith("right  ")]
+        assert line.startswith(f"wrong  client_text = {wrong_text!r}: the probe says "
+                               f"{right['client_text']!r} (only the spaces differ"), line
+    typed = iter(["2", "3", '"5€ Obstacle. "', "27"])
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
+    assert probes().main(["stop-string", "--answers", "/nonexistent/answers.toml"]) == 0
+    assert "right  client_text = '5€ Obstacle. '" in capsys.readouterr().out
 
 
 def test_the_command_grades_an_answers_file(tmp_path: Path,
@@ -223,4 +270,4 @@ def test_quoted_code_is_still_there() -> None:
     assert "slot) >= 0" in (REPO / "src/myvllm/kernels/store_kvcache_kernel.py").read_text()
     assert "keep = slot_mapping >= 0" in (REPO / "src/myvllm/kernels/reference.py").read_text()
     manager = (REPO / "src/myvllm/engine/block_manager.py").read_text()
-    assert "def _release_block" in manager and "def _allocate_fresh_block" in manager
+    assert "def release_block" in manager and "def _allocate_fresh_block" in manager

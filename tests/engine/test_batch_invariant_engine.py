@@ -59,7 +59,7 @@ def test_mixture_of_experts_is_refused_before_any_work() -> None:
 @pytest.mark.slow
 def test_tensor_parallel_rows_agree_alone_batched_and_chunked() -> None:
     """tensor_parallel_size=2 over gloo: the row-parallel layers' sum is an all-gather and an
-    add in rank order (layers/matmul.py, reduce_partial_sums); a request alone, in a
+    add in rank order (utils/distributed.py, all_reduce(in_rank_order=True)); a request alone, in a
     batch and in chunks gets the same tokens and logprobs, and the tokens of one rank."""
     path = str(tiny_checkpoint("qwen3"))
     prompts = random_prompts([11, 6, 19], seed=8)

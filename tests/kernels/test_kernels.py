@@ -716,11 +716,9 @@ def test_skinny_gemm_prologues_dispatch_to_triton_when_forced(device, monkeypatc
 
 
 def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) -> None:
-    """layers.matmul.linear routes CUDA matmuls to skinny_gemm exactly where
-    prefers_skinny_gemm says so (1 row, not the LM head; 2-4 rows for small matrices with
-    outputs <= inputs), never on a CPU."""
-    import myvllm.layers.matmul as matmul_mod
-
+    """kernels.linear routes CUDA matmuls to skinny_gemm exactly where prefers_skinny_gemm
+    says so (1 row, not the LM head; 2-4 rows for small matrices with outputs <= inputs),
+    never on a CPU."""
     assert kernels.prefers_skinny_gemm(1, 4096, 1024)  # qkv_proj at batch 1
     assert kernels.prefers_skinny_gemm(1, 24576, 4096)  # 8B's gate_up_proj at batch 1
     assert not kernels.prefers_skinny_gemm(1, 151936, 1024)  # the LM head
@@ -731,17 +729,18 @@ def test_linear_takes_the_skinny_kernel_where_it_measured_faster(monkeypatch) ->
     assert not kernels.prefers_skinny_gemm(2, 6144, 1024)  # gate_up_proj at batch 2
     assert not kernels.prefers_skinny_gemm(8, 1024, 2048)
     calls = []
-    monkeypatch.setattr(matmul_mod, "skinny_gemm", lambda x, w: calls.append(x.shape[0]) or
-                        kernels.skinny_gemm_ref(x, w))
+    skinny_gemm_ref = kernels.skinny_gemm_ref
+    monkeypatch.setattr(kernels, "skinny_gemm", lambda x, w: calls.append(x.shape[0]) or
+                        skinny_gemm_ref(x, w))
     w = torch.randn(4, 6)
     for rows in (1, 3, 8):
         x = torch.randn(rows, 6)
-        torch.testing.assert_close(matmul_mod.linear(x, w), x @ w.t())  # CPU: never
+        torch.testing.assert_close(kernels.linear(x, w), x @ w.t())  # CPU: never
     assert calls == []
     if HAS_CUDA:
         for rows in (1, 3, 8):
-            matmul_mod.linear(torch.randn(rows, 6, device="cuda"), w.cuda())
-        matmul_mod.linear(torch.randn(1, 6, device="cuda"), w.cuda(), torch.zeros(4, device="cuda"))
+            kernels.linear(torch.randn(rows, 6, device="cuda"), w.cuda())
+        kernels.linear(torch.randn(1, 6, device="cuda"), w.cuda(), torch.zeros(4, device="cuda"))
         assert calls == [1, 3]
 
 
@@ -752,7 +751,6 @@ def test_fused_layers_compute_the_unfused_layers(device, monkeypatch, first_laye
     SiluAndMul -> linear give, in one kernel each; the new residual stream is the exact
     rounded sum."""
     import myvllm.layers.fused as fused
-    import myvllm.layers.linear as linear_mod
     from myvllm.layers.activation import SiluAndMul
     from myvllm.layers.layernorm import RMSNorm
     from myvllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -777,7 +775,7 @@ def test_fused_layers_compute_the_unfused_layers(device, monkeypatch, first_laye
     want_out = down_proj(SiluAndMul()(want_gate_up))
 
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
-    monkeypatch.setattr(linear_mod, "uses_skinny_gemm", lambda x, w, b: True)  # as on a GPU
+    monkeypatch.setattr(fused, "uses_skinny_gemm", lambda x, w, b: True)  # as on a GPU
     act_fn = SiluAndMul()
     fused.fuse(norm, gate_up_proj)
     fused.fuse(act_fn, down_proj)

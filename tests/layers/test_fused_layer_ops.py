@@ -1,7 +1,9 @@
 """layers/fused.py in whole models: the model files call their layers one by one, and where a
 GPU takes the fused kernels, exactly those run, in the model's order, with the plain layers'
-result. "As on a GPU" here: Triton forced (the interpreter on a CPU) and linear's skinny_gemm
-rule without its is_cuda test."""
+result. "As on a GPU" here: the model fused as build_model fuses one built on a GPU
+(fuse_layer_ops), Triton forced (the interpreter on a CPU) and the fused linear layers'
+skinny_gemm rule without its is_cuda test. A model built on a CPU is not fused: it runs the
+plain layers' kernels whatever Triton does."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import pytest
 import torch
 from helpers_models import prefill_context, randomize_, tiny_config
 
-import myvllm.layers.linear as linear_mod
+import myvllm.layers.fused as fused_mod
 from myvllm.kernels import prefers_skinny_gemm
+from myvllm.layers.fused import FUSED_VARIANTS, fuse_layer_ops
 from myvllm.models.llama import LlamaForCausalLM
 from myvllm.models.qwen3 import Qwen3ForCausalLM
 from myvllm.utils.context import forward_context
@@ -23,6 +26,22 @@ LAYER_OPS = {"layer_ops_triton": ("rms_norm_triton", "norm_rope_triton", "silu_a
 FUSED_LAYER = ["rms_norm_skinny_gemm", "norm_rope", "rms_norm_skinny_gemm",
                "silu_and_mul_skinny_gemm"]  # fmt: skip
 PLAIN_LAYER = ["rms_norm", "norm_rope", "rms_norm", "silu_and_mul"]
+# Not fused at all: Qwen3's q_norm and k_norm run on their own too.
+UNFUSED_LAYER = {Qwen3ForCausalLM: ["rms_norm", "rms_norm", "rms_norm", "norm_rope", "rms_norm",
+                                    "silu_and_mul"],
+                 LlamaForCausalLM: PLAIN_LAYER}  # fmt: skip
+
+
+def record_kernels(monkeypatch: pytest.MonkeyPatch, kernels: dict[str, tuple[str, ...]]
+                   ) -> list[str]:  # fmt: skip
+    """The names of these Triton kernels, in the order they are called from now on."""
+    calls: list[str] = []
+    for module_name, names in kernels.items():
+        module = importlib.import_module(f"myvllm.kernels.{module_name}")
+        for name in names:
+            monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **kw:
+                                calls.append(_n.removesuffix("_triton")) or _f(*a, **kw))
+    return calls
 
 
 @pytest.mark.parametrize("model_class", [Qwen3ForCausalLM, LlamaForCausalLM])
@@ -43,18 +62,23 @@ def test_the_fused_kernels_run_where_a_gpu_runs_them(monkeypatch, model_class, r
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
     plain = forward()
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
-    monkeypatch.setattr(linear_mod, "uses_skinny_gemm", lambda x, w, b: (  # as on a GPU
+    monkeypatch.setattr(fused_mod, "uses_skinny_gemm", lambda x, w, b: (  # as on a GPU
         x.dim() == 2 and b is None and prefers_skinny_gemm(x.size(0), *w.shape)))
-    calls: list[str] = []
-    for module_name, names in LAYER_OPS.items():
-        module = importlib.import_module(f"myvllm.kernels.{module_name}")
-        for name in names:
-            monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **kw:
-                                calls.append(_n.removesuffix("_triton")) or _f(*a, **kw))
+    calls = record_kernels(monkeypatch, LAYER_OPS)
+    unfused = forward()  # as built on a CPU: no module is a fused variant
+    assert not any(type(m) in FUSED_VARIANTS.values() for m in model.modules())
+    assert calls == UNFUSED_LAYER[model_class] * config.num_hidden_layers + ["rms_norm"]
+    calls.clear()
+    fuse_layer_ops(model)  # as build_model does on a GPU
     fused = forward()
     per_layer = FUSED_LAYER if rows == 1 else PLAIN_LAYER
     assert calls == per_layer * config.num_hidden_layers + ["rms_norm"]  # + model.norm
+    torch.testing.assert_close(unfused, plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")  # the fused model on the references
+    calls.clear()
+    torch.testing.assert_close(forward(), plain, rtol=1e-4, atol=1e-4)
+    assert calls == []
 
 
 @pytest.mark.parametrize("model_class", [Qwen3ForCausalLM, LlamaForCausalLM])
@@ -73,6 +97,7 @@ def test_rope_and_the_kv_store_are_one_kernel_where_there_is_a_cache(monkeypatch
     config = tiny_config("qwen3" if model_class is Qwen3ForCausalLM else "llama")
     model = model_class(config).eval()
     randomize_(model, seed=2)
+    fuse_layer_ops(model)  # as build_model does on a GPU
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     block_size, num_blocks = 4, 3
     prefill = prefill_context([2], torch.tensor([8, 9], dtype=torch.int32))
@@ -95,13 +120,9 @@ def test_rope_and_the_kv_store_are_one_kernel_where_there_is_a_cache(monkeypatch
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
     plain_out, plain_caches = run()
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
-    calls: list[str] = []
-    for module_name, name in (("layer_ops_triton", "norm_rope_triton"),
-                              ("layer_ops_triton", "norm_rope_store_kvcache_triton"),
-                              ("store_kvcache_kernel", "store_kvcache_triton")):  # fmt: skip
-        module = importlib.import_module(f"myvllm.kernels.{module_name}")
-        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **kw:
-                            calls.append(_n.removesuffix("_triton")) or _f(*a, **kw))
+    calls = record_kernels(monkeypatch, {
+        "layer_ops_triton": ("norm_rope_triton", "norm_rope_store_kvcache_triton"),
+        "store_kvcache_kernel": ("store_kvcache_triton",)})  # fmt: skip
     fused_out, fused_caches = run()
     assert calls == ["norm_rope_store_kvcache"] * (2 * config.num_hidden_layers)
     for got, want in zip(fused_out, plain_out):

@@ -127,7 +127,7 @@ def test_embedding_and_lm_head_prefill_keeps_last_tokens() -> None:
 def test_last_token_rows_pad_to_a_power_of_two_with_row_0() -> None:
     """On a GPU the LM head of a prefill step runs at a power-of-two row count (a shape the
     decode graphs already ran); the padding repeats row 0 and the caller cuts it off."""
-    from myvllm.layers.matmul import last_token_rows
+    from myvllm.layers.embedding_head import last_token_rows
 
     cu = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
     assert last_token_rows(cu, pad=False).tolist() == [1, 4, 5]

@@ -12,7 +12,8 @@ At tensor_parallel_size 1 a rank's head counts equal the config's, so a model th
 totals passes every one-rank test: test_attention_holds_this_ranks_heads builds rank 0 of 2
 in this process, and the slow test_two_ranks_over_gloo_match_hf runs two ranks for real.
 When an output differs, the message says which step looks missing when HF's model with that
-step removed gives your output (RoPE, a norm).
+step removed gives your output (RoPE, a norm), and names RoPE applied to v when the v your
+attention hands to Attention changes with the positions.
 """
 
 from __future__ import annotations
@@ -120,6 +121,49 @@ def _missing_step(got: torch.Tensor, hf: Any, hf_output: Callable[[], torch.Tens
             if torch.allclose(got, hf_output(), atol=1e-4):
                 return MISSING_STEP_HINTS[step] + ". "
     return ""
+
+
+V_ROTATED = (
+    "the v your attention gives Attention changes with the positions: looks like RoPE is "
+    "applied to v. RoPE rotates q and k only (so that q . k depends on how far apart two "
+    "tokens are); v is what attention averages, and a rotated v mixes each token's position "
+    "into the output. Rotate with rotary_emb(positions, q, k) and pass v to attn as qkv_proj "
+    "gave it"
+)
+
+
+@torch.no_grad()
+def _v_moves_with_positions(model: Any) -> bool:
+    """Whether layer 0's attention hands its Attention a v that depends on the positions:
+    the same hidden states at positions 0..4 and 7..11 must give the same v."""
+    layer = model.model.layers[0]
+    attn = next((m for m in layer.modules() if isinstance(m, Attention)), None)
+    if attn is None or not hasattr(layer, "self_attn"):
+        return False  # test_decode_logits_match_hf names a missing Attention
+    seen: list[torch.Tensor] = []
+
+    def keep_v(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        v = args[2] if len(args) > 2 else kwargs.get("v")
+        if isinstance(v, torch.Tensor):
+            seen.append(v.detach().clone())
+
+    x = torch.randn(5, model.config.hidden_size)
+    handle = attn.register_forward_pre_hook(keep_v, with_kwargs=True)
+    try:
+        for start in (0, 7):
+            with forward_context(prefill_context([5])):
+                layer.self_attn(torch.arange(start, start + 5), x)
+    finally:
+        handle.remove()
+    return len(seen) == 2 and not torch.equal(seen[0], seen[1])
+
+
+def _diagnosis(model: Any, got: torch.Tensor, hf: Any, hf_output: Callable[[], torch.Tensor],
+               steps: tuple[str, ...]) -> str:
+    """What looks wrong, when the output alone says it: v rotated, or a step missing."""
+    if _v_moves_with_positions(model):
+        return V_ROTATED + ". "
+    return _missing_step(got, hf, hf_output, steps)
 
 
 def _build(kind: str):
@@ -286,6 +330,13 @@ def test_embedding_matches_hf(loaded) -> None:
 
 
 @torch.no_grad()
+def test_values_are_not_rotated(loaded) -> None:
+    kind, model, _ = loaded
+    if _v_moves_with_positions(model):
+        pytest.fail(f"[{kind}] {V_ROTATED}", pytrace=False)
+
+
+@torch.no_grad()
 def test_first_decoder_layer_matches_hf(loaded) -> None:
     kind, model, hf = loaded
     ids = torch.randint(0, model.config.vocab_size, (9,))
@@ -308,7 +359,7 @@ def test_first_decoder_layer_matches_hf(loaded) -> None:
     steps = ("rope", "input_layernorm", "post_attention_layernorm")
     pytest.fail(
         f"[{kind}] decoder layer 0 output (hidden + residual) differs from HF's: "
-        f"{_missing_step(got, hf, layer_0, steps)}The layer runs input_layernorm -> qkv_proj "
+        f"{_diagnosis(model, got, hf, layer_0, steps)}The layer runs input_layernorm -> qkv_proj "
         "-> RoPE -> attention -> o_proj -> residual -> post_attention_layernorm -> "
         "gate_up_proj -> SiluAndMul -> down_proj", pytrace=False)
 
@@ -331,9 +382,11 @@ def test_prefill_logits_match_hf(loaded) -> None:
         f"got {None if last is None else tuple(last.shape)}: use ParallelLMHead"
     )
     if not torch.allclose(last, want, atol=1e-4):
+        steps = ("rope", "input_layernorm", "post_attention_layernorm", "norm")
         pytest.fail(f"[{kind}] prefill logits differ from HF's: "
-                    f"{_missing_step(last, hf, last_logits, ('norm',))}check model.norm and "
-                    "lm_head", pytrace=False)
+                    f"{_diagnosis(model, last, hf, last_logits, steps)}If decoder layer 0 "
+                    "matches (test_first_decoder_layer_matches_hf), look at what runs after "
+                    "it: the later layers, model.norm and lm_head", pytrace=False)
 
 
 @torch.no_grad()

@@ -28,6 +28,9 @@ RANK_HEADS = ("        self.num_heads = self.qkv_proj.num_heads  # this rank's s
               "        self.num_kv_heads = self.qkv_proj.num_kv_heads\n")
 
 SKIPS_ROPE = (RoPE_CALL, "")
+# RoPE applied to v: beside q and k, or in place of k.
+ROTATES_V_TOO = (RoPE_CALL, RoPE_CALL + "        _, v = self.rotary_emb(positions, q, v)\n")
+ROTATES_V_NOT_K = (RoPE_CALL, "        q, v = self.rotary_emb(positions, q, v)\n")
 TOTAL_HEADS = (RANK_HEADS, "        self.num_heads = config.num_attention_heads\n"
                            "        self.num_kv_heads = config.num_key_value_heads\n")
 
@@ -68,8 +71,25 @@ def test_a_skipped_step_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         grader.test_first_decoder_layer_matches_hf(model)
 
 
+@pytest.mark.parametrize("change", [ROTATES_V_TOO, ROTATES_V_NOT_K],
+                         ids=["rotates_q_k_and_v", "rotates_q_and_v"])
+def test_rope_on_v_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                            change: tuple[str, str]) -> None:
+    install_variant(monkeypatch, tmp_path, change)
+    model = loaded("llama")
+    grader.test_rope_matches_hf(model)  # passes: the RoPE module is right, misused or not
+    message = "looks like RoPE is applied to v"
+    with pytest.raises(pytest.fail.Exception, match=message):
+        grader.test_values_are_not_rotated(model)
+    with pytest.raises(pytest.fail.Exception, match=message):
+        grader.test_first_decoder_layer_matches_hf(model)
+    with pytest.raises(pytest.fail.Exception, match=message):
+        grader.test_prefill_logits_match_hf(model)
+
+
 def test_the_reference_passes_the_layer_check() -> None:
     """The other side of the tests above: nothing is flagged on a right llama.py."""
+    grader.test_values_are_not_rotated(loaded("llama3"))
     grader.test_first_decoder_layer_matches_hf(loaded("llama3"))
 
 

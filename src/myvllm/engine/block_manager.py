@@ -2,16 +2,74 @@
 
 It decides which physical blocks a sequence uses (its ``block_table``) and how many sequences
 share each (``ref_count``); the ModelRunner turns block tables into slots. Prefix caching: a
-full block is found by a hash chained over every block before it. Freed blocks keep their hash
-and tokens until handed out again, least recently freed first (the guide's Step 3 draws both).
+full block is found by a hash chained over every block before it (compute_hash: the same
+tokens after two different pasts have different K/V, so a block's hash covers its prefix's
+too). Freed blocks keep their hash and tokens until handed out again, least recently freed
+first, from a FreeBlockQueue (the guide's Step 3 draws both).
 """
 
 from __future__ import annotations
 
-from myvllm.engine.block_rollback import BlockRollback
-from myvllm.engine.free_block_queue import FreeBlockQueue
-from myvllm.engine.prefix_hash import compute_hash
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from collections.abc import Sequence as SequenceOf
+
+import numpy as np
+import xxhash
+
 from myvllm.engine.sequence import Sequence
+
+
+def compute_hash(token_ids: SequenceOf[int], prefix: int = -1) -> int:
+    """A full block's prefix-cache hash: xxhash64 over the previous block's hash (if any),
+    then the tokens as int64."""
+    h = xxhash.xxh64()
+    if prefix != -1:
+        h.update(prefix.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return h.intdigest()  # unsigned 64-bit: never -1
+
+
+class FreeBlockQueue:
+    """The free list: free block ids in order, with the operations of a deque that the
+    BlockManager uses, each O(1), remove() from the middle too.
+
+    A prefix-cache hit on a freed block revives it, taking it out of the middle of the free
+    list, once per block of every hit. A deque's remove() walks the list: 0.5-0.7 ms a block
+    with the ~70,000 blocks of an H200's cache, more than computing the prompt. So the list is
+    an OrderedDict used as an ordered set (vLLM keeps a doubly linked list of free blocks for
+    the same reason)."""
+
+    def __init__(self, block_ids: Iterable[int] = ()) -> None:
+        self._ids: OrderedDict[int, None] = OrderedDict.fromkeys(block_ids)
+
+    def popleft(self) -> int:
+        return self._ids.popitem(last=False)[0]
+
+    def append(self, block_id: int) -> None:
+        self._ids[block_id] = None
+
+    def appendleft(self, block_id: int) -> None:
+        self._ids[block_id] = None
+        self._ids.move_to_end(block_id, last=False)
+
+    def remove(self, block_id: int) -> None:
+        del self._ids[block_id]
+
+    def clear(self) -> None:
+        self._ids.clear()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._ids
+
+    def __repr__(self) -> str:
+        return f"FreeBlockQueue({list(self._ids)})"
 
 
 class Block:
@@ -35,9 +93,11 @@ class Block:
         return f"Block(id={self.block_id}, ref_count={self.ref_count}, hash={self.hash})"
 
 
-# BlockRollback (engine/block_rollback.py): the lookahead blocks of speculative decoding, and
-# what a step that never ran registered, taken back.
-class BlockManager(BlockRollback):
+class BlockManager:
+    # The prefix cache's hash of a full block (a module function, so that it is also
+    # reachable without a BlockManager).
+    compute_hash = staticmethod(compute_hash)
+
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -106,7 +166,8 @@ class BlockManager(BlockRollback):
             self.free_block_ids.remove(block_id)  # freed but still cached: revived
         block.ref_count += 1
 
-    def _release_block(self, block_id: int) -> None:
+    def release_block(self, block_id: int) -> None:
+        """Drop one reference; at 0 the block goes back to the free list."""
         block = self.blocks[block_id]
         if block.ref_count <= 0:
             raise RuntimeError(f"block {block_id} released more often than referenced")
@@ -161,16 +222,18 @@ class BlockManager(BlockRollback):
         In reverse, so a prefix's first blocks, the likeliest to be shared again, are freed
         last and thus evicted last. seq.num_cached_tokens stays (a finished sequence's)."""
         for block_id in reversed(seq.block_table):
-            self._release_block(block_id)
+            self.release_block(block_id)
         seq.block_table.clear()
 
     # ------------------------------------------------------------------ decode
     # Called after the new token is counted in seq.num_tokens, before its K/V is written: it
     # needs a block exactly when the table is one short (the guide's "Growing by one token").
-    # num_lookahead (speculative decoding): blocks for that many proposed tokens too.
+    # num_lookahead (speculative decoding): blocks for that many proposed tokens too, those
+    # past seq.num_blocks that num_tokens + num_lookahead positions reach into.
     def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
         needed = seq.num_blocks - len(seq.block_table)  # 0 or 1 in decode
-        needed += self._lookahead_blocks(seq, num_lookahead)
+        if num_lookahead:
+            needed += -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
         return len(self.free_block_ids) >= needed
 
     def append(self, seq: Sequence, num_lookahead: int = 0) -> None:
@@ -178,7 +241,9 @@ class BlockManager(BlockRollback):
         if missing > 1:
             raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short; append() "
                                "covers one new token per step")
-        for _ in range(missing + self._lookahead_blocks(seq, num_lookahead)):
+        if num_lookahead:
+            missing += -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
+        for _ in range(missing):
             seq.block_table.append(self._allocate_fresh_block())
         # This step writes the K/V of every position below num_tokens.
         self.register_full_blocks(seq, num_written=seq.num_tokens)
@@ -198,3 +263,16 @@ class BlockManager(BlockRollback):
             block = self.blocks[seq.block_table[i]]
             block.update(h, token_ids)
             self.hash_to_block_id[h] = block.block_id
+
+    def unregister_after(self, seq: Sequence, num_written: int) -> None:
+        """Make seq's blocks past its first num_written tokens unfindable again: the step
+        that was to write them was registered when it was scheduled, and then never ran
+        (undo_step, engine/queued_steps.py)."""
+        keep = num_written // self.block_size
+        for i in range(keep, len(seq.block_hashes)):
+            block = self.blocks[seq.block_table[i]]
+            if self.hash_to_block_id.get(block.hash) == block.block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash = -1
+            block.token_ids = []
+        del seq.block_hashes[keep:]

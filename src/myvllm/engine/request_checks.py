@@ -7,14 +7,25 @@ send it to the engine core); Scheduler.check_sequence refuses a sequence that co
 from __future__ import annotations
 
 import numbers
+from collections import deque
 from collections.abc import Sequence as SequenceABC
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
 
-if TYPE_CHECKING:
-    from myvllm.engine.scheduler import Scheduler
+
+class SchedulerView(Protocol):
+    """What these checks read of the Scheduler (engine/scheduler.py, which imports them)."""
+
+    block_size: int
+    max_model_length: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    block_manager: BlockManager
+    waiting: deque[Sequence]
+    running: deque[Sequence]
 
 
 def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
@@ -55,7 +66,8 @@ def check_request(token_ids: Any, params: Any, vocab_size: int) -> list[int]:
     """A prompt of token ids and its SamplingParams checked: the prompt as a list of ints."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-    check_sampling_token_ids(params, vocab_size)
+    if params.logit_bias is not None or params.stop_token_ids is not None:
+        check_sampling_token_ids(params, vocab_size)
     return check_token_ids(token_ids, vocab_size)
 
 
@@ -95,7 +107,7 @@ def max_kv_tokens(seq: Sequence, max_model_length: int) -> int:
     return max(seq.num_prompt_tokens, longest - 1)
 
 
-def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
+def check_schedulable(seq: Sequence, scheduler: SchedulerView) -> None:
     """Raise ValueError if seq could never run on this scheduler: not a new request, another
     block size, an empty prompt, no room for one completion token, more blocks than the whole
     cache, or (prefill first) a re-prefill after preemption larger than a step."""
@@ -131,7 +143,7 @@ def check_schedulable(seq: Sequence, scheduler: Scheduler) -> None:
             "could never be prefilled again; raise max_num_batched_tokens or shorten it")
 
 
-def no_progress_error(scheduler: Scheduler) -> RuntimeError:
+def no_progress_error(scheduler: SchedulerView) -> RuntimeError:
     """What Scheduler.schedule raises when a step schedules and preempts nothing while work
     remains (every later step would do the same)."""
     bm = scheduler.block_manager

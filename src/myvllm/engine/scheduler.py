@@ -5,6 +5,11 @@ Two queues, waiting and running, and four rules (the guide's Step 5): 1. prefill
 of running, to the front of waiting, 4. no progress while work remains is an error.
 Rules 1 and 2 are Config(enable_chunked_prefill=False); the default replaces them by a token
 budget (engine/chunk_budget.py, Step 5b): decode rows first, then chunks of prompts.
+
+Each optional feature enters through one check of its own, which a plain request fails:
+speculative decoding through `self.speculator is not None` (spec_decode/scheduling.py); the
+other completions of an n > 1 request, and a request's own stop tokens and min_tokens, through
+`seq.extras is not None` (sample/forks.py, sample/sampling_controls.py).
 """
 
 from __future__ import annotations
@@ -14,17 +19,17 @@ from collections import deque
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.chunk_budget import StepBudget
-from myvllm.sample.forks import can_fork, fork, fork_source, make_forks, release_forks
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
-from myvllm.sample.extras import extras_of
-from myvllm.sample.sampling_controls import is_stop_token
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from myvllm.spec_decode.scheduling import (make_speculator, proposals_for_row,
-                                                  roll_back, verified_tokens)
+from myvllm.sample.extras import extras_of
+from myvllm.sample.forks import can_fork, fork, fork_source, make_forks, release_forks
+from myvllm.sample.sampling_controls import is_stop_token
+from myvllm.spec_decode.scheduling import (Speculator, proposals_for_row, roll_back,
+                                           take_proposals, verified_tokens)
 
 
 class Scheduler:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, speculator: Speculator | None = None) -> None:
         if config.num_kvcache_blocks < 1:
             raise ValueError(f"Scheduler needs config.num_kvcache_blocks >= 1, got "
                              f"{config.num_kvcache_blocks}: the ModelRunner sizes the KV cache "
@@ -43,8 +48,11 @@ class Scheduler:
             config.num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
-        # Speculative decoding: proposals for decode rows (None: off).
-        self.speculator = make_speculator(config)
+        # Speculative decoding: proposals for decode rows (None: off). The EngineCore hands
+        # it in; a Scheduler made alone makes its own when the config asks for one.
+        self.speculator: Speculator | None = speculator
+        if speculator is None and config.speculative_method is not None:
+            self.speculator = Speculator(config)
 
     # ------------------------------------------------------------------ admission
     def check_sequence(self, seq: Sequence) -> None:
@@ -55,7 +63,7 @@ class Scheduler:
         """Queue a request; with SamplingParams.n > 1, seq is its first completion and the
         others wait in seq.extras.forks (sample/forks.py)."""
         self.check_sequence(seq)
-        if seq.sampling_params.n > 1 and not (seq.extras is not None and seq.extras.forks):
+        if seq.sampling_params.n > 1:
             make_forks(seq)
         self.waiting.append(seq)
 
@@ -113,8 +121,10 @@ class Scheduler:
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
-                proposals = proposals_for_row(self.speculator, self.block_manager, seq,
-                                              self.max_model_length, budget.tokens)
+                proposals: list[int] = []
+                if self.speculator is not None:
+                    proposals = proposals_for_row(self.speculator, self.block_manager, seq,
+                                                  self.max_model_length, budget.tokens)
                 while not self.block_manager.can_append(seq):
                     preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
@@ -146,20 +156,21 @@ class Scheduler:
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
-            source = fork_source(seq)  # n > 1: share the first completion's prompt blocks
+            # n > 1: a fork shares the first completion's prompt blocks.
+            source = fork_source(seq) if seq.extras is not None else None
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
                     or not (can_fork(self.block_manager, seq) if source is not None
                             else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
-            if seq.extras is not None:
-                seq.extras.fork_source = None  # a fork at the first admission only
             if source is not None:
                 fork(self.block_manager, source, seq)
             else:
                 # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
                 self.block_manager.allocate(seq, num_computable=0)
+            if seq.extras is not None:
+                seq.extras.fork_source = None  # a fork at the first admission only
             if seq.num_cached_prompt_tokens is None:  # first admission
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -198,6 +209,13 @@ class Scheduler:
         return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
                 or num_tokens >= self.max_model_length)
 
+    def is_stop_token(self, seq: Sequence, token_id: int) -> bool:
+        """eos, unless ignore_eos. A request with extras may also stop on its own
+        stop_token_ids, and on nothing before min_tokens (sample/sampling_controls.py)."""
+        if seq.extras is not None:
+            return is_stop_token(seq, token_id, self.eos_token_ids)
+        return not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids
+
     def postprocess(self, seqs: list[Sequence], token_ids: list[int],
                     verified: dict[int, list[int]] | None = None) -> list[Sequence]:
         """Append each sequence's new token, finish the ones that stop; returns those. One
@@ -209,14 +227,13 @@ class Scheduler:
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             if seq.is_finished:
                 continue
-            proposals: list[int] = []
-            if seq.extras is not None:
-                proposals, seq.extras.spec_token_ids = seq.extras.spec_token_ids, []
-            new_tokens = (verified_tokens(self.speculator, seq, proposals, verified, i)
-                          if proposals else [token_id])
+            new_tokens = [token_id]
+            proposals = take_proposals(seq) if self.speculator is not None else []
+            if proposals:  # a verification row: its accepted proposals, then one token
+                new_tokens = verified_tokens(self.speculator, seq, proposals, verified, i)
             for token in new_tokens:
                 seq.append_token(token)
-                if is_stop_token(seq, token, self.eos_token_ids):
+                if self.is_stop_token(seq, token):
                     self.finish(seq, "stop")
                 elif self.reaches_stop_length(seq, len(seq.token_ids)):
                     self.finish(seq, "length")
@@ -236,7 +253,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.drop_pending_tokens()  # a surplus step may be in flight for it
+        if seq.num_pending_tokens:  # a surplus step may be in flight for it (async)
+            seq.drop_pending_tokens()
         self.block_manager.deallocate(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -249,5 +267,7 @@ class Scheduler:
         token."""
         if not seq.is_finished:
             self.finish(seq, "abort")
-            # Its other completions no longer wait for its prefill: each is prefilled itself.
-            release_forks(seq, self.waiting)
+            if seq.extras is not None:
+                # Its other completions no longer wait for its prefill: each is prefilled
+                # itself.
+                release_forks(seq, self.waiting)

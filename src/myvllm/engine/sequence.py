@@ -32,8 +32,11 @@ class SequenceStatus(Enum):
 
 
 def asks_for_extras(params: SamplingParams) -> bool:
-    """Does the request ask for an optional feature whose state lives in Sequence.extras
-    (or whose code reads them): n > 1, a seed, logprobs, a sampling control, a grammar?"""
+    """Does the request ask for an optional feature: n > 1, a seed, logprobs, a sampling
+    control or penalty, a grammar? Then its Sequence gets extras, where the features keep
+    their state, and `seq.extras is not None` is the core's one check before it calls a
+    feature's code. (Temperature, top-k, top-p, max_tokens and ignore_eos are the plain
+    path's own.)"""
     return (params.n > 1 or params.seed is not None or params.logprobs is not None
             or params.prompt_logprobs is not None or params.structured_outputs is not None
             or params.presence_penalty != 0 or params.frequency_penalty != 0

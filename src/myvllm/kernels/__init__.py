@@ -8,7 +8,7 @@ The three attention kernels (references in reference.py):
     paged_attention_decode   decode: one query token per sequence against its paged K/V
 
 and three small per-token ops of a decoder layer, fused into one kernel each on the GPU
-(references in layer_ops_reference.py):
+(references in reference.py too):
 
     rms_norm                 (residual add +) RMSNorm
     norm_rope                (per-head RMSNorm +) rotary embedding of q and k
@@ -19,10 +19,16 @@ with one fused form that also does store_kvcache's work, in the same launch on t
 
     norm_rope_store_kvcache  norm_rope, then the rotated k and v into the paged cache
 
+and the matmul of every linear layer and the LM head, which picks its kernel by device and
+batch (no reference: it is the choice, each choice computes x W^T + b):
+
+    linear                   F.linear; on a GPU skinny_gemm for a few rows; on a CPU W x^T
+                             for 2..256 rows; in batch-invariant mode matmul_batch_invariant
+
 and the matmul of a small decode batch (reference in fused_reference.py):
 
-    skinny_gemm              x W^T for x of 1..8 rows (layers/matmul.py uses it on a GPU
-                             where prefers_skinny_gemm says it beats cuBLAS)
+    skinny_gemm              x W^T for x of 1..8 rows (linear uses it on a GPU where
+                             prefers_skinny_gemm says it beats cuBLAS)
 
 with two fused forms that apply the op before the matmul to x as the matmul loads it: one
 launch instead of two, for batch-1 decode, which is launch-bound (same kernel, a constexpr
@@ -43,8 +49,9 @@ and the experts of a mixture-of-experts layer (reference in fused_reference.py):
                              summed: two grouped matmuls over all experts
                              (kernels/fused_moe_kernel.py)
 
-Dispatch: the public functions below run the Triton kernel when the tensors are on CUDA
-(and Triton is installed), otherwise the PyTorch reference. The environment variable
+Dispatch: the public functions below (linear aside: it chooses by device and shape) run the
+Triton kernel when the tensors are on CUDA (and Triton is installed), otherwise the PyTorch
+reference. The environment variable
 MYVLLM_FORCE_TRITON overrides that choice at call time:
 
     MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,
@@ -55,7 +62,8 @@ Triton is imported lazily, on first use, so a machine without Triton runs the re
 
 Batch-invariant mode (set_batch_invariant; kernels/batch_invariant.py says why): the
 attention kernels' Triton path then reduces every row in one fixed order, a decode row
-through the prefill kernel; the references are unchanged.
+through the prefill kernel, and linear runs matmul_batch_invariant; the references are
+unchanged.
 """
 
 from __future__ import annotations
@@ -66,11 +74,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, overload
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from .tile_map import TileMap
 
-from .batch_invariant import is_batch_invariant, set_batch_invariant
+from . import batch_invariant
 from .fused_reference import (
     fused_moe_ref,
     matmul_batch_invariant_ref,
@@ -78,10 +87,12 @@ from .fused_reference import (
     silu_and_mul_skinny_gemm_ref,
     skinny_gemm_ref,
 )
-from .layer_ops_reference import norm_rope_ref, rms_norm_ref, silu_and_mul_ref
 from .reference import (
     flash_attention_varlen_ref,
+    norm_rope_ref,
     paged_attention_decode_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
     store_kvcache_ref,
 )
 
@@ -91,6 +102,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_ref",
     "is_batch_invariant",
+    "linear",
     "matmul_batch_invariant",
     "matmul_batch_invariant_ref",
     "norm_rope",
@@ -114,6 +126,7 @@ __all__ = [
     "store_kvcache_ref",
     "triton_available",
     "use_triton",
+    "uses_skinny_gemm",
 ]
 
 
@@ -132,6 +145,18 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if forced == "0":
         return False
     return tensor.is_cuda and triton_available()
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Turn batch-invariant mode on or off for this process (the ModelRunner does, from its
+    Config); the dispatch below reads it at call time."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_batch_invariant expects True or False, got {enabled!r}")
+    batch_invariant.enabled = enabled
+
+
+def is_batch_invariant() -> bool:
+    return batch_invariant.enabled
 
 
 def store_kvcache(
@@ -312,6 +337,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return triton_impl.silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+# On a CPU, the row counts that linear computes as W x^T.
+CPU_WXT_MAX_ROWS = 256
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b, the matmul of every linear layer and the LM head.
+
+    GPU: F.linear, or for a decode batch of a few rows skinny_gemm, which streams weights that
+    cuBLAS reads at a third of the memory bandwidth or less (where it measured faster:
+    prefers_skinny_gemm). CPU, 2..256 rows: W x^T, which MKL streams 2-3x faster than x W^T
+    for the row-major [out, in] weight (decode on a CPU is bound by reading the weights; from
+    ~512 rows F.linear wins again). Same math, another summation order.
+    Batch-invariant mode (kernels/batch_invariant.py): matmul_batch_invariant for every row
+    count, so that no choice above depends on the batch.
+    """
+    if is_batch_invariant():
+        rows = x.reshape(-1, x.size(-1))
+        return matmul_batch_invariant(rows.contiguous(), weight, bias).view(
+            *x.shape[:-1], weight.size(0))
+    if x.is_cuda:
+        if uses_skinny_gemm(x, weight, bias):
+            return skinny_gemm(x, weight)
+        return F.linear(x, weight, bias)
+    if x.dim() != 2 or not 2 <= x.size(0) <= CPU_WXT_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.contiguous()
+
+
+def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether linear(x, weight, bias) runs skinny_gemm (a fused linear layer asks too:
+    layers/fused.py). Never in batch-invariant mode: the skinny kernel's tiling is for 1-8
+    rows only."""
+    return (x.is_cuda and not is_batch_invariant() and x.dim() == 2 and bias is None
+            and prefers_skinny_gemm(x.size(0), *weight.shape))
 
 
 def prefers_skinny_gemm(num_rows: int, out_features: int, in_features: int) -> bool:

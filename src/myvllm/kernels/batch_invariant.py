@@ -21,21 +21,11 @@ With the mode on (Config.batch_invariant, set by the ModelRunner for its process
                    vocabulary only), log_softmax
 
 The switch is a process-wide setting, like the step's context (utils/context.py): kernels
-read it at call time, so a CUDA graph captured with it on replays the invariant kernels.
+read it at call time, so a CUDA graph captured with it on replays the invariant kernels. It is
+this module's one flag, set by kernels.set_batch_invariant and read by the dispatch in
+kernels/__init__.py as an attribute, so with the mode off nothing of this file runs in a step.
 """
 
 from __future__ import annotations
 
-_ENABLED = False
-
-
-def set_batch_invariant(enabled: bool) -> None:
-    """Turn the mode on or off for this process (the ModelRunner does, from its Config)."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_batch_invariant expects True or False, got {enabled!r}")
-    global _ENABLED
-    _ENABLED = enabled
-
-
-def is_batch_invariant() -> bool:
-    return _ENABLED
+enabled = False  # kernels.set_batch_invariant sets it; kernels.is_batch_invariant reads it

@@ -19,7 +19,7 @@ from typing import overload
 import torch
 import torch.nn.functional as F
 
-from .layer_ops_reference import rms_norm_ref, silu_and_mul_ref
+from .reference import rms_norm_ref, silu_and_mul_ref
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Triton kernels for the small per-token ops of a decoder layer (references and contracts in
-kernels/layer_ops_reference.py).
+kernels/reference.py).
 
 Why they exist: in PyTorch, RMSNorm with its residual add is ~8 kernels, per-head q/k
 RMSNorm plus RoPE ~25, SiLU-and-mul 3; each reads and writes the whole tensor, and each costs

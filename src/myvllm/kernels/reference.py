@@ -1,18 +1,46 @@
-"""Plain-PyTorch versions of the three attention kernels, with their signatures: what a CPU
-runs, and the oracle of the Triton kernels (float32 math, one sequence at a time).
+"""Plain-PyTorch versions of the kernels a decoder layer runs, with their signatures: what a
+CPU runs, and the oracle of the Triton kernels.
+
+The three attention kernels (float32 math, one sequence at a time):
+
+    store_kvcache_ref, flash_attention_varlen_ref, paged_attention_decode_ref
 
     k_cache[num_blocks, block_size, num_kv_heads, head_dim]
     slot = block_id * block_size + offset; position p of sequence b is in block
     block_tables[b, p // block_size] at offset p % block_size
 
-An fp8 cache holds K / k_scale and V / v_scale; reads multiply the scale back (fp8_kv_reference.py).
+An fp8 cache holds K / k_scale and V / v_scale; reads multiply the scale back
+(fp8_kv_reference.py, which runs only for an fp8 cache).
+
+The three small per-token ops (oracle of kernels/layer_ops_triton.py), numerics as HF
+transformers: the residual sum rounded to the model dtype, the norm and the rotation in
+float32, F.silu rounded before the multiply:
+
+    rms_norm_ref, norm_rope_ref, silu_and_mul_ref
 """
 
 from __future__ import annotations
 
-import torch
+from typing import overload
 
-from .fp8_kv_reference import dequantize_kv, quantize_kv
+import torch
+import torch.nn.functional as F
+
+from .fp8_kv_reference import FP8_DTYPE, dequantize_kv, quantize_kv
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as ``cache`` stores it: quantized for an fp8 cache, else cast to its dtype."""
+    if cache.dtype == FP8_DTYPE:
+        return quantize_kv(x, cache.dtype, scale)
+    return x.to(cache.dtype)
+
+
+def from_cache(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache elements back to values, in float32 (an fp8 cache's times their scale)."""
+    if stored.dtype == FP8_DTYPE:
+        return dequantize_kv(stored, scale)
+    return stored.float()
 
 
 def store_kvcache_ref(
@@ -25,8 +53,8 @@ def store_kvcache_ref(
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced-index assignment writes in place whatever the cache's strides are.
-    k_cache[blocks, offsets] = quantize_kv(key[keep], k_cache.dtype, k_scale)
-    v_cache[blocks, offsets] = quantize_kv(value[keep], v_cache.dtype, v_scale)
+    k_cache[blocks, offsets] = to_cache(key[keep], k_cache, k_scale)
+    v_cache[blocks, offsets] = to_cache(value[keep], v_cache, v_scale)
 
 
 def gather_paged_kv(
@@ -85,8 +113,8 @@ def flash_attention_varlen_ref(
         else:
             if k_cache is None or v_cache is None:
                 raise ValueError("block_tables given but k_cache/v_cache is None")
-            k_b = dequantize_kv(gather_paged_kv(k_cache, block_tables[b], seqlen_k), k_scale)
-            v_b = dequantize_kv(gather_paged_kv(v_cache, block_tables[b], seqlen_k), v_scale)
+            k_b = from_cache(gather_paged_kv(k_cache, block_tables[b], seqlen_k), k_scale)
+            v_b = from_cache(gather_paged_kv(v_cache, block_tables[b], seqlen_k), v_scale)
         out[starts_q[b] : starts_q[b + 1]] = _attend(q_b, k_b, v_b, scale).to(q.dtype)
     return out
 
@@ -109,8 +137,8 @@ def paged_attention_decode_ref(
     # -1 table entries are only ever read for masked positions; clamp so the gather is legal.
     blocks = block_tables.long().clamp(min=0)[:, positions // block_size]  # [B, L]
     offsets = (positions % block_size).expand(batch, -1)
-    k = dequantize_kv(k_cache[blocks, offsets], k_scale)  # [B, L, Hkv, D] float32
-    v = dequantize_kv(v_cache[blocks, offsets], v_scale)
+    k = from_cache(k_cache[blocks, offsets], k_scale)  # [B, L, Hkv, D] float32
+    v = from_cache(v_cache[blocks, offsets], v_scale)
     valid = positions[None, :] < context_lens.long()[:, None]  # [B, L]
     # Slots past the context may hold anything (the cache is allocated uninitialised, even
     # NaN bit patterns): zero K and V there, since a NaN score survives the mask and
@@ -126,3 +154,49 @@ def paged_attention_decode_ref(
     # so a NaN read from inside a real context still shows.
     out = out.masked_fill((context_lens == 0)[:, None, None, None], 0.0)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+# rms_norm_ref returns one tensor, or (out, residual stream) when given a residual; the
+# overloads tell the type checker which.
+@overload
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis. With residual: returns (rmsnorm(x + residual), x + residual)."""
+    if residual is not None:
+        # The add happens in float32 and is rounded once, like HF's `residual + hidden`.
+        new_residual = (x.float() + residual.float()).to(x.dtype)
+        return rms_norm_ref(new_residual, weight, eps), new_residual
+    dtype = x.dtype
+    x32 = x.float()
+    variance = x32.pow(2).mean(dim=-1, keepdim=True)
+    return (x32 * torch.rsqrt(variance + eps)).to(dtype) * weight
+
+
+def norm_rope_ref(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+) -> torch.Tensor:
+    """x [N, H, D] (one row per token) -> RoPE(rmsnorm_per_head(x)) [N, H, D], contiguous.
+
+    norm_weight [D] is Qwen3's q_norm/k_norm (None: rotate only, as Llama does).
+    cos_sin_cache [max_position, D] float32 holds cos in its first half, sin in its second;
+    row positions[i] rotates token i (neox layout: pairs (x[j], x[j + D/2])).
+    """
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # each [N, D/2]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

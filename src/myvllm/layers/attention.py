@@ -1,15 +1,15 @@
 """Attention over the paged KV cache: no weights; it stores this step's k, v through
-slot_mapping, then routes q to a kernel by the step's context:
+slot_mapping, then routes q to a kernel by the step's context (attend):
 
     prefill, no cached prefix   flash_attention_varlen over k, v
     prefill, cached prefix      flash_attention_varlen over the cache, through block_tables
                                 (layers/paged_prefill.py)
     decode                      paged_attention_decode over the cache
 
-On a GPU the RoPE kernel stores k and v as it rotates k (layers/fused.py). k_cache/v_cache
-stay empty until the ModelRunner points them at this layer's views of the cache (nothing is
-stored then). An fp8 cache holds K / k_scale and V / v_scale (the guide's Step 4, "An fp8
-cache").
+k_cache/v_cache stay empty until the ModelRunner points them at this layer's views of the
+cache (nothing is stored then). An fp8 cache holds K / k_scale and V / v_scale (the guide's
+Step 4, "An fp8 cache"). On a GPU the RoPE kernel stores k and v as it rotates k
+(layers/fused.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from myvllm.kernels import (flash_attention_varlen, paged_attention_decode, store_kvcache,
-                            use_triton)
-from myvllm.layers.fused import RotaryInput, rotate_and_store
+from myvllm.kernels import flash_attention_varlen, paged_attention_decode, store_kvcache
 from myvllm.layers.paged_prefill import paged_prefill
-from myvllm.utils.context import get_context
+from myvllm.utils.context import Context, get_context
 
 
 class Attention(nn.Module):
@@ -42,25 +40,23 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor | RotaryInput, k: torch.Tensor | RotaryInput,
-                v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq*D] or [N, Hq, D]; k, v [N, Hkv*D] or [N, Hkv, D] -> o [N, Hq*D]. q and k
-        come as RotaryInputs where RoPE left its work to this layer's store (layers/fused.py)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq*D] or [N, Hq, D]; k, v [N, Hkv*D] or [N, Hkv, D] -> o [N, Hq*D]."""
         context = get_context()
         n = v.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        has_cache = self.k_cache.numel() > 0
-        if isinstance(q, RotaryInput) or isinstance(k, RotaryInput):  # see Attention.fuses
-            # RoPE and the store below in one kernel -> q, k [N, H, D], the cache written.
-            q, k = rotate_and_store(q, k, v, self.k_cache, self.v_cache, context.slot_mapping,
-                                    self.k_scale, self.v_scale)  # fmt: skip
-        else:
-            q = q.view(n, self.num_heads, self.head_dim)
-            k = k.view(n, self.num_kv_heads, self.head_dim)
-            if has_cache and context.slot_mapping is not None:
-                store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping,
-                              self.k_scale, self.v_scale)
+        if self.k_cache.numel() > 0 and context.slot_mapping is not None:
+            store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping,
+                          self.k_scale, self.v_scale)
+        return self.attend(q, k, v, context)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               context: Context) -> torch.Tensor:
+        """q [N, Hq, D], k, v [N, Hkv, D], already in the cache if there is one -> o [N, Hq*D]."""
+        n = q.shape[0]
+        has_cache = self.k_cache.numel() > 0
         if context.is_prefill:
             if context.cu_seqlens_q is None or context.cu_seqlens_k is None:
                 raise RuntimeError("Attention in prefill needs cu_seqlens_q/cu_seqlens_k in the "
@@ -81,12 +77,6 @@ class Attention(nn.Module):
             o = paged_attention_decode(q, self.k_cache, self.v_cache, context.block_tables,
                                        context.context_lens, self.scale, self.k_scale, self.v_scale)
         return o.reshape(n, self.num_heads * self.head_dim)
-
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether RoPE, for input x, can leave its work to this layer's store, whose kernel
-        then rotates q and k too (layers/fused.py): a Triton store with a cache to write."""
-        has_slots = get_context().slot_mapping is not None
-        return use_triton(x) and self.k_cache.numel() > 0 and has_slots
 
     def extra_repr(self) -> str:
         return (

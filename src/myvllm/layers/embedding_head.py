@@ -1,7 +1,7 @@
 """Vocabulary-parallel token embedding and LM head: rank r holds rows [r V/tp, (r+1) V/tp) of
 the [vocab, hidden] table (ceil(V/tp) rows each, zero padding past V). The embedding sums the
 ranks' rows with all_reduce; the LM head gathers the logits on rank 0, the only rank that
-samples (the others return None).
+samples (the others return None). With one rank neither calls utils/distributed.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from myvllm.layers.matmul import last_token_rows, linear
+from myvllm.kernels import linear
 from myvllm.layers.weight_loaders import check_not_packed, load_vocab_rows, set_weight_attrs
 from myvllm.utils.context import get_context
 from myvllm.utils.distributed import all_reduce, gather_on_rank0, get_tp_rank, get_tp_size
@@ -61,5 +61,22 @@ class ParallelLMHead(VocabParallelEmbedding):
             rows = last_token_rows(context.cu_seqlens_q, pad=x.is_cuda)
             num_rows = context.cu_seqlens_q.numel() - 1
             x = x[rows].contiguous()
-        logits = gather_on_rank0(linear(x, self.weight), self.tp_rank, self.tp_size)
-        return None if logits is None else logits[:num_rows, : self.num_embeddings]
+        logits = linear(x, self.weight)
+        if self.tp_size > 1:  # the ranks' slices of the vocabulary, side by side on rank 0
+            gathered = gather_on_rank0(logits, self.tp_rank, self.tp_size)
+            if gathered is None:
+                return None
+            logits = gathered
+        return logits[:num_rows, : self.num_embeddings]
+
+
+def last_token_rows(cu_seqlens_q: torch.Tensor, pad: bool) -> torch.Tensor:
+    """The row of each sequence's last new token; with pad (a GPU), followed by copies of row 0
+    up to a power of two: row counts the decode graphs' LM head already ran, so cuBLAS picks no
+    new kernel (From correct to fast, "Warm-up"). The caller cuts the extra rows' logits."""
+    rows = cu_seqlens_q[1:] - 1
+    num_rows = rows.numel()
+    if not pad or num_rows == 0:
+        return rows
+    padded = 1 << (num_rows - 1).bit_length()
+    return torch.cat([rows, rows.new_zeros(padded - num_rows)])

@@ -4,7 +4,8 @@
     RowParallelLinear     W [out, in] split along dim 1: partial sums -> all_reduce
 
 Parameters are built at the per-rank size; each one's weight_loader cuts its rank's piece out
-of the checkpoint's full tensor (layers/weight_loaders.py).
+of the checkpoint's full tensor (layers/weight_loaders.py). The matmul is kernels.linear, which
+picks the kernel for the device and the batch.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from myvllm.layers.fused import DeferredInput
-from myvllm.layers.matmul import linear, reduce_partial_sums, uses_skinny_gemm
+from myvllm.kernels import is_batch_invariant, linear
 from myvllm.layers.weight_loaders import (check_not_packed, check_tp_divides_heads, copy_checked,
                                           divide, load_columns, load_rows, set_weight_attrs)
-from myvllm.utils.distributed import get_tp_rank, get_tp_size
+from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 class LinearBase(nn.Module):
@@ -43,13 +43,8 @@ class LinearBase(nn.Module):
                       shard_id: object = None) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # layers/matmul.py picks the kernel
-
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether this layer's matmul for input x is a skinny_gemm, whose kernel can apply the
-        op before it (an RMSNorm, SiLU-and-mul) as it loads x (layers/fused.py)."""
-        return uses_skinny_gemm(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
@@ -153,7 +148,9 @@ class RowParallelLinear(LinearBase):
         check_not_packed(shard_id, "RowParallelLinear")
         load_columns(param, loaded_weight, self.tp_rank, self.tp_size, "RowParallelLinear")
 
-    def forward(self, x: torch.Tensor | DeferredInput) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Add the bias on one rank only, or the all_reduce would add it tp times.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return reduce_partial_sums(y, self.tp_size)
+        if self.tp_size > 1:
+            y = all_reduce(y, in_rank_order=is_batch_invariant())
+        return y

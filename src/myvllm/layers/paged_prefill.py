@@ -7,18 +7,26 @@ decode kernel instead: a prefill tile of 128 query rows would compute 127 for no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from myvllm.kernels import flash_attention_varlen, paged_attention_decode
 from myvllm.utils.context import Context
 
-if TYPE_CHECKING:
-    from myvllm.layers.attention import Attention
+
+class PagedCache(Protocol):
+    """What paged_prefill reads of the attention layer (layers/attention.py): its paged cache,
+    the fp8 cache's scales and the softmax scale."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+    k_scale: float
+    v_scale: float
 
 
-def paged_prefill(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def paged_prefill(attn: PagedCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   context: Context, cu_seqlens_q: torch.Tensor,
                   cu_seqlens_k: torch.Tensor) -> torch.Tensor:
     """q [N, Hq, D] (k, v [N, Hkv, D], already in the cache) -> o [N, Hq, D]. cu_seqlens_q/k
@@ -26,8 +34,7 @@ def paged_prefill(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     n = q.shape[0]
     rows = context.decode_rows
     # With decode rows, one spare output row takes the padding rows' results.
-    o_all = torch.empty(n + (rows is not None), attn.num_heads, attn.head_dim,
-                        dtype=q.dtype, device=q.device)
+    o_all = torch.empty(n + (rows is not None), *q.shape[1:], dtype=q.dtype, device=q.device)
     o = flash_attention_varlen(
         q, k, v,
         cu_seqlens_q, cu_seqlens_k,

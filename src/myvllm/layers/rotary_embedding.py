@@ -1,7 +1,8 @@
 """Rotary position embedding (RoPE), the neox / half-rotation layout of HF Qwen3 and Llama:
 pair (x[i], x[i + D/2]) of each head turns by position * inv_freq[i], the position absolute
-(a cached prefix's new tokens start at num_cached_tokens). kernels.norm_rope rotates, on a GPU
-after Qwen3's q_norm/k_norm (layers/fused.py); the frequencies are in layers/rope_scaling.py.
+(a cached prefix's new tokens start at num_cached_tokens). kernels.norm_rope rotates (on a GPU
+it also takes Qwen3's q_norm/k_norm into the same kernel: layers/fused.py); the frequencies
+are in layers/rope_scaling.py.
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
-from myvllm.kernels import norm_rope, use_triton
-from myvllm.layers.fused import (FusableOp, NormedInput, RotaryInput, defer_rope,
-                                 take_head_norms)
+from myvllm.kernels import norm_rope
 from myvllm.layers.rope_scaling import cos_sin_table
 
 
-class RotaryEmbedding(FusableOp):
+class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self, head_dim: int, max_position: int, cos_sin_cache: torch.Tensor) -> None:
@@ -37,29 +37,13 @@ class RotaryEmbedding(FusableOp):
             self.cos_sin_cache = cache.to(device=self.cos_sin_cache.device)
         return self
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor | NormedInput, k: torch.Tensor | NormedInput
-    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[RotaryInput, RotaryInput]:
-        """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes.
-
-        q and k come as NormedInputs when q_norm and k_norm left their work to this kernel
-        (layers/fused.py): it normalises each head, then rotates it. Where the attention layer
-        after it rotates them as it stores k and v, it returns two RotaryInputs instead.
-        """
-        q, k, q_weight, k_weight, eps = take_head_norms(q, k)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N]; q [N, Hq, D], k [N, Hkv, D] (or flat [N, H*D]) -> rotated, same shapes."""
         n = positions.shape[0]
-        q_heads, k_heads = q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim)
-        if self.defers_to_next_layer(q):
-            return defer_rope(q_heads, k_heads, positions, self.cos_sin_cache, q_weight,
-                              k_weight, eps)  # fmt: skip
-        q_out, k_out = norm_rope(q_heads, k_heads, positions, self.cos_sin_cache, q_weight,
-                                 k_weight, eps)  # fmt: skip
+        q_out, k_out = norm_rope(q.view(n, -1, self.head_dim), k.view(n, -1, self.head_dim),
+                                 positions, self.cos_sin_cache)  # fmt: skip
         return q_out.view(q.shape), k_out.view(k.shape)
-
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the rotation of x runs in Triton, whose kernel can normalise each head first
-        (Qwen3's q_norm, k_norm: layers/fused.py)."""
-        return use_triton(x)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

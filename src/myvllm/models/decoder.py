@@ -13,7 +13,6 @@ from torch import nn
 
 from myvllm.layers.activation import SiluAndMul
 from myvllm.layers.embedding_head import ParallelLMHead, VocabParallelEmbedding
-from myvllm.layers.fused import fuse_layer_ops
 from myvllm.layers.layernorm import RMSNorm
 from myvllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -106,8 +105,6 @@ class CausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             # One Parameter, two uses: the checkpoint then has no lm_head.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
-        # On a GPU, let each norm run inside the kernel of the layer after it (layers/fused.py).
-        fuse_layer_ops(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [N], positions [N] (all sequences' new tokens, flat) -> hidden [N, H]."""

@@ -28,6 +28,8 @@ def make_forks(seq: Sequence) -> None:
     prompt and its own sampling stream (SamplingParams.for_completion); the prompt's
     logprobs, if asked, are computed by seq alone and handed to them (take_prompt_logprobs)."""
     extras = extras_of(seq)
+    if extras.forks:
+        return  # made already
     for index in range(1, seq.sampling_params.n):
         fork = Sequence(seq.prompt_token_ids, seq.block_size,
                         seq.sampling_params.for_completion(index))

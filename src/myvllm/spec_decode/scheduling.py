@@ -17,8 +17,9 @@ one by one (tokens after a stop are dropped). Then the sequence rolls back to wh
                                                 inputs (t_n, d_1 .. d_a); the slots of the
                                                 rejected proposals are overwritten later
     blocks              past the ones n + a + 1 tokens occupy are released (they held only
-                        rejected proposals); none was registered for prefix hits, since
-                        registration reads token_ids, where proposals never are
+                        rejected proposals: free_lookahead_blocks); none was registered
+                        for prefix hits, since registration reads token_ids, where
+                        proposals never are
 
 Proposals never cost another sequence its place: a row whose lookahead blocks do not fit,
 or whose budget is spent, decodes plainly. They are cut so that even all accepted, the row
@@ -45,8 +46,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from myvllm.config import Config
-from myvllm.sample.sampling_controls import uses_sampling_controls
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.sampling_controls import uses_sampling_controls
 from myvllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from myvllm.spec_decode.stats import SpecDecodeStats
 
@@ -159,16 +160,21 @@ def make_speculator(config: Config) -> Speculator | None:
 
 
 # ---------------------------------------------------------------- the Scheduler's calls
-def proposals_for_row(speculator: Speculator | None, block_manager: BlockManager,
+def proposals_for_row(speculator: Speculator, block_manager: BlockManager,
                       seq: Sequence, max_model_length: int, budget: int) -> list[int]:
-    """The proposals seq's decode row carries in the step being scheduled: none without a
-    speculator, and none if their lookahead blocks do not fit (proposals never preempt:
-    the row decodes plainly)."""
-    if speculator is None:
-        return []
+    """The proposals seq's decode row carries in the step being scheduled: none if their
+    lookahead blocks do not fit (proposals never preempt: the row decodes plainly)."""
     proposals = speculator.propose(seq, max_model_length, budget)
     if proposals and not block_manager.can_append(seq, len(proposals)):
         return []
+    return proposals
+
+
+def take_proposals(seq: Sequence) -> list[int]:
+    """The proposals seq's row carried in the step just read back; none is left on it."""
+    if seq.extras is None:
+        return []
+    proposals, seq.extras.spec_token_ids = seq.extras.spec_token_ids, []
     return proposals
 
 
@@ -189,4 +195,11 @@ def roll_back(block_manager: BlockManager, seq: Sequence) -> None:
     proposals holds, the rejected ones' blocks go (their slots in kept blocks are
     rewritten)."""
     seq.num_computed_tokens = seq.num_tokens - 1
-    block_manager.free_lookahead_blocks(seq)
+    free_lookahead_blocks(block_manager, seq)
+
+
+def free_lookahead_blocks(block_manager: BlockManager, seq: Sequence) -> None:
+    """Release the blocks past the ones seq's tokens occupy: after a verification step, the
+    blocks that held only rejected proposals (never registered: fresh blocks)."""
+    while len(seq.block_table) > seq.num_blocks:
+        block_manager.release_block(seq.block_table.pop())

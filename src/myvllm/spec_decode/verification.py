@@ -191,7 +191,7 @@ class VerificationRows:
             self.first_rows.append(len(self.logit_rows))
             self.logit_rows.extend(range(first, end))
             self.last_rows.append(len(self.logit_rows) - 1)
-        # Padded with row 0 to a power of two, as layers/matmul.py's last_token_rows
+        # Padded with row 0 to a power of two, as layers/embedding_head.py's last_token_rows
         # pads the LM head's rows: cuBLAS loads a kernel per matrix shape the first time it
         # meets it (3.5 ms of host time on the H200), and the count of verification rows
         # varies from step to step. Nobody reads the padding's logits.

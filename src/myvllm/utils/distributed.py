@@ -2,8 +2,9 @@
 gather the layers call; how torchrun started us.
 
 Layers call get_tp_rank / get_tp_size at construction time to decide which shard of each
-weight they own. Without an initialised process group we are a single rank (rank 0 of 1), so
-the model classes work unchanged in plain single-process use and in tests.
+weight they own, and whether they sum or gather over the ranks at all (with one rank a
+forward calls nothing here). Without an initialised process group we are a single rank
+(rank 0 of 1), so the model classes work unchanged in plain single-process use and in tests.
 
 all_reduce(x) is the one all-reduce of the row-parallel layers: torch's symmetric-memory
 kernel for the messages it is measured to win (utils/symm_mem.py), NCCL (gloo on a CPU) for
@@ -45,9 +46,22 @@ def get_tp_size() -> int:
 _symm_mem: SymmMemAllReduce | None = None
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, in_rank_order: bool = False) -> torch.Tensor:
     """Sum x over the tensor-parallel ranks, in place; returns x. Inside a CUDA graph too:
-    either kernel is captured as it is launched."""
+    either kernel is captured as it is launched.
+
+    in_rank_order (batch-invariant mode, kernels/batch_invariant.py): NCCL picks its
+    all-reduce algorithm and protocol (ring, tree; how the sum is chunked) by message size,
+    that is by the batch, and with them the order of the sum. So the ranks' tensors are
+    gathered (a copy, exact) and added here in rank order, the same order for every row at
+    every batch size."""
+    if in_rank_order:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x)
+        total = parts[0]
+        for part in parts[1:]:
+            total += part  # rank 0 + rank 1 + ... elementwise: one order whatever the shape
+        return x.copy_(total)
     if _symm_mem is not None and _symm_mem.fits(x):
         return _symm_mem.all_reduce(x)
     dist.all_reduce(x)

@@ -1,5 +1,6 @@
 """build_model: the checkpoint's model class, built on the device in the model's dtype, with
-its weights (or random ones, load_format="dummy": config.json is enough)."""
+its weights (or random ones, load_format="dummy": config.json is enough); on a GPU, with the
+small ops fused into the kernels of the layers after them (layers/fused.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from myvllm.config import Config
+from myvllm.layers.fused import fuse_layer_ops
 from myvllm.models import get_model_class
 from myvllm.utils.dummy_weights import initialize_dummy_weights
 from myvllm.utils.loader import load_model
@@ -33,6 +35,8 @@ def build_model(config: Config, hf_config: Any, model_path: str, device: torch.d
             module = model_class(hf_config)
     finally:
         torch.set_default_dtype(default_dtype)
+    if device.type == "cuda":
+        fuse_layer_ops(module)
     if config.load_format == "dummy":
         initialize_dummy_weights(module)
     else:

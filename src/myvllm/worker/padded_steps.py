@@ -39,7 +39,7 @@ from myvllm.engine.batch import StepInputs
 from myvllm.worker.pending_tokens import gather, token_index
 from myvllm.worker.static_buffers import StaticBuffers
 from myvllm.worker.token_pool import TokenPool
-from myvllm.kernels.batch_invariant import is_batch_invariant
+from myvllm.kernels import is_batch_invariant
 from myvllm.kernels.tile_map import (SPLIT_KEY_TILES, DecodeRows, TileMap, build_tile_map,
                                      tile_map_slots)
 from myvllm.utils.context import Context
