@@ -21,7 +21,7 @@ from typing import Any
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
-from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.model_runner import ModelRunner, samples_this_step
 from myvllm.engine.outputs import request_outputs
 from myvllm.engine.queued_steps import InFlight, QueuedStep, queued_step, undo_step
 from myvllm.engine.request_checks import check_request
@@ -30,7 +30,6 @@ from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import fit_max_model_length
 from myvllm.executor.executor import Executor
 from myvllm.sample.logprobs import read_step_logprobs
-from myvllm.sample.sampling import samples_this_step
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.spec_decode.draft_proposer import make_draft_proposer
 from myvllm.spec_decode.verification import verified_token_lists
