@@ -153,8 +153,8 @@ class ModelRunner:
                                       self.inputs.pool.tokens, self.eos_token_ids)
             if self.verifier is not None:
                 verification = self.verifier.step(seqs, features)
-                if verification is not None:
-                    return self.run_verification(seqs, features, verification)
+                if verification is not None:  # rows verify proposals (spec_decode/)
+                    return verification.run(self, features)
         logits = (self.forward_prefill(seqs, features) if is_prefill
                   else self.run_decode(seqs))
         return self.sample(seqs, logits, features)
@@ -194,20 +194,6 @@ class ModelRunner:
         if verification is not None:
             sampled.verified = verification.verified
         return sampled
-
-    def run_verification(self, seqs: list[Sequence], features: LogitsFeatures,
-                         verification: VerificationStep) -> SampledTokens | None:
-        """A step with rows that verify proposals (speculative decoding), scheduled as a
-        prefill-path step: run as decode rows where it can (VerificationStep.as_decode_rows).
-        Every row greedy: the argmax decides (VerificationStep.greedy_verify)."""
-        if verification.as_decode_rows:
-            logits = self.run_decode(seqs, verification)
-        else:
-            logits = self.forward_prefill(seqs, features, verification)
-        if (logits is not None and not self.broadcast_sampled
-                and verification.greedy_fast_path_applies(features)):
-            return verification.greedy_verify(logits, self.inputs.pool, self.inputs.fresh.tensor)
-        return self.sample(seqs, logits, features, verification)
 
     def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
                    ) -> torch.Tensor | None:
