@@ -537,7 +537,7 @@ def step_timeline(llm, prompts, params, device: str, path: Path) -> None:
     import myvllm.engine.model_runner as runner_module
     from benchmarks.roofline import ModelShape, measure_ceilings, step_work, summarize
     from myvllm.worker.staging import SampledTokens
-    from myvllm.sample.sampling import samples_this_step
+    from myvllm.engine.model_runner import samples_this_step
 
     runner, scheduler = llm.model_runner, llm.scheduler
     spent: dict[str, float] = {}

@@ -55,7 +55,7 @@ sys.path[:0] = [str(REPO), str(REPO / "src")]  # benchmarks.* and myvllm, run as
 
 from benchmarks.device import require_gpu  # noqa: E402
 from myvllm import SamplingParams  # noqa: E402
-from myvllm.sample.sampling import prepare_sample  # noqa: E402
+from myvllm.engine.model_runner import prepare_sample  # noqa: E402
 from myvllm.sample.sampling_controls import prepare_logits_processing  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.worker.staging import FreshTensors  # noqa: E402

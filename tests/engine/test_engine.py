@@ -17,7 +17,7 @@ from helpers_models import hf_greedy, load_hf_reference, random_prompts, tiny_ch
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.worker.padded_steps import pad_steps
-from myvllm.sample.sampling import prepare_sample
+from myvllm.engine.model_runner import prepare_sample
 from myvllm.worker.warmup import warmup_cached_prefix_prefill
 
 

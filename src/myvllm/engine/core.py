@@ -21,7 +21,7 @@ from typing import Any
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
-from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.model_runner import ModelRunner, samples_this_step
 from myvllm.engine.outputs import request_outputs
 from myvllm.engine.queued_steps import InFlight, QueuedStep, queued_step, undo_step
 from myvllm.engine.request_checks import check_request
@@ -30,7 +30,6 @@ from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import fit_max_model_length
 from myvllm.executor.executor import Executor
 from myvllm.sample.logprobs import read_step_logprobs
-from myvllm.sample.sampling import samples_this_step
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.spec_decode.draft_proposer import make_draft_proposer
 from myvllm.spec_decode.verification import verified_token_lists
@@ -226,12 +225,17 @@ class EngineCore:
                            self.scheduler.speculator)
 
     def _run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens:
-        """Run one step on every rank; its tokens are not waited for here."""
+        """Run one step (on every rank); its tokens are not waited for here."""
         try:
-            return self._call_runner("run", seqs, is_prefill)
+            if self.workers is None:
+                sampled = self.model_runner.run(seqs, is_prefill)
+            else:
+                sampled = self.workers.call("run", seqs, is_prefill)
         except BaseException:
             undo_step(self.scheduler, seqs)  # none of its K/V was written
             raise
+        assert sampled is not None  # rank 0's run returns its tokens
+        return sampled
 
     def _read_queued(self, step: QueuedStep) -> tuple[list[RequestOutput], int]:
         return self._read_back(step.seqs, step.samples, step.sampled), step.num_tokens

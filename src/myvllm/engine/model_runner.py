@@ -13,12 +13,13 @@ from typing import Any, ClassVar
 import torch
 
 from myvllm.config import Config, stop_token_ids
-from myvllm.engine.batch import StepInputs
+from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.sequence import Sequence
 from myvllm.kernels import set_batch_invariant
+from myvllm.sample.extras import proposals_of
 from myvllm.sample.logits_features import LogitsFeatures
-from myvllm.sample.sampling import prepare_sample
-from myvllm.sample.sampling_controls import needs_full_sampler
+from myvllm.sample.sampling_controls import (ToDevice, generator_for, needs_full_sampler,
+                                             prepare_min_ps)
 from myvllm.spec_decode.verification import VerificationStep, Verifier
 from myvllm.worker import pending_tokens, warmup
 from myvllm.worker.cuda_graphs import GraphCache, GraphKey
@@ -147,12 +148,13 @@ class ModelRunner:
         if any(seq.extras is not None for seq in seqs):  # some row asks for a feature
             # Before the forward: it reads pending tokens from the pool, which a decode graph
             # overwrites with its own samples.
-            features = LogitsFeatures(seqs, is_prefill, self.rank, self.inputs.fresh.tensor,
+            features = LogitsFeatures(seqs, [samples_this_step(seq) for seq in seqs],
+                                      is_prefill, self.rank, self.inputs.fresh.tensor,
                                       self.inputs.pool.tokens, self.eos_token_ids)
             if self.verifier is not None:
                 verification = self.verifier.step(seqs, features)
-                if verification is not None:
-                    return self.run_verification(seqs, features, verification)
+                if verification is not None:  # rows verify proposals (spec_decode/)
+                    return verification.run(self, features)
         logits = (self.forward_prefill(seqs, features) if is_prefill
                   else self.run_decode(seqs))
         return self.sample(seqs, logits, features)
@@ -193,20 +195,6 @@ class ModelRunner:
             sampled.verified = verification.verified
         return sampled
 
-    def run_verification(self, seqs: list[Sequence], features: LogitsFeatures,
-                         verification: VerificationStep) -> SampledTokens | None:
-        """A step with rows that verify proposals (speculative decoding), scheduled as a
-        prefill-path step: run as decode rows where it can (VerificationStep.as_decode_rows).
-        Every row greedy: the argmax decides (VerificationStep.greedy_verify)."""
-        if verification.as_decode_rows:
-            logits = self.run_decode(seqs, verification)
-        else:
-            logits = self.forward_prefill(seqs, features, verification)
-        if (logits is not None and not self.broadcast_sampled
-                and verification.greedy_fast_path_applies(features)):
-            return verification.greedy_verify(logits, self.inputs.pool, self.inputs.fresh.tensor)
-        return self.sample(seqs, logits, features, verification)
-
     def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
                    ) -> torch.Tensor | None:
         """A decode step -> its logits, or None when it sampled into the pool itself.
@@ -226,3 +214,40 @@ class ModelRunner:
                 return None
             # On every rank (the LM head is collective); all rows, as in decode_forward.
             return self.model.compute_logits(hidden)
+
+
+def samples_this_step(seq: Sequence) -> bool:
+    """The step's chunk reaches the sequence's last token, so the step's token is its next
+    (a decode row always does, and a row verifying proposals reaches past it, to the last
+    proposal); a chunk that stops short of its prompt's end samples nothing."""
+    num_proposals = len(seq.extras.spec_token_ids) if seq.extras is not None else 0
+    return seq.num_computed_tokens == seq.num_tokens + num_proposals
+
+
+def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device
+                   ) -> SamplingArgs:
+    """Each sequence's SamplingParams as the Sampler's per-row arguments, on the device, plus
+    host-side hints for the fast paths (rank 0).
+
+    A row whose chunk stops short of its last token draws nothing from its seeded generator,
+    or its later tokens would depend on how its prompt was cut.
+    """
+    params = [seq.sampling_params for seq in seqs]
+    generators: list[torch.Generator | None] | None = None
+    if any(p.seed is not None for p in params):
+        # A row verifying proposals draws from its generator in the rejection sampler.
+        generators = [generator_for(seq, device)
+                      if samples_this_step(seq) and not proposals_of(seq) else None
+                      for seq in seqs]
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    return SamplingArgs(
+        temperatures=to_device([p.temperature for p in params], torch.float32),
+        top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
+        top_ps=to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
+        generators=generators,
+        # min-p is a sampling control: its rows have extras (engine/sequence.py).
+        min_ps=(prepare_min_ps(seqs, to_device)
+                if any(seq.extras is not None for seq in seqs) else None),
+        all_greedy=all(p.temperature == 0 for p in params),
+    )

@@ -25,7 +25,6 @@ import torch
 from myvllm.engine.batch import SamplingArgs
 from myvllm.sample.logprobs import (LogprobRows, StepLogprobs, prompt_logprobs, prompt_spans,
                                     sampled_logprobs)
-from myvllm.sample.sampling import samples_this_step
 from myvllm.sample.sampling_controls import ToDevice, prepare_logits_processing
 from myvllm.engine.sequence import Sequence
 from myvllm.structured_output.manager import fill_token_bitmask
@@ -34,11 +33,14 @@ from myvllm.layers.sampler import Sampler
 
 
 class LogitsFeatures:
-    def __init__(self, seqs: list[Sequence], is_prefill: bool, rank: int, to_device: ToDevice,
-                 pool_tokens: torch.Tensor, eos_token_ids: frozenset[int]) -> None:
-        """pool_tokens: the sampled-token pool (penalties read pending tokens from it);
+    def __init__(self, seqs: list[Sequence], samples: list[bool], is_prefill: bool, rank: int,
+                 to_device: ToDevice, pool_tokens: torch.Tensor, eos_token_ids: frozenset[int]
+                 ) -> None:
+        """samples: which rows sample in this step (their chunk reaches their last token);
+        pool_tokens: the sampled-token pool (penalties read pending tokens from it);
         eos_token_ids: banned until a row reaches its min_tokens."""
         self.seqs = seqs
+        self.samples = samples
         self.to_device = to_device
         self.prompt_spans = prompt_spans(seqs) if is_prefill else []
         # Rank 0 alone samples (a worker's copy of a Sequence carries no sampling_params).
@@ -65,12 +67,12 @@ class LogitsFeatures:
                                                                            self.processing)
         bitmask = None
         if any(seq.extras is not None and seq.extras.grammar_matcher is not None for seq in seqs):
-            bitmask = fill_token_bitmask(seqs, [samples_this_step(seq) for seq in seqs],
-                                         vocab_size)
+            bitmask = fill_token_bitmask(seqs, self.samples, vocab_size)
         tokens = sampler(to_sample, args.temperatures, args.top_ks, args.top_ps,
                          args.generators, all_greedy=args.all_greedy, min_ps=args.min_ps,
                          token_bitmask=None if bitmask is None else bitmask.to(logits.device))
-        asked, sampled_rows = sampled_logprobs(seqs, logits, tokens, self.to_device)
+        asked, sampled_rows = sampled_logprobs(seqs, self.samples, logits, tokens,
+                                               self.to_device)
         if sampled_rows is not None or self.prompt_rows is not None:
             self.logprobs = StepLogprobs(asked, sampled_rows, self.prompt_spans,
                                          self.prompt_rows)

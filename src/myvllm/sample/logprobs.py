@@ -28,7 +28,7 @@ import torch
 from myvllm.engine.batch import RequestOutput
 from myvllm.serving.core_messages import LogprobsLists
 from myvllm.sample.extras import extras_of
-from myvllm.sample.sampling import ToDevice, samples_this_step
+from myvllm.sample.sampling_controls import ToDevice
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logprobs import gather_logprobs
 
@@ -115,12 +115,14 @@ def prompt_spans(seqs: list[Sequence]) -> list[PromptSpan]:
     return spans
 
 
-def sampled_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor,
-                     to_device: ToDevice) -> tuple[list[int], LogprobRows | None]:
+def sampled_logprobs(seqs: list[Sequence], samples: list[bool], logits: torch.Tensor,
+                     tokens: torch.Tensor, to_device: ToDevice
+                     ) -> tuple[list[int], LogprobRows | None]:
     """The logprobs of the tokens just sampled, for the rows that asked and sample this step
-    (a chunk that stops short of its prompt's end samples nothing): (their indices in the
-    batch, their rows), or ([], None)."""
-    asked = [i for i, seq in enumerate(seqs) if wants_logprobs(seq) and samples_this_step(seq)]
+    (samples; a chunk that stops short of its prompt's end samples nothing): (their indices
+    in the batch, their rows), or ([], None)."""
+    asked = [i for i, (seq, sample) in enumerate(zip(seqs, samples, strict=True))
+             if sample and wants_logprobs(seq)]
     if not asked:
         return [], None
     k = max(seqs[i].sampling_params.logprobs or 0 for i in asked)

@@ -45,9 +45,8 @@ from typing import Any, cast
 import torch
 
 from myvllm.config import Config
-from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.model_runner import ModelRunner, prepare_sample
 from myvllm.sample.extras import proposals_of
-from myvllm.sample.sampling import prepare_sample
 from myvllm.sample.sampling_controls import generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.spec_decode.rejection_sampler import target_probs

@@ -90,6 +90,23 @@ class Verifier:
         return VerificationStep(seqs, self.draft, features, self.max_rows)
 
 
+class VerifyingRunner(Protocol):
+    """A ModelRunner (engine/model_runner.py), as a verification step runs on it."""
+
+    broadcast_sampled: bool
+    inputs: InputBuilder
+
+    def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
+                        verification: VerificationStep | None = None) -> torch.Tensor | None: ...
+
+    def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
+                   ) -> torch.Tensor | None: ...
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
+               features: LogitsFeatures | None = None,
+               verification: VerificationStep | None = None) -> SampledTokens | None: ...
+
+
 class VerificationStep:
     """One step's rows that verify proposals, as ModelRunner.run meets them: where their
     logits are (VerificationRows), a draft model's q, and after sampling their verified
@@ -106,6 +123,19 @@ class VerificationStep:
         self.as_decode_rows = (not features.prompt_spans
                                and verifies_as_decode(seqs, max_rows))
         self.verified: VerifiedTokens | None = None
+
+    def run(self, runner: VerifyingRunner, features: LogitsFeatures) -> SampledTokens | None:
+        """The step on runner, scheduled as a prefill-path step: run as decode rows where it
+        can (as_decode_rows); every row greedy: the argmax decides (greedy_verify); else
+        rejection sampling in runner.sample. Rank 0 returns the tokens, other ranks None."""
+        if self.as_decode_rows:
+            logits = runner.run_decode(self.seqs, self)
+        else:
+            logits = runner.forward_prefill(self.seqs, features, self)
+        if (logits is not None and not runner.broadcast_sampled
+                and self.greedy_fast_path_applies(features)):
+            return self.greedy_verify(logits, runner.inputs.pool, runner.inputs.fresh.tensor)
+        return runner.sample(self.seqs, logits, features, self)
 
     def decode_step(self, inputs: InputBuilder) -> StepInputs:
         return verification_decode_step(inputs, self.seqs)
