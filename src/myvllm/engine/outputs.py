@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
 from myvllm.sample.logprobs import LogprobsCollector, take_prompt_logprobs
-from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.extras import LogprobsLists
 
 
 def request_outputs(seqs: list[Sequence], num_known: list[int],

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from myvllm.engine.batch import RequestOutput
-from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.extras import LogprobsLists
 from myvllm.sample.extras import extras_of
 from myvllm.sample.sampling import ToDevice, samples_this_step
 from myvllm.engine.sequence import Sequence
