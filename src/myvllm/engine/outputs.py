@@ -29,14 +29,15 @@ from myvllm.sample.extras import LogprobsLists
 
 
 def request_outputs(seqs: list[Sequence], num_known: list[int],
-                    logprobs: list[LogprobsLists | None], requests: dict[int, list[Sequence]]
-                    ) -> list[RequestOutput]:
+                    logprobs: list[LogprobsLists | None] | None,
+                    requests: dict[int, list[Sequence]]) -> list[RequestOutput]:
     """seqs: the step's sequences that got tokens, after postprocess; num_known: how many
-    tokens each had before; logprobs: each one's, if it asked; requests: the engine's
+    tokens each had before; logprobs: each one's, if it asked (None: no row asked, or the
+    step's logprobs came with no row); requests: the engine's
     unfinished requests (each one's sequences), from which one that finishes here is removed.
     """
     outputs = []
-    for seq, known, seq_logprobs in zip(seqs, num_known, logprobs, strict=True):
+    for i, (seq, known) in enumerate(zip(seqs, num_known, strict=True)):
         new_token_ids = seq.token_ids[known:]
         if not new_token_ids:  # a surplus token of a sequence that had finished
             continue
@@ -45,7 +46,7 @@ def request_outputs(seqs: list[Sequence], num_known: list[int],
             token_ids=seq.completion_token_ids, finished=seq.is_finished,
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens or 0,
-            logprobs=seq_logprobs,
+            logprobs=None if logprobs is None else logprobs[i],
             prompt_logprobs=(None if seq.extras is None  # asked for no prompt logprobs
                              else take_prompt_logprobs(seq, requests.get(seq.request_id, []))),
             index=seq.index))
