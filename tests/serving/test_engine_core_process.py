@@ -173,7 +173,7 @@ def test_abort_frees_the_blocks_and_the_stats_say_so(core: EngineCore, front: Fr
         pass
     assert message.stats.kv_cache_usage == 0.0
     stop(front, thread)
-    assert core.num_requests == 0
+    assert not core.requests
 
 
 def test_n_completions_come_by_index_and_each_can_be_aborted(core: EngineCore,
@@ -197,7 +197,7 @@ def test_n_completions_come_by_index_and_each_can_be_aborted(core: EngineCore,
         pass
     assert message.stats.kv_cache_usage == 0.0
     stop(front, thread)
-    assert core.num_requests == 0 and proc._core_ids == proc._front_ids == {}
+    assert not core.requests and proc._core_ids == proc._front_ids == {}
     assert tokens[0][:2] == tokens[1][:2]  # greedy: the same tokens
 
 
@@ -207,7 +207,7 @@ def test_shutdown_aborts_what_is_left(core: EngineCore, front: Front) -> None:
     while not front.receive().outputs:
         pass
     stop(front, thread)
-    assert core.num_requests == 0 and not core.has_unfinished_requests()
+    assert not core.requests and not core.has_unfinished_requests()
     assert kv_cache_usage(core.scheduler.block_manager) == 0.0
 
 
