@@ -19,7 +19,7 @@ from myvllm.kernels import set_batch_invariant
 from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.sample.sampling import prepare_sample
 from myvllm.sample.sampling_controls import needs_full_sampler
-from myvllm.spec_decode.verification import VerificationStep, Verifier
+from myvllm.spec_decode.verification import VerificationStep, Verifier, run_verification
 from myvllm.worker import pending_tokens, warmup
 from myvllm.worker.cuda_graphs import GraphCache, GraphKey
 from myvllm.worker.input_builder import InputBuilder
@@ -152,7 +152,7 @@ class ModelRunner:
             if self.verifier is not None:
                 verification = self.verifier.step(seqs, features)
                 if verification is not None:
-                    return self.run_verification(seqs, features, verification)
+                    return run_verification(self, seqs, features, verification)
         logits = (self.forward_prefill(seqs, features) if is_prefill
                   else self.run_decode(seqs))
         return self.sample(seqs, logits, features)
@@ -192,20 +192,6 @@ class ModelRunner:
         if verification is not None:
             sampled.verified = verification.verified
         return sampled
-
-    def run_verification(self, seqs: list[Sequence], features: LogitsFeatures,
-                         verification: VerificationStep) -> SampledTokens | None:
-        """A step with rows that verify proposals (speculative decoding), scheduled as a
-        prefill-path step: run as decode rows where it can (VerificationStep.as_decode_rows).
-        Every row greedy: the argmax decides (VerificationStep.greedy_verify)."""
-        if verification.as_decode_rows:
-            logits = self.run_decode(seqs, verification)
-        else:
-            logits = self.forward_prefill(seqs, features, verification)
-        if (logits is not None and not self.broadcast_sampled
-                and verification.greedy_fast_path_applies(features)):
-            return verification.greedy_verify(logits, self.inputs.pool, self.inputs.fresh.tensor)
-        return self.sample(seqs, logits, features, verification)
 
     def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
                    ) -> torch.Tensor | None:

@@ -305,3 +305,36 @@ class GreedyVerifiedTokens(VerifiedTokens):
         return {i: accept_greedy(drafts, greedy[first:first + len(drafts) + 1])
                 for i, drafts, first in zip(self.indices, self.drafts, self.first_rows,
                                             strict=True)}
+
+
+class VerifyingRunner(Protocol):
+    """What run_verification uses of the ModelRunner (engine/model_runner.py)."""
+
+    inputs: InputBuilder
+    broadcast_sampled: bool
+
+    def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
+                        verification: VerificationStep | None = None) -> torch.Tensor | None:
+        ...
+
+    def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
+                   ) -> torch.Tensor | None: ...
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
+               features: LogitsFeatures | None = None,
+               verification: VerificationStep | None = None) -> SampledTokens | None: ...
+
+
+def run_verification(runner: VerifyingRunner, seqs: list[Sequence], features: LogitsFeatures,
+                     verification: VerificationStep) -> SampledTokens | None:
+    """A step with rows that verify proposals, scheduled as a prefill-path step: run as
+    decode rows where it can (VerificationStep.as_decode_rows). Every row greedy: the argmax
+    decides (VerificationStep.greedy_verify)."""
+    if verification.as_decode_rows:
+        logits = runner.run_decode(seqs, verification)
+    else:
+        logits = runner.forward_prefill(seqs, features, verification)
+    if (logits is not None and not runner.broadcast_sampled
+            and verification.greedy_fast_path_applies(features)):
+        return verification.greedy_verify(logits, runner.inputs.pool, runner.inputs.fresh.tensor)
+    return runner.sample(seqs, logits, features, verification)
