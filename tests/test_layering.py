@@ -32,13 +32,12 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "layers": ("kernels", "utils.context", "utils.distributed"),
     "models": ("layers",),
     # The core: it makes the features' objects and hands them to its parts.
-    "engine": ("worker", "sample", "spec_decode", "structured_output", "executor", "serving",
-               "models", "layers", "kernels", "utils", "settings"),
+    "engine": ("worker", "sample", "spec_decode", "structured_output", "executor", "models",
+               "layers", "kernels", "utils", "settings"),
     # The runner's machinery and the features: they read the core's requests and batches.
     "worker": ("engine", "sample", "spec_decode", "models", "layers", "kernels", "utils",
                "settings"),
-    "sample": ("engine", "structured_output", "serving", "layers", "kernels", "utils",
-               "settings"),
+    "sample": ("engine", "structured_output", "layers", "kernels", "utils", "settings"),
     "spec_decode": ("engine", "worker", "sample", "models", "layers", "kernels", "utils",
                     "settings"),
     "structured_output": ("engine", "layers", "utils", "settings"),

@@ -258,7 +258,7 @@ def assert_untouched(llm: LLM) -> None:
     assert not scheduler.waiting and not scheduler.running
     assert not used_block_ids(bm) and len(bm.free_block_ids) == len(bm.blocks)
     assert all(block.ref_count == 0 for block in bm.blocks)
-    assert not llm.engine_core._requests  # no per-request state left behind
+    assert not llm.engine_core.requests  # no per-request state left behind
 
 
 # ENGINE_KW: 16 blocks of 4 = 64 tokens of KV, max_model_length 32, vocab 256.

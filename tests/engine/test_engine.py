@@ -205,7 +205,7 @@ def test_add_request_and_step_give_what_generate_gives() -> None:
     assert [outputs[i]["token_ids"] for i in seq_ids] == [o["token_ids"] for o in expected]
     # The second round hits the first round's blocks, and nothing is left behind.
     assert [outputs[i]["num_cached_tokens"] for i in seq_ids] == [4, 8, 0]
-    assert llm.engine_core._requests == {}
+    assert llm.engine_core.requests == {}
     assert llm.step() == ([], 0)  # an idle engine runs no forward pass
 
 

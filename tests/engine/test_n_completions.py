@@ -52,7 +52,7 @@ def run(llm: LLM, prompt: list[int], params: SamplingParams
         check_blocks(llm)
     assert [out["seq_id"] for out in finished] == [request_id]
     assert not used_block_ids(llm.scheduler.block_manager), "blocks leaked"
-    assert llm.engine_core._requests == {}
+    assert llm.engine_core.requests == {}
     return finished[0], counts
 
 
@@ -147,7 +147,7 @@ def test_abort_frees_every_completion(chunked: bool) -> None:
     assert len(llm.scheduler.running) == 3 and used_block_ids(manager)
     llm.abort(request_id)
     assert not used_block_ids(manager) and llm.is_finished()
-    assert llm.engine_core._requests == {}
+    assert llm.engine_core.requests == {}
 
 
 def test_abort_while_the_forks_wait_for_the_prefill() -> None:

@@ -52,7 +52,7 @@ def test_streamed_tokens_add_up_to_generate(async_scheduling: bool) -> None:
         assert all(o.finish_reason is None for o in outs[:-1])
         assert outs[-1].num_prompt_tokens == len(batch[ids.index(request_id)])
         assert len(outs) == sp.max_tokens  # one output per sampled token
-    assert llm.engine_core._requests == {}
+    assert llm.engine_core.requests == {}
 
 
 def test_finish_reason_stop_on_eos() -> None:
@@ -76,7 +76,7 @@ def test_abort_frees_blocks_at_once_and_silences_the_request(async_scheduling: b
     keep, drop = (llm.add_request(p, params) for p in prompts([7, 11], seed=2))
     for _ in range(3):
         llm.step_outputs()
-    dropped = llm.engine_core._requests[drop][0]
+    dropped = llm.engine_core.requests[drop][0]
     assert dropped.block_table, "the request to abort holds blocks by now"
     llm.abort(drop)
     assert not dropped.block_table and dropped.finish_reason == "abort"

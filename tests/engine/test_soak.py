@@ -266,7 +266,7 @@ class EngineSoak:
         self.added += 1
 
     def abort(self, request_id: int) -> None:
-        seq = self.engine.engine_core._requests[request_id][0]
+        seq = self.engine.engine_core.requests[request_id][0]
         self.engine.abort(request_id)
         assert seq.finish_reason == "abort" and not seq.block_table
         del self.live[request_id]

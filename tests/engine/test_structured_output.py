@@ -245,7 +245,7 @@ def test_bad_constraints_are_refused_before_any_work() -> None:
             (StructuredOutputsParams(grammar='item ::= "a"'), 'root rule with name "root"')]:
         with pytest.raises(ValueError, match=re.escape(message)):
             llm.add_request([1, 2], SamplingParams(structured_outputs=so))
-    assert not llm.engine_core.num_requests
+    assert not llm.engine_core.requests
 
 
 def test_a_checkpoint_without_a_tokenizer_refuses_a_constraint(tmp_path: Any) -> None:

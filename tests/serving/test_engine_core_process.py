@@ -23,7 +23,7 @@ from myvllm import Config, SamplingParams
 from myvllm.engine.core import EngineCore
 from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreMessage, CoreOutputs, Shutdown)
-from myvllm.serving.core_process import EngineCoreProc
+from myvllm.serving.core_process import EngineCoreProc, abort_all, kv_cache_usage
 from myvllm.engine.startup import resolve_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -133,7 +133,7 @@ def test_streamed_flag_reaches_the_sequence(core: EngineCore, front: Front,
 
     def spy(token_ids: Any, params: Any, *, streamed: bool = True) -> int:
         request_id = add_request(token_ids, params, streamed=streamed)
-        seen.append(core._requests[request_id][0].streamed)
+        seen.append(core.requests[request_id][0].streamed)
         return request_id
 
     monkeypatch.setattr(core, "add_request", spy)
@@ -173,7 +173,7 @@ def test_abort_frees_the_blocks_and_the_stats_say_so(core: EngineCore, front: Fr
         pass
     assert message.stats.kv_cache_usage == 0.0
     stop(front, thread)
-    assert core.num_requests == 0
+    assert not core.requests
 
 
 def test_n_completions_come_by_index_and_each_can_be_aborted(core: EngineCore,
@@ -197,7 +197,7 @@ def test_n_completions_come_by_index_and_each_can_be_aborted(core: EngineCore,
         pass
     assert message.stats.kv_cache_usage == 0.0
     stop(front, thread)
-    assert core.num_requests == 0 and proc._core_ids == proc._front_ids == {}
+    assert not core.requests and proc._core_ids == proc._front_ids == {}
     assert tokens[0][:2] == tokens[1][:2]  # greedy: the same tokens
 
 
@@ -207,8 +207,8 @@ def test_shutdown_aborts_what_is_left(core: EngineCore, front: Front) -> None:
     while not front.receive().outputs:
         pass
     stop(front, thread)
-    assert core.num_requests == 0 and not core.has_unfinished_requests()
-    assert core.kv_cache_usage() == 0.0
+    assert not core.requests and not core.has_unfinished_requests()
+    assert kv_cache_usage(core.scheduler.block_manager) == 0.0
 
 
 def test_the_loop_steps_with_the_heap_frozen(core: EngineCore, front: Front,
@@ -248,7 +248,7 @@ def test_a_failing_step_sends_core_dead_and_ends_the_loop(core: EngineCore, fron
     thread.join(30)
     assert not thread.is_alive()
     assert isinstance(thread.errors[0], RuntimeError)  # type: ignore[attr-defined]
-    core.abort_all()
+    abort_all(core)
 
 
 @pytest.mark.slow  # ~10 s here: a core process that loads torch and fails

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.extras import LogprobsLists
 from myvllm.engine.sequence import FinishReason
 from myvllm.utils.context import Context
 

@@ -263,16 +263,3 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.update(h, token_ids)
             self.hash_to_block_id[h] = block.block_id
-
-    def unregister_after(self, seq: Sequence, num_written: int) -> None:
-        """Make seq's blocks past its first num_written tokens unfindable again: the step
-        that was to write them was registered when it was scheduled, and then never ran
-        (undo_step, engine/queued_steps.py)."""
-        keep = num_written // self.block_size
-        for i in range(keep, len(seq.block_hashes)):
-            block = self.blocks[seq.block_table[i]]
-            if self.hash_to_block_id.get(block.hash) == block.block_id:
-                del self.hash_to_block_id[block.hash]
-            block.hash = -1
-            block.token_ids = []
-        del seq.block_hashes[keep:]

@@ -23,7 +23,7 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.model_runner import ModelRunner, samples_this_step
 from myvllm.engine.outputs import request_outputs
-from myvllm.engine.queued_steps import InFlight, QueuedStep, queued_step, undo_step
+from myvllm.engine.queued_steps import InFlight, QueuedStep, undo_step
 from myvllm.engine.request_checks import check_request
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
@@ -37,7 +37,6 @@ from myvllm.structured_output.manager import StructuredOutputManager
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
 from myvllm.worker.cpu_threads import claim_cpu_threads
-from myvllm.worker.staging import SampledTokens
 
 
 class EngineCore:
@@ -91,12 +90,7 @@ class EngineCore:
         self._in_flight = InFlight() if self.async_scheduling else None
         # Requests not yet finished or aborted, by request id (its first completion's seq_id):
         # its sequences, one per completion (SamplingParams.n).
-        self._requests: dict[int, list[Sequence]] = {}
-
-    @property
-    def num_requests(self) -> int:
-        """Requests added and not yet finished or aborted."""
-        return len(self._requests)
+        self.requests: dict[int, list[Sequence]] = {}
 
     # ------------------------------------------------------------------ life
     @property
@@ -155,7 +149,7 @@ class EngineCore:
         returns its request id."""
         self.scheduler.add_sequence(seq)
         forks = seq.extras.forks if seq.extras is not None else []
-        self._requests[seq.seq_id] = [seq, *forks]
+        self.requests[seq.seq_id] = [seq, *forks]
         return seq.seq_id
 
     def add_request(self, token_ids: Any, sampling_params: SamplingParams, *,
@@ -172,28 +166,18 @@ class EngineCore:
         """Drop a request wherever it is and free its blocks now; unknown or finished ids
         are ignored (it may finish while its client gives up on it). index: only that
         completion of it (n > 1; a stop string ended it)."""
-        seqs = self._requests.get(request_id)
+        seqs = self.requests.get(request_id)
         if seqs is None:
             return
         for seq in seqs if index is None else seqs[index:index + 1]:
             self.scheduler.abort(seq)
         if all(seq.is_finished for seq in seqs):
-            del self._requests[request_id]
-
-    def has_request(self, request_id: int) -> bool:
-        """Added, and some completion of it not yet finished nor aborted."""
-        return request_id in self._requests
+            del self.requests[request_id]
 
     def drop_in_flight(self) -> None:
         """Forget a step in flight (after an error or Ctrl-C): InFlight.drop."""
         if self._in_flight is not None:
             self._in_flight.drop()
-
-    def abort_all(self) -> None:
-        """Drop every request and any step in flight (at shutdown, or after an error)."""
-        self.drop_in_flight()
-        for request_id in list(self._requests):
-            self.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or (
@@ -207,68 +191,40 @@ class EngineCore:
         for a pure decode step (one per sequence). With async_scheduling both describe the
         step queued by the previous call (InFlight.step_through)."""
         self.check_alive()
-        if self._in_flight is not None:
-            return self._in_flight.step_through(self.scheduler.schedule, self._queue,
-                                                self._read_queued)
+        if self._in_flight is not None:  # async scheduling
+            return self._in_flight.step_through(self)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return [], 0
-        samples = [samples_this_step(seq) for seq in seqs]
-        sampled = self._run(seqs, is_prefill)
-        return self._read_back(seqs, samples, sampled), _num_tokens(seqs, is_prefill)
+        step = self.run_step(seqs, is_prefill)
+        return self.read_back(step), step.num_tokens
 
-    def _queue(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep:
-        """async_scheduling: run one step, and leave its tokens on their way."""
+    def run_step(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep:
+        """Run one step on every rank; its tokens are not waited for here."""
         samples = [samples_this_step(seq) for seq in seqs]
-        sampled = self._run(seqs, is_prefill)
-        return queued_step(seqs, _num_tokens(seqs, is_prefill), sampled, samples,
-                           self.scheduler.speculator)
-
-    def _run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens:
-        """Run one step (on every rank); its tokens are not waited for here."""
         try:
-            if self.workers is None:
-                sampled = self.model_runner.run(seqs, is_prefill)
-            else:
-                sampled = self.workers.call("run", seqs, is_prefill)
+            sampled = self._call_runner("run", seqs, is_prefill)
         except BaseException:
             undo_step(self.scheduler, seqs)  # none of its K/V was written
             raise
-        assert sampled is not None  # rank 0's run returns its tokens
-        return sampled
+        num_tokens = sum(seq.num_new_tokens for seq in seqs) if is_prefill else -len(seqs)
+        return QueuedStep(seqs, num_tokens, sampled, samples)
 
-    def _read_queued(self, step: QueuedStep) -> tuple[list[RequestOutput], int]:
-        return self._read_back(step.seqs, step.samples, step.sampled), step.num_tokens
-
-    def _read_back(self, seqs: list[Sequence], samples: list[bool], sampled: SampledTokens
-                   ) -> list[RequestOutput]:
-        """Wait for a step's tokens and hand them to the scheduler; samples: which of seqs
-        get their token (not a chunk short of its prompt's end)."""
-        if self.workers is None:
-            token_ids = sampled.token_ids()
+    def read_back(self, step: QueuedStep) -> list[RequestOutput]:
+        """Wait for a step's tokens and hand them to the scheduler (only the rows that sample
+        in it: a chunk short of its prompt's end gets no token)."""
+        if self.workers is not None:  # it may wait for a peer: a death raises
+            token_ids = self.workers.token_ids(step.sampled)
         else:
-            with self.workers.watching_workers("run"):  # it may wait for a peer: a death raises
-                token_ids = sampled.token_ids()
-        sampling = [i for i, sample in enumerate(samples) if sample]
-        rows = [seqs[i] for i in sampling]
+            token_ids = step.sampled.token_ids()
+        sampling = [i for i, sample in enumerate(step.samples) if sample]
+        rows = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in rows]
-        logprobs: dict[int, Any] = {}
-        if sampled.logprobs is not None:  # came with the tokens
-            logprobs = read_step_logprobs(seqs, sampled.logprobs)
-        # Speculative decoding: several tokens a row.
+        logprobs = None
+        if step.sampled.logprobs is not None:  # came with the tokens
+            logprobs = read_step_logprobs(step.seqs, step.sampled.logprobs, sampling)
         verified = None
-        if sampled.verified is not None:
-            verified = verified_token_lists(sampled.verified, sampling)
+        if step.sampled.verified is not None:  # speculative decoding: several tokens a row
+            verified = verified_token_lists(step.sampled.verified, sampling)
         self.scheduler.postprocess(rows, [token_ids[i] for i in sampling], verified)
-        return request_outputs(rows, known, [logprobs.get(i) for i in sampling],
-                               self._requests)
-
-    def kv_cache_usage(self) -> float:
-        """Fraction of the KV-cache blocks held by requests (cached free blocks are free)."""
-        blocks = self.scheduler.block_manager
-        return 1.0 - len(blocks.free_block_ids) / len(blocks.blocks)
-
-
-def _num_tokens(seqs: list[Sequence], is_prefill: bool) -> int:
-    """What step() reports: > 0 the tokens a step with prompt tokens computes, < 0 decode."""
-    return sum(seq.num_new_tokens for seq in seqs) if is_prefill else -len(seqs)
+        return request_outputs(rows, known, logprobs, self.requests)

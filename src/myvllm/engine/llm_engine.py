@@ -18,11 +18,12 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
 from myvllm.engine.model_runner import ModelRunner
-from myvllm.engine.outputs import FinishedOutputs, GenerateProgress, generate_result
+from myvllm.engine.outputs import GenerateProgress, finished_dict, generate_result
 from myvllm.engine.request_checks import check_generate_args
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import check_in_process, resolve_engine, to_config
+from myvllm.sample.finished_outputs import FinishedOutputs
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.gc_freeze import frozen_heap
 from myvllm.utils.hf_config import gguf_parsed_once
@@ -48,8 +49,9 @@ class LLMEngine:
         self.max_model_length: int = core.max_model_length
         self.vocab_size: int = core.vocab_size
         self.async_scheduling: bool = core.async_scheduling
-        # Logprobs and n > 1 completions, gathered until their request finishes (step()).
-        self.finished_outputs = FinishedOutputs()
+        # Logprobs and n > 1 completions, gathered until their request finishes (step());
+        # made at the first request with extras (None: every finished output is a dict alone).
+        self.finished_outputs: FinishedOutputs | None = None
 
     # ------------------------------------------------------------------ the core's parts
     @property
@@ -100,20 +102,26 @@ class LLMEngine:
         return self._add_sequence(seq)
 
     def _add_sequence(self, seq: Sequence) -> int:
-        self.finished_outputs.add(seq)
+        if seq.extras is not None:  # it may ask for logprobs or n > 1 completions
+            if self.finished_outputs is None:
+                self.finished_outputs = FinishedOutputs()
+            self.finished_outputs.add(seq)
         return self.engine_core.add_sequence(seq)
 
     def abort(self, request_id: int) -> None:
         """Drop a request (all its completions) wherever it is and free its blocks now;
         unknown or finished ids are ignored."""
-        self.finished_outputs.forget(request_id)
+        if self.finished_outputs is not None:
+            self.finished_outputs.forget(request_id)
         self.engine_core.abort(request_id)
 
     def step(self) -> tuple[list[dict[str, Any]], int]:
         """One scheduler step: (the dicts of the requests that finished, the signed count of
         tokens computed, as EngineCore.step)."""
         outputs, num_tokens = self.engine_core.step()
-        return self.finished_outputs.collect(outputs), num_tokens
+        if self.finished_outputs is not None:
+            return self.finished_outputs.collect(outputs), num_tokens
+        return [finished_dict(out) for out in outputs if out.finished], num_tokens
 
     def step_outputs(self) -> tuple[list[RequestOutput], int]:
         """One scheduler step, a RequestOutput per request that got tokens (for callers that

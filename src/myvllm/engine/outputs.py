@@ -1,5 +1,6 @@
 """What steps hand back: the core's RequestOutputs, and the dicts LLMEngine.step() and
-generate() build from them (and generate()'s progress bar).
+generate() build from them (and generate()'s progress bar); a request that asked for logprobs
+or n > 1 completions has its dict gathered by sample/finished_outputs.py.
 
 request_outputs (EngineCore.step): per sequence that got tokens in a step, its new tokens,
 its logprobs if it asked (sample/logprobs.py), and for n > 1 whether its whole request has
@@ -17,26 +18,26 @@ RequestOutput.outputs).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
-from myvllm.sample.logprobs import LogprobsCollector, take_prompt_logprobs
-from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.logprobs import take_prompt_logprobs
+from myvllm.sample.extras import LogprobsLists
 
 
 def request_outputs(seqs: list[Sequence], num_known: list[int],
-                    logprobs: list[LogprobsLists | None], requests: dict[int, list[Sequence]]
-                    ) -> list[RequestOutput]:
+                    logprobs: list[LogprobsLists | None] | None,
+                    requests: dict[int, list[Sequence]]) -> list[RequestOutput]:
     """seqs: the step's sequences that got tokens, after postprocess; num_known: how many
-    tokens each had before; logprobs: each one's, if it asked; requests: the engine's
+    tokens each had before; logprobs: each one's, if it asked (None: no row asked, or the
+    step's logprobs came with no row); requests: the engine's
     unfinished requests (each one's sequences), from which one that finishes here is removed.
     """
     outputs = []
-    for seq, known, seq_logprobs in zip(seqs, num_known, logprobs, strict=True):
+    for i, (seq, known) in enumerate(zip(seqs, num_known, strict=True)):
         new_token_ids = seq.token_ids[known:]
         if not new_token_ids:  # a surplus token of a sequence that had finished
             continue
@@ -45,7 +46,7 @@ def request_outputs(seqs: list[Sequence], num_known: list[int],
             token_ids=seq.completion_token_ids, finished=seq.is_finished,
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens or 0,
-            logprobs=seq_logprobs,
+            logprobs=None if logprobs is None else logprobs[i],
             prompt_logprobs=(None if seq.extras is None  # asked for no prompt logprobs
                              else take_prompt_logprobs(seq, requests.get(seq.request_id, []))),
             index=seq.index))
@@ -59,74 +60,12 @@ def request_outputs(seqs: list[Sequence], num_known: list[int],
     return outputs
 
 
-# A finished output's logprobs when its request asked for none.
-NO_LOGPROBS: dict[str, Any] = {"logprobs": None, "prompt_logprobs": None}
-
-
-@dataclass
-class _Completions:
-    """A request of n > 1 completions: those finished so far."""
-
-    outputs: list[dict[str, Any] | None]  # per completion, once finished
-    first: dict[str, Any] | None = None  # completion 0's own dict: the request's fields
-
-
-class FinishedOutputs:
-    """What a request's dict needs beyond its last RequestOutput, gathered step by step: the
-    logprobs of each completion that asked, and the finished completions of n > 1."""
-
-    def __init__(self) -> None:
-        # The completions that asked for logprobs, by (request id, completion index).
-        self._logprobs: dict[tuple[int, int], LogprobsCollector] = {}
-        # Requests of n > 1 completions: the finished ones' dicts, until all n are.
-        self._completions: dict[int, _Completions] = {}
-
-    def add(self, seq: Sequence) -> None:
-        """A request queued as seq (its first completion)."""
-        params = seq.sampling_params
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            for index in range(params.n):
-                self._logprobs[seq.seq_id, index] = LogprobsCollector(
-                    seq.prompt_token_ids,
-                    None if params.logprobs is None else LogprobsLists([], [], []))
-        if params.n > 1:
-            self._completions[seq.seq_id] = _Completions([None] * params.n)
-
-    def forget(self, request_id: int) -> None:
-        """An aborted request."""
-        for key in [key for key in self._logprobs if key[0] == request_id]:
-            del self._logprobs[key]
-        self._completions.pop(request_id, None)
-
-    def collect(self, outputs: list[RequestOutput]) -> list[dict[str, Any]]:
-        """One step's outputs in; the dicts of the requests that finished in it out."""
-        finished = []
-        for out in outputs:
-            key = (out.request_id, out.index)
-            collector = self._logprobs.get(key)
-            if collector is not None:
-                collector.add(out)
-            if not out.finished:
-                continue
-            logprobs = (NO_LOGPROBS if collector is None
-                        else self._logprobs.pop(key).result(out.token_ids))
-            done = {"seq_id": out.request_id, "token_ids": out.token_ids,
-                    "finish_reason": out.finish_reason,
-                    "num_cached_tokens": out.num_cached_tokens, **logprobs}
-            completions = self._completions.get(out.request_id)
-            if completions is None:  # one completion
-                finished.append(done)
-                continue
-            completions.outputs[out.index] = {"index": out.index, "token_ids": out.token_ids,
-                                              "finish_reason": out.finish_reason,
-                                              "logprobs": done["logprobs"]}
-            if out.index == 0:
-                completions.first = done
-            if out.request_finished:
-                del self._completions[out.request_id]
-                assert completions.first is not None  # all n have finished, 0 too
-                finished.append({**completions.first, "outputs": completions.outputs})
-        return finished
+def finished_dict(out: RequestOutput) -> dict[str, Any]:
+    """The dict of a request that finished in out, of one completion, asking for no logprobs
+    (sample/finished_outputs.py gathers the others')."""
+    return {"seq_id": out.request_id, "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
+            "logprobs": None, "prompt_logprobs": None}
 
 
 class GenerateProgress:

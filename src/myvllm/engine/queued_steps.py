@@ -1,19 +1,19 @@
-"""async_scheduling's steps that EngineCore.step queued and has not read back yet
-(engine/core.py): a step's pending tokens and the step kept in flight (the guide's Step 6,
-"Async scheduling"); and the undo of a step that failed before it ran (any step).
+"""A step the runner has queued and nobody has waited for yet (QueuedStep, any step); with
+async_scheduling, the one EngineCore.step keeps in flight and its pending tokens (the guide's
+Features, "Async scheduling"); and the undo of a step that failed before it ran (any step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
 from myvllm.worker.staging import SampledTokens
 
 if TYPE_CHECKING:
+    from myvllm.engine.block_manager import BlockManager
     from myvllm.engine.scheduler import Scheduler
     from myvllm.spec_decode.scheduling import Speculator
 
@@ -29,18 +29,27 @@ class QueuedStep:
     constrained: bool = False  # the next step must wait for these tokens on the host
 
 
-def queued_step(seqs: list[Sequence], num_tokens: int, sampled: SampledTokens,
-                samples: list[bool], speculator: Speculator | None) -> QueuedStep:
-    """A step the runner has queued: each sequence that samples in it counts its token as
+class CoreSteps(Protocol):
+    """What InFlight drives of the EngineCore (engine/core.py, which imports this module)."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    def run_step(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep: ...
+
+    def read_back(self, step: QueuedStep) -> list[RequestOutput]: ...
+
+
+def left_in_flight(step: QueuedStep, speculator: Speculator | None) -> QueuedStep:
+    """A step that stays in flight: each sequence that samples in it counts its token as
     pending until the step is read back."""
-    constrained = False
-    for seq, sample in zip(seqs, samples, strict=True):
+    for seq, sample in zip(step.seqs, step.samples, strict=True):
         if sample:
             seq.add_pending_token()
-            constrained = (constrained or (
+            step.constrained = (step.constrained or (
                 seq.extras is not None and seq.extras.grammar_matcher is not None) or (
                 speculator is not None and speculator.needs_tokens_on_host(seq)))
-    return QueuedStep(seqs, num_tokens, sampled, samples, constrained)
+    return step
 
 
 class InFlight:
@@ -50,25 +59,25 @@ class InFlight:
     def __init__(self) -> None:
         self.step: QueuedStep | None = None
 
-    def step_through(
-            self, schedule: Callable[[], tuple[list[Sequence], bool]],
-            queue: Callable[[list[Sequence], bool], QueuedStep],
-            read_back: Callable[[QueuedStep], tuple[list[RequestOutput], int]],
-    ) -> tuple[list[RequestOutput], int]:
+    def step_through(self, core: CoreSteps) -> tuple[list[RequestOutput], int]:
         """One EngineCore.step: schedule and queue the next step, then read back the one
         queued by the previous call, unless that one must be on the host before the next is
         planned (a grammar's next bitmask, speculation's accepted tokens): then it is read
         back first and nothing new is queued."""
         constrained = self.take_constrained()
-        waited = read_back(constrained) if constrained is not None else None
-        seqs, is_prefill = schedule()
-        queued = self.swap(queue(seqs, is_prefill) if seqs else None)  # the one before
+        waited = None
+        if constrained is not None:
+            waited = core.read_back(constrained), constrained.num_tokens
+        seqs, is_prefill = core.scheduler.schedule()
+        queued = self.swap(left_in_flight(core.run_step(seqs, is_prefill),
+                                          core.scheduler.speculator)
+                           if seqs else None)  # the one before
         if waited is not None:  # the step read back above (the one before is in flight)
             assert queued is None
             return waited
         if queued is None:  # nothing queued (or the first step of a run, still in flight)
             return [], 0
-        return read_back(queued)
+        return core.read_back(queued), queued.num_tokens
 
     def take_constrained(self) -> QueuedStep | None:
         """The step in flight, taken out, if the next schedule needs its tokens on the host
@@ -98,10 +107,22 @@ def undo_step(scheduler: Scheduler, seqs: list[Sequence]) -> None:
     The blocks it was to fill (registered for prefix hits when it was scheduled) are
     unregistered, and its sequences go back to waiting, to be recomputed (one admitted in
     this step may hold a hit on a block that another row of this step was to write)."""
-    block_manager = scheduler.block_manager
     for seq in seqs:
         seq.num_computed_tokens -= seq.num_new_tokens
-        block_manager.unregister_after(seq, seq.num_computed_tokens)
+        unregister_after(scheduler.block_manager, seq, seq.num_computed_tokens)
     for seq in seqs:
         if not seq.is_finished:
             scheduler.preempt(seq)
+
+
+def unregister_after(block_manager: BlockManager, seq: Sequence, num_written: int) -> None:
+    """Make seq's blocks past its first num_written tokens unfindable again: the step that
+    was to write them was registered when it was scheduled, and then never ran."""
+    keep = num_written // block_manager.block_size
+    for i in range(keep, len(seq.block_hashes)):
+        block = block_manager.blocks[seq.block_table[i]]
+        if block_manager.hash_to_block_id.get(block.hash) == block.block_id:
+            del block_manager.hash_to_block_id[block.hash]
+        block.hash = -1
+        block.token_ids = []
+    del seq.block_hashes[keep:]

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.sample.sampling_controls import check_sampling_token_ids
 from myvllm.sampling_parameters import SamplingParams
 
 
@@ -51,23 +52,12 @@ def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
     return token_ids
 
 
-def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """logit_bias and stop_token_ids name tokens of the vocabulary (a bias outside it would
-    index past the logits on the device)."""
-    for name, ids in (("logit_bias", params.logit_bias or ()),
-                      ("stop_token_ids", params.stop_token_ids or ())):
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the "
-                             f"vocabulary [0, {vocab_size}).")
-
-
 def check_request(token_ids: Any, params: Any, vocab_size: int) -> list[int]:
     """A prompt of token ids and its SamplingParams checked: the prompt as a list of ints."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
     if params.logit_bias is not None or params.stop_token_ids is not None:
-        check_sampling_token_ids(params, vocab_size)
+        check_sampling_token_ids(params, vocab_size)  # sample/sampling_controls.py
     return check_token_ids(token_ids, vocab_size)
 
 

@@ -91,7 +91,7 @@ class Sequence:
         # Recompute preemptions so far: a draft model's K/V of the sequence is then gone
         # (spec_decode/draft_proposer.py).
         self.num_preemptions: int = 0
-        # Async scheduling (the guide's Step 6): tokens counted in num_tokens, not yet in
+        # Async scheduling (the guide's Features): tokens counted in num_tokens, not yet in
         # token_ids (their values are still on the device), and the row of the last one in
         # the last step's sampled-token pool (worker/pending_tokens.py, worker/token_pool.py).
         self.num_pending_tokens: int = 0

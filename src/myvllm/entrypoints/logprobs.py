@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.extras import LogprobsLists
 from myvllm.serving.detokenizer import token_texts
 
 MIN_LOGPROB = -9999.0

@@ -34,6 +34,7 @@ from myvllm.executor.tp_workers import (WorkerPool, init_distributed, nccl_abort
                                       pick_init_method, release_process_group,
                                       run_launched_worker)
 from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env
+from myvllm.worker.staging import SampledTokens
 
 logger = logging.getLogger("myvllm")
 
@@ -114,6 +115,11 @@ class Executor:
         with self.watching_workers(method):
             self._pool.send(method, *args)
             return getattr(self.model_runner, method)(*args)
+
+    def token_ids(self, sampled: SampledTokens) -> list[int]:
+        """Rank 0's wait for a step's tokens, which may wait for a peer: a death raises."""
+        with self.watching_workers("run"):
+            return sampled.token_ids()
 
     @contextlib.contextmanager
     def watching_workers(self, method: str) -> Iterator[None]:

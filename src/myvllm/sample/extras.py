@@ -5,17 +5,44 @@ A Sequence makes them when its SamplingParams asks for a feature (asks_for_extra
 engine/sequence.py); a feature that needs them later (the speculator's proposals, a fork of
 an n > 1 request) makes them with extras_of. Each feature reads and writes its own fields
 here; all of it is rank 0's (a tensor-parallel worker's copy keeps only what its forward
-reads: executor/sequence_pickling.py) and ends with the request.
+reads: executor/sequence_pickling.py) and ends with the request. And LogprobsLists, the
+logprobs of a request's tokens as every layer above passes them on.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from myvllm.serving.core_messages import LogprobsLists
+import msgspec
 
 if TYPE_CHECKING:
     import torch
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Logprobs of consecutive tokens of one request, one entry per token (vLLM's name): in
+    the Sequence's extras, its RequestOutputs and, over the socket, CoreOutputs
+    (serving/core_messages.py).
+
+    logprobs[i] is token i's own; top_token_ids[i] / top_logprobs[i] its most likely
+    alternatives, most likely first (as many as the request asked for)."""
+
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(self.logprobs[start:end], self.top_token_ids[start:end],
+                             self.top_logprobs[start:end])
+
+    def extend(self, other: LogprobsLists) -> None:
+        self.logprobs += other.logprobs
+        self.top_token_ids += other.top_token_ids
+        self.top_logprobs += other.top_logprobs
+
 
 # The Sequence that holds them (forks are Sequences too): a type parameter, since the
 # Sequence's module makes them and this one does not import it.

@@ -6,8 +6,8 @@ naming it.
 At their first admission `fork` gives each the first's full prompt blocks (one
 more reference each) and fresh blocks from the one holding the last prompt token, which
 every completion recomputes in a block of its own, since each writes its own tokens after
-it (the guide's Step 3, "n completions", draws it). After that they are sequences like any
-other.
+it (the guide's Features, "n completions: forked after the prefill", draws it). After that
+they are sequences like any other.
 """
 
 from __future__ import annotations

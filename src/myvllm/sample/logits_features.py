@@ -1,6 +1,6 @@
 """What the features that act on a step's logits, or read them, do in ModelRunner.run: one
-object per step, so that the runner makes one call per stage (the guide's Step 7,
-"Logprobs: where they are computed").
+object per step, so that the runner makes one call per stage (the guide's
+Features, "Logprobs: where they are computed").
 
     before the forward  LogitsFeatures(seqs, ...): the prompt rows that asked for logprobs
                         (on every rank: the LM head over them is collective) and, on rank 0,

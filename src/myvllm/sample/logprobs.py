@@ -6,7 +6,7 @@
                     (prompt_logprobs), which the sampling LM head skips
       -> gather_logprobs (layers/logprobs.py) -> StepLogprobs, copied to the host with the
          step's tokens (SampledTokens)
-    EngineCore._read_back, request_outputs
+    EngineCore.read_back, request_outputs
       -> per request: LogprobsLists in its RequestOutput (and CoreOutput, over the socket)
 
 Row r of a prefill chunk holds the logits after token r, which predict token r + 1: a chunk
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from myvllm.engine.batch import RequestOutput
-from myvllm.serving.core_messages import LogprobsLists
+from myvllm.sample.extras import LogprobsLists
 from myvllm.sample.extras import extras_of
 from myvllm.sample.sampling_controls import ToDevice
 from myvllm.engine.sequence import Sequence
@@ -161,17 +161,15 @@ def prompt_logprobs(seqs: list[Sequence], spans: list[PromptSpan], hidden: torch
     return LogprobRows(*(torch.cat(parts) for parts in zip(*pieces, strict=True)))
 
 
-def read_step_logprobs(seqs: list[Sequence], step: StepLogprobs | None
-                       ) -> dict[int, LogprobsLists]:
+def read_step_logprobs(seqs: list[Sequence], step: StepLogprobs, sampling: list[int]
+                       ) -> list[LogprobsLists | None]:
     """On the host, once the step's copy arrived: each prompt span's rows are appended to its
-    sequence's prompt_logprobs, and the sampled rows returned by index in the batch ({} when
-    no row asked: step is None).
+    sequence's prompt_logprobs, and the sampled rows returned, one per index of `sampling`
+    (the rows of seqs that sample in the step; None for one that asked for none).
 
     A span may repeat rows already read (a preempted sequence's prompt computed again while
     the first pass was still in flight); only positions not yet known are kept.
     """
-    if step is None:
-        return {}
     if step.prompt is not None:
         offsets = [0]
         for span in step.prompt_spans:
@@ -190,10 +188,11 @@ def read_step_logprobs(seqs: list[Sequence], step: StepLogprobs | None
             if len(known) + 1 >= seq.num_prompt_tokens:
                 extras.needs_prompt_logprobs = False
     if step.sampled is None:
-        return {}
+        return [None] * len(sampling)
     ks = [seqs[i].sampling_params.logprobs or 0 for i in step.sampled_seqs]
     rows = step.sampled.lists([(row, 1, k) for row, k in enumerate(ks)])
-    return dict(zip(step.sampled_seqs, rows, strict=True))
+    by_index = dict(zip(step.sampled_seqs, rows, strict=True))
+    return [by_index.get(i) for i in sampling]
 
 
 def take_prompt_logprobs(seq: Sequence, completions: list[Sequence]) -> LogprobsLists | None:

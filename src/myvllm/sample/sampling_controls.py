@@ -26,11 +26,23 @@ import numpy as np
 import torch
 
 from myvllm.engine.sequence import Sequence
+from myvllm.sampling_parameters import SamplingParams
 from myvllm.sample.extras import extras_of
 from myvllm.layers.logits_processors import BannedTokens, LogitBias, LogitsProcessing, Penalties
 
 # Host values -> a device tensor, without making the host wait (FreshTensors.tensor).
 ToDevice = Callable[[list[int] | list[float] | np.ndarray, torch.dtype], torch.Tensor]
+
+
+def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias and stop_token_ids name tokens of the vocabulary (a bias outside it would
+    index past the logits on the device)."""
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("stop_token_ids", params.stop_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the "
+                             f"vocabulary [0, {vocab_size}).")
 
 
 # Which rows leave a decode graph's temperature-only sampling, and a seeded row's generator.

@@ -55,11 +55,13 @@ import zmq.asyncio
 from myvllm.config import Config
 from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreMessage, CoreOutput, CoreOutputs, Heartbeat,
-                                         LogprobsLists, Shutdown, SpecDecodeCounts)
+                                         Shutdown, SpecDecodeCounts)
 from myvllm.serving.core_process import run_engine_core
 from myvllm.serving.detokenizer import IncrementalDetokenizer
+from myvllm.sample.extras import LogprobsLists
 from myvllm.executor.errors import EngineDeadError
-from myvllm.engine.request_checks import check_sampling_token_ids, check_token_ids
+from myvllm.engine.request_checks import check_token_ids
+from myvllm.sample.sampling_controls import check_sampling_token_ids
 from myvllm.engine.startup import ResolvedEngine, resolve_engine
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.hf_config import gguf_parsed_once

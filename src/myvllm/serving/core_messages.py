@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
+from myvllm.sample.extras import LogprobsLists
 from myvllm.sampling_parameters import SamplingParams
 
 
@@ -45,29 +46,6 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 
 
 CoreInput = AddRequest | AbortRequests | AbortCompletion | Shutdown
-
-
-class LogprobsLists(msgspec.Struct, array_like=True):
-    """Logprobs of consecutive tokens of one request, one entry per token (vLLM's name).
-
-    logprobs[i] is token i's own; top_token_ids[i] / top_logprobs[i] its most likely
-    alternatives, most likely first (as many as the request asked for)."""
-
-    logprobs: list[float]
-    top_token_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-    def __len__(self) -> int:
-        return len(self.logprobs)
-
-    def slice(self, start: int, end: int) -> LogprobsLists:
-        return LogprobsLists(self.logprobs[start:end], self.top_token_ids[start:end],
-                             self.top_logprobs[start:end])
-
-    def extend(self, other: LogprobsLists) -> None:
-        self.logprobs += other.logprobs
-        self.top_token_ids += other.top_token_ids
-        self.top_logprobs += other.top_logprobs
 
 
 class CoreOutput(msgspec.Struct, array_like=True):

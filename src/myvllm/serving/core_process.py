@@ -49,6 +49,7 @@ import zmq
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
+from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.core import EngineCore
 from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreInput, CoreOutput, CoreOutputs, Heartbeat,
@@ -151,7 +152,7 @@ class EngineCoreProc:
                     if core.has_unfinished_requests():
                         outputs = self._step()
                     self._send([self._to_output(out) for out in outputs])
-            core.abort_all()  # Shutdown: every block back, and the front end hears it
+            abort_all(core)  # Shutdown: every block back, and the front end hears it
             self._send([])
         except Exception as e:
             logger.exception("the engine loop failed")
@@ -212,7 +213,7 @@ class EngineCoreProc:
             core_id = self._core_ids.get(message.request_id)
             if core_id is not None:
                 self.core.abort(core_id, message.index)
-                if not self.core.has_request(core_id):  # it was the last one running
+                if core_id not in self.core.requests:  # it was the last one running
                     del self._core_ids[message.request_id], self._front_ids[core_id]
             return
         for front_id in message.request_ids:
@@ -240,7 +241,7 @@ class EngineCoreProc:
                                     counts.num_accepted_tokens,
                                     list(counts.accepted_per_position))
         stats = SchedulerStats(len(scheduler.running), len(scheduler.waiting),
-                               self.core.kv_cache_usage(), spec)
+                               kv_cache_usage(scheduler.block_manager), spec)
         if not outputs and not self._refused and stats == self._last_stats:
             return
         message = CoreOutputs(outputs, self._refused, stats)
@@ -290,3 +291,15 @@ class HeartbeatThread:
         """End the thread and close its socket (before the context is terminated)."""
         self._stopped.set()
         self._thread.join()
+
+
+def abort_all(core: EngineCore) -> None:
+    """Drop every request and any step in flight (at shutdown, or after an error)."""
+    core.drop_in_flight()
+    for request_id in list(core.requests):
+        core.abort(request_id)
+
+
+def kv_cache_usage(blocks: BlockManager) -> float:
+    """Fraction of the KV-cache blocks held by requests (cached free blocks are free)."""
+    return 1.0 - len(blocks.free_block_ids) / len(blocks.blocks)

@@ -1,4 +1,4 @@
-"""Async scheduling's pending tokens (the guide's Step 6, "Async scheduling"): tokens counted
+"""Async scheduling's pending tokens (the guide's Features, "Async scheduling"): tokens counted
 before their value is known. Async scheduling plans step N+1 before step N's tokens reach the
 host.
 
