@@ -4,7 +4,7 @@ time it takes just to read the active experts' weights.
 Shape: one MoE layer of Qwen3-30B-A3B (128 experts, 8 per token, hidden 2048, expert
 intermediate 768), bf16, for several token counts (decode batches to a long prefill).
 
-  per-expert loop   myvllm's reference (kernels.fused_moe_ref): for each expert hit, gather
+  per-expert loop   myvllm's reference (fused_reference.fused_moe_ref): for each expert hit, gather
                     its tokens, two matmuls, scatter back; what runs on a CPU
   fused Triton      myvllm's kernel: tokens sorted by expert, one grouped matmul per
                     projection (kernels/fused_moe_kernel.py)
@@ -87,7 +87,7 @@ def main() -> None:
     device = kernel_device(__file__, args.quick)
     import triton
 
-    from myvllm.kernels import fused_moe_ref
+    from myvllm.kernels.fused_reference import fused_moe_ref
     from myvllm.kernels.fused_moe_kernel import (
         ALIGN_KERNEL_MAX_PAIRS,
         MoeConfig,

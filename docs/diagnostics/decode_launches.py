@@ -5,7 +5,7 @@ Run from the repository root: PYTHONPATH=src python3 docs/diagnostics/decode_lau
 
 The fusions compared (each one the unfused version computes in two kernels):
 
-    store   RoPE (and Qwen3's q/k norms) with the KV store: kernels.norm_rope_store_kvcache,
+    store   RoPE (and Qwen3's q/k norms) with the KV store: fused_ops.norm_rope_store_kvcache,
             the ("rotary_emb", "attn") pair of layers/fused.py's FUSED_PAIRS
 
 "unfused" builds the engine with that pair removed from FUSED_PAIRS. For each: one engine

@@ -3,7 +3,7 @@
 Run on a GPU machine with `PYTHONPATH=src python3 -m pytest tests/gpu/test_gpu_fused_decode.py -q`.
 
 - RoPE and the KV store in one kernel (layers/fused.py: rotary_emb left to the attention
-  layer's store, kernels.norm_rope_store_kvcache): Qwen3-0.6B's shape with dummy weights,
+  layer's store, fused_ops.norm_rope_store_kvcache): Qwen3-0.6B's shape with dummy weights,
   under CUDA graphs, gives the greedy tokens of the same engine built without that pair, for
   a bf16 and an fp8 cache. The fused kernel computes the bits of the two it replaces, so the
   tokens are equal, not just close.

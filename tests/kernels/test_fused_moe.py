@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers_kernels import DTYPES, HAS_CUDA
 
-import myvllm.kernels as kernels
-from myvllm.kernels import fused_moe_ref
+import myvllm.kernels.fused_ops as fused_ops
+from myvllm.kernels.fused_reference import fused_moe_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -119,7 +119,7 @@ def test_fused_moe_refuses_mismatched_shapes(device) -> None:
 
 
 def test_fused_moe_dispatch(device, monkeypatch) -> None:
-    """kernels.fused_moe runs the kernel when forced (or on CUDA), else the reference."""
+    """fused_ops.fused_moe runs the kernel when forced (or on CUDA), else the reference."""
     import myvllm.kernels.fused_moe_kernel as triton_impl
 
     x, w13, w2, weights, ids = make_moe(3, 4, 2, 16, 8, torch.float32, device)
@@ -128,8 +128,8 @@ def test_fused_moe_dispatch(device, monkeypatch) -> None:
     monkeypatch.setattr(triton_impl, "fused_moe_triton",
                         lambda *a: calls.append("triton") or real(*a))  # fmt: skip
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "1")
-    forced = kernels.fused_moe(x, w13, w2, weights, ids)
+    forced = fused_ops.fused_moe(x, w13, w2, weights, ids)
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
-    reference = kernels.fused_moe(x, w13, w2, weights, ids)
+    reference = fused_ops.fused_moe(x, w13, w2, weights, ids)
     assert calls == ["triton"]
     torch.testing.assert_close(forced, reference, atol=TOL[torch.float32], rtol=0)

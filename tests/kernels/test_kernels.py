@@ -26,6 +26,8 @@ import torch
 from helpers_kernels import DTYPES, HAS_CUDA, TOL
 
 import myvllm.kernels as kernels
+import myvllm.kernels.fused_ops as fused_ops
+import myvllm.kernels.fused_reference as fused_reference
 import myvllm.kernels.tile_map as tile_map
 from myvllm.kernels import (
     flash_attention_varlen_ref,
@@ -641,7 +643,7 @@ def test_rms_norm_skinny_gemm_triton(device, dtype, rows, n, k, with_residual) -
     residual = torch.randn(rows, k).to(device=device, dtype=dtype) if with_residual else None
     norm_weight = (1 + torch.randn(k) * 0.1).to(device=device, dtype=dtype)
     w = (torch.randn(n, k) / math.sqrt(k)).to(device=device, dtype=dtype)
-    want = kernels.rms_norm_skinny_gemm_ref(x, norm_weight, 1e-6, w, residual)
+    want = fused_reference.rms_norm_skinny_gemm_ref(x, norm_weight, 1e-6, w, residual)
     for config in FUSED_CONFIGS:
         got = triton_mod("skinny_gemm_kernel").rms_norm_skinny_gemm_triton(
             x, norm_weight, 1e-6, w, residual, config)
@@ -660,7 +662,7 @@ def test_silu_and_mul_skinny_gemm_triton(device, dtype, rows, n, k) -> None:
     x = (torch.randn(rows, 2 * k) * 2).to(device=device, dtype=dtype)
     # silu(gate) * up has a std of ~3: outputs of order 1, so the fp16 tolerance is ~1 ulp.
     w = (torch.randn(n, k) / (4 * math.sqrt(k))).to(device=device, dtype=dtype)
-    want = kernels.silu_and_mul_skinny_gemm_ref(x, w)
+    want = fused_reference.silu_and_mul_skinny_gemm_ref(x, w)
     for config in FUSED_CONFIGS:
         got = triton_mod("skinny_gemm_kernel").silu_and_mul_skinny_gemm_triton(x, w, config)
         assert got.shape == (rows, n) and got.dtype == dtype
@@ -695,9 +697,9 @@ def test_skinny_gemm_prologues_dispatch_to_triton_when_forced(device, monkeypatc
     gate_up = torch.randn(2, 96, device=device)
 
     def run_all() -> list[torch.Tensor]:
-        return [kernels.rms_norm_skinny_gemm(x, norm_weight, 1e-6, w),
-                *kernels.rms_norm_skinny_gemm(x, norm_weight, 1e-6, w, residual),
-                kernels.silu_and_mul_skinny_gemm(gate_up, w)]  # fmt: skip
+        return [fused_ops.rms_norm_skinny_gemm(x, norm_weight, 1e-6, w),
+                *fused_ops.rms_norm_skinny_gemm(x, norm_weight, 1e-6, w, residual),
+                fused_ops.silu_and_mul_skinny_gemm(gate_up, w)]  # fmt: skip
 
     monkeypatch.setenv("MYVLLM_FORCE_TRITON", "0")
     ref_out = run_all()
@@ -836,7 +838,7 @@ def test_pdl_launches_give_the_same_bits(device, monkeypatch) -> None:
 
     def step() -> list[torch.Tensor]:
         k_c, v_c = k_cache.clone(), v_cache.clone()
-        qkv, res = kernels.rms_norm_skinny_gemm(x, norm_w, 1e-6, w_qkv, residual)
+        qkv, res = fused_ops.rms_norm_skinny_gemm(x, norm_w, 1e-6, w_qkv, residual)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         q, k = kernels.norm_rope(q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim),
                                  context_lens.long() - 1, cos_sin, norm_w[:head_dim],
@@ -846,7 +848,7 @@ def test_pdl_launches_give_the_same_bits(device, monkeypatch) -> None:
         h = kernels.skinny_gemm(o.reshape(1, -1), w_o)
         h, res = kernels.rms_norm(h, norm_w, 1e-6, res)
         gate_up = kernels.skinny_gemm(h, w_gate_up)
-        out = kernels.silu_and_mul_skinny_gemm(gate_up, w_down)
+        out = fused_ops.silu_and_mul_skinny_gemm(gate_up, w_down)
         act = kernels.silu_and_mul(gate_up)
         return [qkv, q, k, k_c, o, h, res, gate_up, out, act]
 

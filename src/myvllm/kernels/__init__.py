@@ -14,40 +14,23 @@ and three small per-token ops of a decoder layer, fused into one kernel each on 
     norm_rope                (per-head RMSNorm +) rotary embedding of q and k
     silu_and_mul             silu(gate) * up
 
-with one fused form that also does store_kvcache's work, in the same launch on the GPU
-(reference: norm_rope, then store_kvcache):
-
-    norm_rope_store_kvcache  norm_rope, then the rotated k and v into the paged cache
-
 and the matmul of every linear layer and the LM head, which picks its kernel by device and
 batch (no reference: it is the choice, each choice computes x W^T + b):
 
     linear                   F.linear; on a GPU skinny_gemm for a few rows; on a CPU W x^T
                              for 2..256 rows; in batch-invariant mode matmul_batch_invariant
 
-and the matmul of a small decode batch (reference in fused_reference.py):
+with the two matmuls it may choose besides F.linear (references in fused_reference.py):
 
-    skinny_gemm              x W^T for x of 1..8 rows (linear uses it on a GPU where
-                             prefers_skinny_gemm says it beats cuBLAS)
-
-with two fused forms that apply the op before the matmul to x as the matmul loads it: one
-launch instead of two, for batch-1 decode, which is launch-bound (same kernel, a constexpr
-prologue; references in fused_reference.py: the two references one after the other):
-
-    rms_norm_skinny_gemm     (residual add +) RMSNorm, then x W^T  (qkv_proj, gate_up_proj)
-    silu_and_mul_skinny_gemm silu(gate) * up, then x W^T           (down_proj)
-
-and the matmul of batch-invariant mode (reference in fused_reference.py):
-
+    skinny_gemm              x W^T for x of 1..8 rows (on a GPU where prefers_skinny_gemm
+                             says it beats cuBLAS)
     matmul_batch_invariant   x W^T (+ b) with one fixed tiling for every row count, so a
                              row's bits never depend on its batch
                              (kernels/invariant_matmul_kernel.py, kernels/batch_invariant.py)
 
-and the experts of a mixture-of-experts layer (reference in fused_reference.py):
-
-    fused_moe                each token through its top-k experts' gated MLPs, weighted and
-                             summed: two grouped matmuls over all experts
-                             (kernels/fused_moe_kernel.py)
+The fused kernels of a GPU (norm_rope_store_kvcache, the skinny_gemm with an RMSNorm or
+SiLU-and-mul prologue) and the experts of a mixture-of-experts layer (fused_moe) have their
+dispatch in kernels/fused_ops.py.
 
 Dispatch: the public functions below (linear aside: it chooses by device and shape) run the
 Triton kernel when the tensors are on CUDA (and Triton is installed), otherwise the PyTorch
@@ -80,13 +63,8 @@ if TYPE_CHECKING:
     from .tile_map import TileMap
 
 from . import batch_invariant
-from .fused_reference import (
-    fused_moe_ref,
-    matmul_batch_invariant_ref,
-    rms_norm_skinny_gemm_ref,
-    silu_and_mul_skinny_gemm_ref,
-    skinny_gemm_ref,
-)
+from .batch_invariant import is_batch_invariant, set_batch_invariant
+from .fused_reference import matmul_batch_invariant_ref, skinny_gemm_ref
 from .reference import (
     flash_attention_varlen_ref,
     norm_rope_ref,
@@ -99,26 +77,19 @@ from .reference import (
 __all__ = [
     "flash_attention_varlen",
     "flash_attention_varlen_ref",
-    "fused_moe",
-    "fused_moe_ref",
     "is_batch_invariant",
     "linear",
     "matmul_batch_invariant",
     "matmul_batch_invariant_ref",
     "norm_rope",
     "norm_rope_ref",
-    "norm_rope_store_kvcache",
     "paged_attention_decode",
     "paged_attention_decode_ref",
     "rms_norm",
     "rms_norm_ref",
-    "rms_norm_skinny_gemm",
-    "rms_norm_skinny_gemm_ref",
     "set_batch_invariant",
     "silu_and_mul",
     "silu_and_mul_ref",
-    "silu_and_mul_skinny_gemm",
-    "silu_and_mul_skinny_gemm_ref",
     "prefers_skinny_gemm",
     "skinny_gemm",
     "skinny_gemm_ref",
@@ -145,18 +116,6 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if forced == "0":
         return False
     return tensor.is_cuda and triton_available()
-
-
-def set_batch_invariant(enabled: bool) -> None:
-    """Turn batch-invariant mode on or off for this process (the ModelRunner does, from its
-    Config); the dispatch below reads it at call time."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_batch_invariant expects True or False, got {enabled!r}")
-    batch_invariant.enabled = enabled
-
-
-def is_batch_invariant() -> bool:
-    return batch_invariant.enabled
 
 
 def store_kvcache(
@@ -219,7 +178,7 @@ def flash_attention_varlen(
         from . import prefill_attention as triton_impl
 
         return triton_impl.flash_attention_varlen_triton(*args, tile_map, out,
-                                                         batch_invariant=is_batch_invariant(),
+                                                         batch_invariant=batch_invariant.enabled,
                                                          k_scale=k_scale, v_scale=v_scale)
     o = flash_attention_varlen_ref(*args, k_scale, v_scale)
     return o if out is None else out.copy_(o)
@@ -242,7 +201,7 @@ def paged_attention_decode(
     shape from tensor shapes only. Rows with context_lens 0 return zeros. An fp8 cache is
     dequantized with k_scale/v_scale as it is read.
     """
-    if use_triton(q) and is_batch_invariant():
+    if use_triton(q) and batch_invariant.enabled:
         from . import prefill_attention
 
         return prefill_attention.decode_with_prefill_kernel(
@@ -258,7 +217,7 @@ def paged_attention_decode(
                                       k_scale, v_scale)
 
 
-# rms_norm and rms_norm_skinny_gemm return one tensor, or (out, residual stream) when given a
+# rms_norm returns one tensor, or (out, residual stream) when given a
 # residual; the overloads tell the type checker which.
 @overload
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -300,36 +259,6 @@ def norm_rope(
             norm_rope_ref(k, positions, cos_sin_cache, k_norm_weight, eps))
 
 
-def norm_rope_store_kvcache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_rope(q, k, ...) -> (q_out, k_out), and store_kvcache(k_out, v, k_cache, v_cache,
-    slot_mapping, k_scale, v_scale) (v [N, Hkv, D]; slot -1 = padding, not written). On the
-    GPU one kernel launch does both: layers/fused.py uses it where the attention layer would
-    store right after RoPE."""
-    if use_triton(q):
-        from . import layer_ops_triton as triton_impl
-
-        return triton_impl.norm_rope_store_kvcache_triton(
-            q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            q_norm_weight, k_norm_weight, eps, k_scale, v_scale)  # fmt: skip
-    q_out, k_out = norm_rope(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-    store_kvcache_ref(k_out, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    return q_out, k_out
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     if use_triton(x):
@@ -355,7 +284,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     Batch-invariant mode (kernels/batch_invariant.py): matmul_batch_invariant for every row
     count, so that no choice above depends on the batch.
     """
-    if is_batch_invariant():
+    if batch_invariant.enabled:
         rows = x.reshape(-1, x.size(-1))
         return matmul_batch_invariant(rows.contiguous(), weight, bias).view(
             *x.shape[:-1], weight.size(0))
@@ -375,7 +304,7 @@ def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """Whether linear(x, weight, bias) runs skinny_gemm (a fused linear layer asks too:
     layers/fused.py). Never in batch-invariant mode: the skinny kernel's tiling is for 1-8
     rows only."""
-    return (x.is_cuda and not is_batch_invariant() and x.dim() == 2 and bias is None
+    return (x.is_cuda and not batch_invariant.enabled and x.dim() == 2 and bias is None
             and prefers_skinny_gemm(x.size(0), *weight.shape))
 
 
@@ -419,59 +348,3 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return skinny_gemm_ref(x, weight)
 
 
-@overload
-def rms_norm_skinny_gemm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, residual: None = None,
-                         residual_out: None = None) -> torch.Tensor: ...
-@overload
-def rms_norm_skinny_gemm(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    residual: torch.Tensor, residual_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-def rms_norm_skinny_gemm(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(x, norm_weight, eps, residual) @ weight [N, K]^T for x [M, K], 1 <= M <= 8, in
-    one launch on the GPU. Without residual -> [M, N]; with it -> ([M, N], x + residual), the
-    sum written into residual_out when given (layers/fused.py hands out that tensor before the
-    kernel runs)."""
-    if use_triton(x):
-        from . import skinny_gemm_kernel as triton_impl
-
-        return triton_impl.rms_norm_skinny_gemm_triton(x, norm_weight, eps, weight, residual,
-                                                       residual_out=residual_out)
-    if residual is None:
-        return rms_norm_skinny_gemm_ref(x, norm_weight, eps, weight)
-    out, new_residual = rms_norm_skinny_gemm_ref(x, norm_weight, eps, weight, residual)
-    return out, new_residual if residual_out is None else residual_out.copy_(new_residual)
-
-
-def silu_and_mul_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(x) @ weight [N, K]^T for x [M, 2K] = gate | up, 1 <= M <= 8, in one launch
-    on the GPU -> [M, N]."""
-    if use_triton(x):
-        from . import skinny_gemm_kernel as triton_impl
-
-        return triton_impl.silu_and_mul_skinny_gemm_triton(x, weight)
-    return silu_and_mul_skinny_gemm_ref(x, weight)
-
-
-def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """The experts of a MoE layer -> [M, H]: x [M, H] through experts topk_ids [M, k] of w13
-    [E, 2I, H] (gate | up) and w2 [E, H, I], weighted by topk_weights [M, k] and summed."""
-    if use_triton(x):
-        from . import fused_moe_kernel as triton_impl
-
-        return triton_impl.fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

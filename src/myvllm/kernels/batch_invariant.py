@@ -22,10 +22,24 @@ With the mode on (Config.batch_invariant, set by the ModelRunner for its process
 
 The switch is a process-wide setting, like the step's context (utils/context.py): kernels
 read it at call time, so a CUDA graph captured with it on replays the invariant kernels. It is
-this module's one flag, set by kernels.set_batch_invariant and read by the dispatch in
-kernels/__init__.py as an attribute, so with the mode off nothing of this file runs in a step.
+this module's flag, set by set_batch_invariant (the ModelRunner calls it, from its Config) and
+read by the dispatch in kernels/__init__.py as an attribute, so with the mode off nothing of
+this file runs in a plain step. kernels re-exports both functions.
 """
 
 from __future__ import annotations
 
-enabled = False  # kernels.set_batch_invariant sets it; kernels.is_batch_invariant reads it
+enabled = False  # set_batch_invariant sets it; the dispatch in kernels/__init__.py reads it
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Turn batch-invariant mode on or off for this process; the kernels' dispatch reads it at
+    call time."""
+    global enabled
+    if not isinstance(on, bool):
+        raise TypeError(f"set_batch_invariant expects True or False, got {on!r}")
+    enabled = on
+
+
+def is_batch_invariant() -> bool:
+    return enabled

@@ -13,12 +13,12 @@ A decode step at batch 1 is bound by kernel launches, not by math: on an H200 ea
 ~310 kernels costs ~3 us. Some ops touch one row each and feed a single layer whose kernel
 reads all of that input anyway, so on a GPU that kernel applies the op as it loads it:
 
-    op                         next layer     one kernel                        when
-    input_layernorm            qkv_proj       kernels.rms_norm_skinny_gemm      the matmul is a
-    post_attention_layernorm   gate_up_proj   kernels.rms_norm_skinny_gemm      skinny_gemm (a
-    act_fn (SiLU and mul)      down_proj      kernels.silu_and_mul_skinny_gemm  GPU, 1-4 rows)
-    q_norm, k_norm             rotary_emb     kernels.norm_rope (q and k)       on a GPU
-    rotary_emb (+ the norms)   attn's store   kernels.norm_rope_store_kvcache   a GPU, a cache
+    op                         next layer     one kernel (kernels/fused_ops.py)  when
+    input_layernorm            qkv_proj       rms_norm_skinny_gemm               the matmul is a
+    post_attention_layernorm   gate_up_proj   rms_norm_skinny_gemm               skinny_gemm (a
+    act_fn (SiLU and mul)      down_proj      silu_and_mul_skinny_gemm           GPU, 1-4 rows)
+    q_norm, k_norm             rotary_emb     kernels.norm_rope (q and k)        on a GPU
+    rotary_emb (+ the norms)   attn's store   norm_rope_store_kvcache            a GPU, a cache
 
 The layers themselves (layers/layernorm.py, activation.py, rotary_embedding.py, linear.py,
 attention.py) know nothing of this. It is applied in three steps:
@@ -60,9 +60,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from myvllm.kernels import (is_batch_invariant, norm_rope, norm_rope_store_kvcache,
-                            rms_norm_skinny_gemm, silu_and_mul_skinny_gemm, use_triton,
-                            uses_skinny_gemm)
+from myvllm.kernels import is_batch_invariant, norm_rope, use_triton, uses_skinny_gemm
+from myvllm.kernels.fused_ops import (norm_rope_store_kvcache, rms_norm_skinny_gemm,
+                                      silu_and_mul_skinny_gemm)
 from myvllm.layers.activation import SiluAndMul
 from myvllm.layers.attention import Attention
 from myvllm.layers.layernorm import RMSNorm

@@ -8,7 +8,8 @@ through its k best, and their outputs are summed, weighted by the router's proba
     w, ids       = topk(probs, k)                          # [M, k]; w /= w.sum() if renormalize
     out[t]       = sum_j w[t, j] * expert_{ids[t, j]}(x[t])
 
-All experts' weights are stacked so that one kernel serves them all (kernels.fused_moe):
+All experts' weights are stacked so that one kernel serves them all (fused_moe,
+kernels/fused_ops.py):
 
     w13_weight [E, 2*I, H]   expert e's gate_proj rows, then its up_proj rows
     w2_weight  [E, H, I]     expert e's down_proj
@@ -35,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from myvllm.kernels import fused_moe
+from myvllm.kernels.fused_ops import fused_moe
 from myvllm.layers.weight_loaders import copy_checked, divide, rank_slice, set_weight_attrs
 from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 

@@ -6,7 +6,7 @@ k experts the router picks run (Qwen3-30B-A3B: 8 of 128, each with intermediate 
 
     x, residual   = post_attention_layernorm(x, residual)
     router_logits = gate(x)                                   # [M, E], replicated linear
-    x             = experts(x, router_logits)                 # softmax, top-k, kernels.fused_moe
+    x             = experts(x, router_logits)                 # softmax, top-k, fused_moe
 
 A layer is sparse as transformers decides: not in config.mlp_only_layers, and (index + 1) a
 multiple of config.decoder_sparse_step; the other layers keep a dense GatedMLP of
