@@ -8,7 +8,7 @@
     uv run python examples/exercises.py preemption         # step 5: who is preempted, where to
     uv run python examples/exercises.py budget             # step 5b: a prompt under a token budget
     uv run python examples/exercises.py step-loop          # step 6: generate() by hand
-    uv run python examples/exercises.py speculation        # step 6b: propose, verify, accept
+    uv run python examples/exercises.py speculation        # Features, speculative decoding: propose, verify, accept
     uv run python examples/exercises.py stop-string        # step 7: text held back while streaming
     uv run python examples/exercises.py graph-padding      # fast path: the -1 slot of padding
 
@@ -585,7 +585,7 @@ def stop_string() -> Truths:
             "obstacle_silent": deltas[obstacle:obstacle + 8].count("")}
 
 
-# ------------------------------------------------------------------------------------ step 6b
+# ------------------------------------------------------------------------------------ speculative decoding
 WORDS = ["<pad>", "the", "cat", "sat", "on", "mat", ".", "my", "rug"]
 
 

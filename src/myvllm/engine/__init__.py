@@ -3,8 +3,8 @@ ModelRunner): what a plain request runs, and nothing a feature adds.
 
     sequence.py       Sequence: one request's tokens, status and block table (Step 3)
     block_manager.py  BlockManager: blocks, reference counts, prefix caching (Step 3)
-    scheduler.py      Scheduler: waiting/running, prefill or chunks, preemption (Step 5)
-    chunk_budget.py   one step's token budget (Step 5b)
+    scheduler.py      Scheduler: waiting/running, prefill or chunks, preemption (Step 5),
+                      under one step's token budget (StepBudget, Step 5b)
     model_runner.py   ModelRunner: one step of the model, a token per sequence (Step 4)
     core.py           EngineCore: schedule -> run -> postprocess, one step at a time (Step 6)
     llm_engine.py     LLMEngine (myvllm.LLM): text in, text out, in your process (Step 6)
