@@ -18,11 +18,13 @@ from myvllm.engine.sequence import Sequence
 from myvllm.kernels import set_batch_invariant
 from myvllm.sample.extras import proposals_of
 from myvllm.sample.logits_features import LogitsFeatures
+from myvllm.sample.logprobs import StepLogprobs
 from myvllm.sample.sampling_controls import (ToDevice, generator_for, needs_full_sampler,
                                              prepare_min_ps)
 from myvllm.spec_decode.verification import VerificationStep, Verifier
 from myvllm.worker import pending_tokens, warmup
 from myvllm.worker.cuda_graphs import GraphCache, GraphKey
+from myvllm.worker.feature_step import run_feature_step
 from myvllm.worker.input_builder import InputBuilder
 from myvllm.worker.kv_cache import KVCacheLayout
 from myvllm.worker.model_loading import CausalLM, build_model
@@ -144,56 +146,46 @@ class ModelRunner:
         if ModelRunner.batch_invariant_used:
             # Again at every step: another engine in this process may have set its own mode.
             set_batch_invariant(self.config.batch_invariant)
-        features = None
         if any(seq.extras is not None for seq in seqs):  # some row asks for a feature
-            # Before the forward: it reads pending tokens from the pool, which a decode graph
-            # overwrites with its own samples.
-            features = LogitsFeatures(seqs, [samples_this_step(seq) for seq in seqs],
-                                      is_prefill, self.rank, self.inputs.fresh.tensor,
-                                      self.inputs.pool.tokens, self.eos_token_ids)
-            if self.verifier is not None:
-                verification = self.verifier.step(seqs, features)
-                if verification is not None:  # rows verify proposals (spec_decode/)
-                    return verification.run(self, features)
-        logits = (self.forward_prefill(seqs, features) if is_prefill
+            return run_feature_step(self, seqs, is_prefill,
+                                    [samples_this_step(seq) for seq in seqs])
+        logits = (self.forward_prefill(seqs) if is_prefill
                   else self.run_decode(seqs))
-        return self.sample(seqs, logits, features)
+        return self.sample(seqs, logits)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
-               features: LogitsFeatures | None = None,
-               verification: VerificationStep | None = None) -> SampledTokens | None:
-        """The step's tokens from its logits (None: the step sampled into the pool itself);
-        rank 0 returns them as SampledTokens, other ranks None."""
-        num_seqs = len(seqs)
-        pool = self.inputs.pool
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> SampledTokens | None:
+        """A plain step's tokens from its logits (None: the step sampled into the pool
+        itself); rank 0 returns them as SampledTokens, other ranks None. A step with
+        features samples in worker/feature_step.py."""
         tokens = None
         if self.rank == 0 and logits is not None:
-            to_device = self.inputs.fresh.tensor
-            args = prepare_sample(seqs, to_device, self.device)
-            if verification is not None:  # rejection sampling, then each row's last logits
-                logits = verification.verify(logits, args, to_device)
-            if features is None:
-                tokens = self.sampler(logits[:num_seqs], args.temperatures, args.top_ks,
-                                      args.top_ps, args.generators,
-                                      all_greedy=args.all_greedy, min_ps=args.min_ps)
-            else:
-                tokens = features.sample(self.sampler, logits[:num_seqs], args,
-                                         self.hf_config.vocab_size)
-            if self.tokens_via_pool:
-                pool.tokens[:num_seqs].copy_(tokens)
+            args = self.sampling_args(seqs)
+            tokens = self.sampler(logits[:len(seqs)], args.temperatures, args.top_ks,
+                                  args.top_ps, args.generators, all_greedy=args.all_greedy)
+        return self.return_tokens(seqs, tokens)
+
+    def sampling_args(self, seqs: list[Sequence]) -> SamplingArgs:
+        return prepare_sample(seqs, self.inputs.fresh.tensor, self.device)
+
+    def return_tokens(self, seqs: list[Sequence], tokens: torch.Tensor | None,
+                      logprobs: StepLogprobs | None = None) -> SampledTokens | None:
+        """The step's sampled tokens (rank 0's; None where a decode graph sampled into the
+        pool) on their way back: through the pool where it is used, to every rank's pool
+        under tensor parallelism with async scheduling. Rank 0 returns them as
+        SampledTokens, other ranks None."""
+        num_seqs = len(seqs)
+        pool = self.inputs.pool
+        if tokens is not None and self.tokens_via_pool:
+            pool.tokens[:num_seqs].copy_(tokens)
         if self.broadcast_sampled:  # every rank's pool gets this step's tokens (no wait)
             pending_tokens.share(pool, num_seqs)
         if self.rank != 0:
             return None
-        logprobs = features.logprobs if features is not None else None
         if self.tokens_via_pool:
-            sampled = pool.read_back(seqs, logprobs)
-        else:  # a CPU without async scheduling: nothing reads them on the device
-            assert tokens is not None  # a CPU step samples here (sample_in_graph is False)
-            sampled = SampledTokens(tokens, logprobs)
-        if verification is not None:
-            sampled.verified = verification.verified
-        return sampled
+            return pool.read_back(seqs, logprobs)
+        # A CPU without async scheduling: nothing reads them on the device.
+        assert tokens is not None  # a CPU step samples here (sample_in_graph is False)
+        return SampledTokens(tokens, logprobs)
 
     def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
                    ) -> torch.Tensor | None:

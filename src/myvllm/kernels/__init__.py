@@ -20,7 +20,8 @@ batch (no reference: it is the choice, each choice computes x W^T + b):
     linear                   F.linear; on a GPU skinny_gemm for a few rows; on a CPU W x^T
                              for 2..256 rows; in batch-invariant mode matmul_batch_invariant
 
-with the two matmuls it may choose besides F.linear (references in fused_reference.py):
+with the two matmuls it may choose besides F.linear (dispatch in kernels/linear_kernels.py,
+references in fused_reference.py):
 
     skinny_gemm              x W^T for x of 1..8 rows (on a GPU where prefers_skinny_gemm
                              says it beats cuBLAS)
@@ -34,7 +35,7 @@ dispatch in kernels/fused_ops.py.
 
 Dispatch: the public functions below (linear aside: it chooses by device and shape) run the
 Triton kernel when the tensors are on CUDA (and Triton is installed), otherwise the PyTorch
-reference. The environment variable
+reference (kernels/triton_dispatch.py). The environment variable
 MYVLLM_FORCE_TRITON overrides that choice at call time:
 
     MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,
@@ -51,9 +52,6 @@ unchanged.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from functools import lru_cache
 from typing import TYPE_CHECKING, overload
 
 import torch
@@ -65,6 +63,8 @@ if TYPE_CHECKING:
 from . import batch_invariant
 from .batch_invariant import is_batch_invariant, set_batch_invariant
 from .fused_reference import matmul_batch_invariant_ref, skinny_gemm_ref
+from .linear_kernels import (linear_on_gpu, matmul_batch_invariant, prefers_skinny_gemm,
+                             skinny_gemm, uses_skinny_gemm)
 from .reference import (
     flash_attention_varlen_ref,
     norm_rope_ref,
@@ -73,6 +73,7 @@ from .reference import (
     silu_and_mul_ref,
     store_kvcache_ref,
 )
+from .triton_dispatch import triton_available, use_triton
 
 __all__ = [
     "flash_attention_varlen",
@@ -99,23 +100,6 @@ __all__ = [
     "use_triton",
     "uses_skinny_gemm",
 ]
-
-
-@lru_cache(maxsize=1)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether a kernel called with `tensor` goes to Triton (see the module docstring)."""
-    forced = os.environ.get("MYVLLM_FORCE_TRITON", "")
-    if forced == "1":
-        if not triton_available():
-            raise RuntimeError("MYVLLM_FORCE_TRITON=1 but the triton package is not installed")
-        return True
-    if forced == "0":
-        return False
-    return tensor.is_cuda and triton_available()
 
 
 def store_kvcache(
@@ -289,62 +273,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         return matmul_batch_invariant(rows.contiguous(), weight, bias).view(
             *x.shape[:-1], weight.size(0))
     if x.is_cuda:
-        if uses_skinny_gemm(x, weight, bias):
-            return skinny_gemm(x, weight)
-        return F.linear(x, weight, bias)
+        return linear_on_gpu(x, weight, bias)
     if x.dim() != 2 or not 2 <= x.size(0) <= CPU_WXT_MAX_ROWS:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     if bias is not None:
         y = y + bias
     return y.contiguous()
-
-
-def uses_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether linear(x, weight, bias) runs skinny_gemm (a fused linear layer asks too:
-    layers/fused.py). Never in batch-invariant mode: the skinny kernel's tiling is for 1-8
-    rows only."""
-    return (x.is_cuda and not batch_invariant.enabled and x.dim() == 2 and bias is None
-            and prefers_skinny_gemm(x.size(0), *weight.shape))
-
-
-def prefers_skinny_gemm(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether skinny_gemm beats cuBLAS for x [num_rows, in] @ W[out, in]^T on a GPU.
-
-    Measured on the H200 (bf16, inside CUDA graphs, weights read from memory, not L2;
-    docs/benchmarks.md). At 1 row: every layer of Qwen3-0.6B (1.0-4.9x); on Qwen3-8B's and
-    Qwen3-30B-A3B's o_proj and down_proj up to 1.4x, while their qkv_proj and gate_up_proj
-    are up to 16% behind cuBLAS alone (kept: they take the RMSNorm kernel, its launch and its
-    round trip through memory with them; not measured against that pair); never the LM head
-    (151,936 outputs). At 2 rows only small matrices with outputs <= inputs
-    (0.6B's o_proj 3.9x, down_proj 1.3x; at 8B's 4,096 outputs cuBLAS is ahead); at 3-4 rows
-    only 0.6B's o_proj (1.9x); at 8 rows never.
-    """
-    if num_rows == 1:
-        return out_features <= 8 * in_features
-    if num_rows == 2:
-        return out_features <= min(in_features, 2048)
-    return num_rows <= 4 and out_features <= 1024 and in_features <= 2048
-
-
-def matmul_batch_invariant(x: torch.Tensor, weight: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], each row's bits independent of M
-    and of the row's place among them (kernels/invariant_matmul_kernel.py; on a CPU the
-    reference, whose invariance is measured, not designed: see matmul_batch_invariant_ref)."""
-    if use_triton(x):
-        from . import invariant_matmul_kernel as triton_impl
-
-        return triton_impl.invariant_matmul_triton(x, weight, bias)
-    return matmul_batch_invariant_ref(x, weight, bias)
-
-
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] for 1 <= M <= 8 (kernels/skinny_gemm_kernel.py)."""
-    if use_triton(x):
-        from . import skinny_gemm_kernel as triton_impl
-
-        return triton_impl.skinny_gemm_triton(x, weight)
-    return skinny_gemm_ref(x, weight)
-
-

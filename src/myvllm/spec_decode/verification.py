@@ -54,6 +54,7 @@ from myvllm.sample.extras import proposals_of
 from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.sample.sampling_controls import ToDevice, generator_for
 from myvllm.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
+from myvllm.worker.feature_step import FeatureRunner, sample_with_features
 from myvllm.worker.input_builder import InputBuilder, last_token
 from myvllm.worker.staging import FreshTensors, SampledTokens, VerifiedRows
 from myvllm.worker.token_pool import TokenPool
@@ -90,21 +91,16 @@ class Verifier:
         return VerificationStep(seqs, self.draft, features, self.max_rows)
 
 
-class VerifyingRunner(Protocol):
+class VerifyingRunner(FeatureRunner, Protocol):
     """A ModelRunner (engine/model_runner.py), as a verification step runs on it."""
 
     broadcast_sampled: bool
-    inputs: InputBuilder
 
     def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
                         verification: VerificationStep | None = None) -> torch.Tensor | None: ...
 
     def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
                    ) -> torch.Tensor | None: ...
-
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None,
-               features: LogitsFeatures | None = None,
-               verification: VerificationStep | None = None) -> SampledTokens | None: ...
 
 
 class VerificationStep:
@@ -127,7 +123,7 @@ class VerificationStep:
     def run(self, runner: VerifyingRunner, features: LogitsFeatures) -> SampledTokens | None:
         """The step on runner, scheduled as a prefill-path step: run as decode rows where it
         can (as_decode_rows); every row greedy: the argmax decides (greedy_verify); else
-        rejection sampling in runner.sample. Rank 0 returns the tokens, other ranks None."""
+        rejection sampling in sample_with_features. Rank 0 returns the tokens, other ranks None."""
         if self.as_decode_rows:
             logits = runner.run_decode(self.seqs, self)
         else:
@@ -135,7 +131,7 @@ class VerificationStep:
         if (logits is not None and not runner.broadcast_sampled
                 and self.greedy_fast_path_applies(features)):
             return self.greedy_verify(logits, runner.inputs.pool, runner.inputs.fresh.tensor)
-        return runner.sample(self.seqs, logits, features, self)
+        return sample_with_features(runner, self.seqs, logits, features, self)
 
     def decode_step(self, inputs: InputBuilder) -> StepInputs:
         return verification_decode_step(inputs, self.seqs)
