@@ -68,9 +68,9 @@ def test_every_sampler_path_picks_allowed_tokens_only(dtype: torch.dtype) -> Non
                    dict(generators=[torch.Generator().manual_seed(i) for i in range(rows)])]:
         for _ in range(5):
             t = temps.zero_() if kwargs.get("all_greedy") else temps
-            tokens = sampler(logits, t, token_bitmask=bitmask, **kwargs)
+            tokens = sampler(apply_token_bitmask(logits, bitmask), t, **kwargs)
             assert allowed[torch.arange(rows), tokens].all(), kwargs
-    greedy = sampler(logits, torch.zeros(rows), token_bitmask=bitmask, all_greedy=True)
+    greedy = sampler(apply_token_bitmask(logits, bitmask), torch.zeros(rows), all_greedy=True)
     assert greedy[0] == logits[0].float().argmax()
     masked = logits.float().masked_fill(~allowed, float("-inf"))
     assert torch.equal(greedy, masked.argmax(-1))

@@ -16,11 +16,10 @@ from myvllm.config import Config, stop_token_ids
 from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.sequence import Sequence
 from myvllm.kernels import set_batch_invariant
-from myvllm.sample.extras import proposals_of
 from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.sample.logprobs import StepLogprobs
-from myvllm.sample.sampling_controls import (ToDevice, generator_for, needs_full_sampler,
-                                             prepare_min_ps)
+from myvllm.sample.sampling_controls import (ToDevice, needs_full_sampler, prepare_min_ps,
+                                             seeded_generators)
 from myvllm.spec_decode.verification import VerificationStep, Verifier
 from myvllm.worker import pending_tokens, warmup
 from myvllm.worker.cuda_graphs import GraphCache, GraphKey
@@ -221,25 +220,20 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
     """Each sequence's SamplingParams as the Sampler's per-row arguments, on the device, plus
     host-side hints for the fast paths (rank 0).
 
-    A row whose chunk stops short of its last token draws nothing from its seeded generator,
-    or its later tokens would depend on how its prompt was cut.
+    Seeds and min-p ask for extras (engine/sequence.py): a plain step has neither.
     """
     params = [seq.sampling_params for seq in seqs]
-    generators: list[torch.Generator | None] | None = None
-    if any(p.seed is not None for p in params):
-        # A row verifying proposals draws from its generator in the rejection sampler.
-        generators = [generator_for(seq, device)
-                      if samples_this_step(seq) and not proposals_of(seq) else None
-                      for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
-    return SamplingArgs(
+    args = SamplingArgs(
         temperatures=to_device([p.temperature for p in params], torch.float32),
         top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
         top_ps=to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
-        generators=generators,
-        # min-p is a sampling control: its rows have extras (engine/sequence.py).
-        min_ps=(prepare_min_ps(seqs, to_device)
-                if any(seq.extras is not None for seq in seqs) else None),
+        generators=None, min_ps=None,
         all_greedy=all(p.temperature == 0 for p in params),
     )
+    if any(seq.extras is not None for seq in seqs):  # seeds and min-p: sampling controls
+        args.generators = seeded_generators(seqs, [samples_this_step(seq) for seq in seqs],
+                                            device)
+        args.min_ps = prepare_min_ps(seqs, to_device)
+    return args

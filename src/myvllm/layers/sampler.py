@@ -5,8 +5,9 @@
 
 Sampling is the exponential ("Gumbel-max") trick, argmax(p / E) with E ~ Exponential(1): no
 host sync; a seeded row draws E from its own generator. Logit bias, min_tokens and penalties
-were applied before (layers/logits_processors.py). On the GPU a batch with no filters, min-p or
-seeds is sampled by kernels/sample_kernel.py.
+were applied before (layers/logits_processors.py), and so was a structured output's token
+bitmask (layers/token_bitmask.py). On the GPU a batch with no filters, min-p or seeds is
+sampled by kernels/sample_kernel.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch import nn
 from myvllm.kernels import use_triton
 from myvllm.layers.logits_processors import apply_min_p
 from myvllm.layers.sampler_ops import exponential_noise, gumbel_sample_gpu, top_k_top_p
-from myvllm.layers.token_bitmask import apply_token_bitmask
 
 
 class Sampler(nn.Module):
@@ -28,18 +28,14 @@ class Sampler(nn.Module):
         top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None,
         generators: Sequence[torch.Generator | None] | None = None, *,
         all_greedy: bool | None = None, min_ps: torch.Tensor | None = None,
-        token_bitmask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] float (0 = greedy); top_ks [B] int (-1 or <= 0 = off);
         top_ps [B] float (1.0 = off); generators: one per row or None; min_ps [B] float
         (0 = off) -> token ids [B] int64.
 
         ``all_greedy`` is a host-side hint; when None it is computed from ``temperatures``,
-        which syncs with the device. ``token_bitmask`` [B, ceil(V / 32)] int32: only the
-        tokens whose bit is set may be picked (structured outputs, layers/token_bitmask.py).
+        which syncs with the device.
         """
-        if token_bitmask is not None:
-            logits = apply_token_bitmask(logits, token_bitmask)
         if all_greedy is None:
             all_greedy = bool((temperatures == 0).all())
         if all_greedy:

@@ -30,6 +30,7 @@ from myvllm.engine.sequence import Sequence
 from myvllm.structured_output.manager import fill_token_bitmask
 from myvllm.layers.logits_processors import process_logits
 from myvllm.layers.sampler import Sampler
+from myvllm.layers.token_bitmask import apply_token_bitmask
 
 
 class LogitsFeatures:
@@ -65,12 +66,13 @@ class LogitsFeatures:
         # No .float() here: greedy argmax is exact in bf16; the sampler casts when it samples.
         to_sample = logits if self.processing is None else process_logits(logits,
                                                                            self.processing)
-        bitmask = None
         if any(seq.extras is not None and seq.extras.grammar_matcher is not None for seq in seqs):
+            # Structured outputs: only the tokens whose bit is set may be picked.
             bitmask = fill_token_bitmask(seqs, self.samples, vocab_size)
+            if bitmask is not None:
+                to_sample = apply_token_bitmask(to_sample, bitmask.to(logits.device))
         tokens = sampler(to_sample, args.temperatures, args.top_ks, args.top_ps,
-                         args.generators, all_greedy=args.all_greedy, min_ps=args.min_ps,
-                         token_bitmask=None if bitmask is None else bitmask.to(logits.device))
+                         args.generators, all_greedy=args.all_greedy, min_ps=args.min_ps)
         asked, sampled_rows = sampled_logprobs(seqs, self.samples, logits, tokens,
                                                self.to_device)
         if sampled_rows is not None or self.prompt_rows is not None:

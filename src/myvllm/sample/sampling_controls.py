@@ -27,7 +27,7 @@ import torch
 
 from myvllm.engine.sequence import Sequence
 from myvllm.sampling_parameters import SamplingParams
-from myvllm.sample.extras import extras_of
+from myvllm.sample.extras import extras_of, proposals_of
 from myvllm.layers.logits_processors import BannedTokens, LogitBias, LogitsProcessing, Penalties
 
 # Host values -> a device tensor, without making the host wait (FreshTensors.tensor).
@@ -59,6 +59,21 @@ def needs_full_sampler(seqs: list[Sequence]) -> bool:
                or seq.sampling_params.logprobs is not None
                or (seq.extras is not None and seq.extras.grammar_matcher is not None)
                for seq in seqs)
+
+
+def seeded_generators(seqs: list[Sequence], samples: list[bool], device: torch.device
+                      ) -> list[torch.Generator | None] | None:
+    """Each row's seeded generator, None for a row without a seed; None when no row has one.
+
+    samples: whether each row's token this step is its next (model_runner.samples_this_step).
+    A row whose chunk stops short of its last token draws nothing from its generator, or its
+    later tokens would depend on how its prompt was cut; a row verifying proposals draws
+    from it in the rejection sampler.
+    """
+    if not any(seq.sampling_params.seed is not None for seq in seqs):
+        return None
+    return [generator_for(seq, device) if sample and not proposals_of(seq) else None
+            for seq, sample in zip(seqs, samples)]
 
 
 def generator_for(seq: Sequence, device: torch.device) -> torch.Generator | None:
