@@ -19,7 +19,8 @@ def triton_available() -> bool:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether a kernel called with `tensor` goes to Triton (see the module docstring of the kernels package)."""
+    """Whether a kernel called with `tensor` goes to Triton (see the kernels package's
+    docstring)."""
     forced = os.environ.get("MYVLLM_FORCE_TRITON", "")
     if forced == "1":
         if not triton_available():

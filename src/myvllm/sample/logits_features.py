@@ -1,6 +1,6 @@
-"""What the features that act on a step's logits, or read them, do in ModelRunner.run: one
-object per step, so that the runner makes one call per stage (the guide's
-Features, "Logprobs: where they are computed").
+"""What the features that act on a step's logits, or read them, do in a step with features
+(worker/feature_step.py): one object per step, so that the step makes one call per stage
+(the guide's Features, "Logprobs: where they are computed").
 
     before the forward  LogitsFeatures(seqs, ...): the prompt rows that asked for logprobs
                         (on every rank: the LM head over them is collective) and, on rank 0,
@@ -8,9 +8,10 @@ Features, "Logprobs: where they are computed").
                         tokens are read from the pool before a decode graph overwrites it)
     forward_prefill     add_prompt_logprobs: the LM head over those prompt rows
     after the LM head   sample: the controls rewrite the logits (process_logits), a
-                        grammar's bitmask masks them (structured_output/manager.py), the
-                        Sampler draws, and the rows that asked get their logprobs (of the raw
-                        logits, as vLLM's default; sample/logprobs.py)
+                        grammar's bitmask masks them (structured_output/manager.py,
+                        layers/token_bitmask.py), the Sampler draws, and the rows that
+                        asked get their logprobs (of the raw logits, as vLLM's default;
+                        sample/logprobs.py)
     read_back           .logprobs, copied to the host with the step's tokens
 
 A step whose rows ask for none of these builds nothing: the Sampler alone runs.
