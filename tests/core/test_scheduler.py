@@ -390,7 +390,7 @@ def test_prompt_chunks_beside_decode_rows_are_capped() -> None:
 def test_chunks_far_into_a_long_prompt_shrink_beside_decode_rows() -> None:
     """Beside decode rows, a chunk's attention grows with its position: past
     ATTENTION_BOUND_CONTEXT tokens the cap counts a token for more, so chunks shrink."""
-    from myvllm.engine.scheduler import ATTENTION_BOUND_CONTEXT as long
+    from myvllm.engine.capped_chunks import ATTENTION_BOUND_CONTEXT as long
     from myvllm.engine.scheduler import chunk_size as chunk
 
     assert chunk(0, 10_000, 16384, 512, capped=True) == (512, 512)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
+from myvllm.engine.capped_chunks import capped_chunk_size
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.sample.extras import extras_of
@@ -27,15 +28,6 @@ from myvllm.sample.forks import can_fork, fork, fork_source, make_forks, release
 from myvllm.sample.sampling_controls import is_stop_token
 from myvllm.spec_decode.scheduling import (Speculator, proposals_for_row, roll_back,
                                            take_proposals, verified_tokens)
-
-
-# Beyond this position a prompt token's attention (over every token before it) costs more
-# than its matmuls: 4 * layers * heads * head_dim FLOPs per token of context against
-# 2 * parameters per token, ~3,800 tokens for Qwen3-0.6B (more for larger models).
-ATTENTION_BOUND_CONTEXT = 4096
-# The prefill kernel's query tile on GPUs (prefill_config: 128 rows, 64 for fp32 or wide
-# heads): a chunk of 131 tokens at 16k costs two tiles, nearly twice one of 128.
-CHUNK_TILE = 128
 
 
 @dataclass
@@ -47,7 +39,7 @@ class StepBudget:
     streamed sequence decodes (Sequence.streamed), prompt chunks together get at most
     max_prefill_tokens_while_decoding of them, so that the decode rows' step stays short,
     and two corrections make every such capped step about as long (the guide's "The cap
-    beside decode rows" measures them):
+    beside decode rows" measures them; engine/capped_chunks.py makes them):
 
     - A chunk's attention grows with its position, so past ATTENTION_BOUND_CONTEXT a chunk
       of n tokens ending at position p costs n * p / ATTENTION_BOUND_CONTEXT of the cap.
@@ -82,31 +74,12 @@ class StepBudget:
 
 def chunk_size(start: int, remaining: int, budget: int, prompt_budget: int,
                capped: bool) -> tuple[int, int]:
-    """(tokens, cost) of the next chunk of a prompt at position `start`.
-
-    Capped, a chunk of n tokens ending past ATTENTION_BOUND_CONTEXT costs
-    n * (start + n) / ATTENTION_BOUND_CONTEXT of prompt_budget, and a chunk that is not the
-    prompt's last is cut to whole CHUNK_TILEs where it holds more than one: a 16k-token
-    prompt goes in chunks of 768 tokens at first (the default cap) and of 128 near its end.
-    """
+    """(tokens, cost) of the next chunk of a prompt at position `start`; capped, as
+    engine/capped_chunks.py costs and cuts it."""
     if not capped:
         n = min(remaining, budget, prompt_budget)
         return n, n
-    long = ATTENTION_BOUND_CONTEXT
-
-    def cost(n: int) -> int:
-        return -(-n * max(long, start + n) // long)
-
-    # The largest n with n * max(long, start + n) / long <= prompt_budget, nearly.
-    n = min(remaining, budget,
-            max(1, prompt_budget * long // max(long, start + prompt_budget)))
-    if CHUNK_TILE < n < remaining:
-        tiles = n // CHUNK_TILE + 1  # the formula above can be one tile short
-        while tiles > 1 and (tiles * CHUNK_TILE > min(budget, remaining)
-                             or cost(tiles * CHUNK_TILE) > prompt_budget):
-            tiles -= 1
-        n = tiles * CHUNK_TILE
-    return n, min(cost(n), prompt_budget)
+    return capped_chunk_size(start, remaining, budget, prompt_budget)
 
 
 class Scheduler:
