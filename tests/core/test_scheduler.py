@@ -444,9 +444,8 @@ def test_a_plain_request_runs_no_feature_code(monkeypatch: pytest.MonkeyPatch) -
     def feature(*args: object, **kwargs: object) -> object:
         raise AssertionError("a plain request ran feature code")
 
-    for name in ("extras_of", "can_fork", "fork", "fork_source", "make_forks",
-                 "release_forks", "is_stop_token", "proposals_for_row", "roll_back",
-                 "take_proposals", "verified_tokens"):
+    for name in ("admit", "can_admit", "make_forks", "release_forks", "is_stop_token",
+                 "propose_for_row", "roll_back", "take_proposals", "verified_tokens"):
         monkeypatch.setattr(scheduler, name, feature)
     sch = make(eos=7, enable_chunked_prefill=True)
     assert sch.speculator is None

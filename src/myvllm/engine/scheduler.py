@@ -23,11 +23,10 @@ from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.capped_chunks import capped_chunk_size
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from myvllm.sample.extras import extras_of
-from myvllm.sample.forks import can_fork, fork, fork_source, make_forks, release_forks
+from myvllm.sample.forks import admit, can_admit, make_forks, release_forks
 from myvllm.sample.sampling_controls import is_stop_token
-from myvllm.spec_decode.scheduling import (Speculator, proposals_for_row, roll_back,
-                                           take_proposals, verified_tokens)
+from myvllm.spec_decode.scheduling import (Speculator, propose_for_row, roll_back, take_proposals,
+                                           verified_tokens)
 
 
 @dataclass
@@ -175,10 +174,9 @@ class Scheduler:
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
-                proposals: list[int] = []
-                if self.speculator is not None:
-                    proposals = proposals_for_row(self.speculator, self.block_manager, seq,
-                                                  self.max_model_length, budget.tokens)
+                num_proposals = 0 if self.speculator is None else propose_for_row(
+                    self.speculator, self.block_manager, seq, self.max_model_length,
+                    budget.tokens)
                 while not self.block_manager.can_append(seq):
                     preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
@@ -188,11 +186,9 @@ class Scheduler:
                     if victim is seq:
                         break
                 else:
-                    self.block_manager.append(seq, num_lookahead=len(proposals))
-                    if proposals:
-                        extras_of(seq).spec_token_ids = proposals
-                    self._schedule_chunk(seq, 1 + len(proposals))
-                    budget.tokens -= 1 + len(proposals)
+                    self.block_manager.append(seq, num_lookahead=num_proposals)
+                    self._schedule_chunk(seq, 1 + num_proposals)
+                    budget.tokens -= 1 + num_proposals
                 if seq.status != SequenceStatus.RUNNING:
                     continue
             scheduled.append(seq)
@@ -210,21 +206,19 @@ class Scheduler:
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
-            # n > 1: a fork shares the first completion's prompt blocks.
-            source = fork_source(seq) if seq.extras is not None else None
+            # With extras it may be an n > 1 fork: it shares its first completion's prompt
+            # blocks (sample/forks.py).
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
-                    or not (can_fork(self.block_manager, seq) if source is not None
+                    or not (can_admit(self.block_manager, seq) if seq.extras is not None
                             else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
-            if source is not None:
-                fork(self.block_manager, source, seq)
+            if seq.extras is not None:
+                admit(self.block_manager, seq)
             else:
                 # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
                 self.block_manager.allocate(seq, num_computable=0)
-            if seq.extras is not None:
-                seq.extras.fork_source = None  # a fork at the first admission only
             if seq.num_cached_prompt_tokens is None:  # first admission
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -281,10 +275,10 @@ class Scheduler:
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             if seq.is_finished:
                 continue
-            new_tokens = [token_id]
             proposals = take_proposals(seq) if self.speculator is not None else []
-            if proposals:  # a verification row: its accepted proposals, then one token
-                new_tokens = verified_tokens(self.speculator, seq, proposals, verified, i)
+            # A verification row: its accepted proposals, then one token.
+            new_tokens = (verified_tokens(self.speculator, seq, proposals, verified, i)
+                          if proposals else [token_id])
             for token in new_tokens:
                 seq.append_token(token)
                 if self.is_stop_token(seq, token):
