@@ -84,12 +84,6 @@ class EngineCore:
         if self._restore_threads is not None:
             self._restore_threads()
 
-    def _call_runner(self, method: str, *args: Any) -> Any:
-        """A ModelRunner method on rank 0, and under tensor parallelism on every rank."""
-        if self.workers is None:
-            return getattr(self.model_runner, method)(*args)
-        return self.workers.call(method, *args)
-
     # ------------------------------------------------------------------ requests
     def make_sequence(self, token_ids: Any, sampling_params: SamplingParams) -> Sequence:
         """A request checked and made a Sequence, not queued (bad input raises here)."""
@@ -167,7 +161,9 @@ class EngineCore:
         """Run one step on every rank; its tokens are not waited for here."""
         samples = [samples_this_step(seq) for seq in seqs]
         try:
-            sampled = self._call_runner("run", seqs, is_prefill)
+            # Under tensor parallelism every rank runs it.
+            sampled = (self.model_runner.run(seqs, is_prefill) if self.workers is None
+                       else self.workers.call("run", seqs, is_prefill))
         except BaseException:
             undo_step(self.scheduler, seqs)  # none of its K/V was written
             raise
@@ -177,18 +173,17 @@ class EngineCore:
     def read_back(self, step: QueuedStep) -> list[RequestOutput]:
         """Wait for a step's tokens and hand them to the scheduler (only the rows that sample
         in it: a chunk short of its prompt's end gets no token)."""
-        if self.workers is not None:  # it may wait for a peer: a death raises
-            token_ids = self.workers.token_ids(step.sampled)
-        else:
-            token_ids = step.sampled.token_ids()
+        # Under tensor parallelism it may wait for a peer: a death raises.
+        token_ids = (step.sampled.token_ids() if self.workers is None
+                     else self.workers.token_ids(step.sampled))
         sampling = [i for i, sample in enumerate(step.samples) if sample]
         rows = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in rows]
-        logprobs = None
-        if step.sampled.logprobs is not None:  # came with the tokens
-            logprobs = read_step_logprobs(step.seqs, step.sampled.logprobs, sampling)
-        verified = None
-        if step.sampled.verified is not None:  # speculative decoding: several tokens a row
-            verified = verified_token_lists(step.sampled.verified, sampling)
+        # Logprobs came with the tokens if a row asked; speculative decoding: several
+        # tokens a row.
+        logprobs = (None if step.sampled.logprobs is None
+                    else read_step_logprobs(step.seqs, step.sampled.logprobs, sampling))
+        verified = (None if step.sampled.verified is None
+                    else verified_token_lists(step.sampled.verified, sampling))
         self.scheduler.postprocess(rows, [token_ids[i] for i in sampling], verified)
         return request_outputs(rows, known, logprobs, self.requests)
