@@ -167,6 +167,7 @@ class EngineCore:
         except BaseException:
             undo_step(self.scheduler, seqs)  # none of its K/V was written
             raise
+        assert sampled is not None  # rank 0's tokens
         num_tokens = sum(seq.num_new_tokens for seq in seqs) if is_prefill else -len(seqs)
         return QueuedStep(seqs, num_tokens, sampled, samples)
 
