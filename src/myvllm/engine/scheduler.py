@@ -25,8 +25,8 @@ from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.sample.forks import admit, can_admit, make_forks, release_forks
 from myvllm.sample.sampling_controls import is_stop_token
-from myvllm.spec_decode.scheduling import (Speculator, propose_for_row, roll_back, take_proposals,
-                                           verified_tokens)
+from myvllm.spec_decode.scheduling import (Speculator, make_speculator, propose_for_row,
+                                           roll_back, take_proposals, verified_tokens)
 
 
 @dataclass
@@ -103,9 +103,8 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         # Speculative decoding: proposals for decode rows (None: off). The EngineCore hands
         # it in; a Scheduler made alone makes its own when the config asks for one.
-        self.speculator: Speculator | None = speculator
-        if speculator is None and config.speculative_method is not None:
-            self.speculator = Speculator(config)
+        self.speculator: Speculator | None = (speculator if speculator is not None
+                                              else make_speculator(config))
 
     # ------------------------------------------------------------------ admission
     def check_sequence(self, seq: Sequence) -> None:
