@@ -390,7 +390,7 @@ def test_prompt_chunks_beside_decode_rows_are_capped() -> None:
 def test_chunks_far_into_a_long_prompt_shrink_beside_decode_rows() -> None:
     """Beside decode rows, a chunk's attention grows with its position: past
     ATTENTION_BOUND_CONTEXT tokens the cap counts a token for more, so chunks shrink."""
-    from myvllm.engine.scheduler import ATTENTION_BOUND_CONTEXT as long
+    from myvllm.engine.capped_chunks import ATTENTION_BOUND_CONTEXT as long
     from myvllm.engine.scheduler import chunk_size as chunk
 
     assert chunk(0, 10_000, 16384, 512, capped=True) == (512, 512)
@@ -444,9 +444,8 @@ def test_a_plain_request_runs_no_feature_code(monkeypatch: pytest.MonkeyPatch) -
     def feature(*args: object, **kwargs: object) -> object:
         raise AssertionError("a plain request ran feature code")
 
-    for name in ("extras_of", "can_fork", "fork", "fork_source", "make_forks",
-                 "release_forks", "is_stop_token", "proposals_for_row", "roll_back",
-                 "take_proposals", "verified_tokens"):
+    for name in ("admit", "can_admit", "make_forks", "release_forks", "is_stop_token",
+                 "propose_for_row", "roll_back", "take_proposals", "verified_tokens"):
         monkeypatch.setattr(scheduler, name, feature)
     sch = make(eos=7, enable_chunked_prefill=True)
     assert sch.speculator is None

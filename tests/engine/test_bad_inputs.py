@@ -28,7 +28,7 @@ import torch
 from helpers_models import tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-import myvllm.engine.core as engine_core
+import myvllm.engine.core_parts as core_parts
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.model_runner import ModelRunner
@@ -114,7 +114,7 @@ def runner_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             counts["kv_caches"] += 1
             return super().initialize_cache()
 
-    monkeypatch.setattr(engine_core, "ModelRunner", SpyRunner)
+    monkeypatch.setattr(core_parts, "ModelRunner", SpyRunner)
     return counts
 
 

@@ -15,71 +15,38 @@ is queued (engine/queued_steps.py).
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
 from typing import Any
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
-from myvllm.engine.model_runner import ModelRunner, samples_this_step
+from myvllm.engine.model_runner import samples_this_step
 from myvllm.engine.outputs import request_outputs
 from myvllm.engine.queued_steps import InFlight, QueuedStep, undo_step
 from myvllm.engine.request_checks import check_request
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.startup import fit_max_model_length
-from myvllm.executor.executor import Executor
+from myvllm.engine.core_parts import start_core_parts
 from myvllm.sample.logprobs import read_step_logprobs
 from myvllm.sampling_parameters import SamplingParams
-from myvllm.spec_decode.draft_proposer import make_draft_proposer
 from myvllm.spec_decode.verification import verified_token_lists
 from myvllm.structured_output.manager import StructuredOutputManager
-from myvllm.utils.device import resolve_device
-from myvllm.utils.hf_config import gguf_parsed_once, load_hf_config
-from myvllm.worker.cpu_threads import claim_cpu_threads
 
 
 class EngineCore:
     def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
                  fit_length_to_cache: bool = False) -> None:
         """config as the client resolved it (eos and max_model_length known); model_path a
-        local checkpoint. fit_length_to_cache: see startup.fit_max_model_length."""
-        with gguf_parsed_once():  # config and weights share one parse of a GGUF
-            if hf_config is None:
-                hf_config = load_hf_config(model_path)
-            self.vocab_size: int = hf_config.vocab_size
-            use_cuda = resolve_device(config).type == "cuda"
-            # A CPU: this process (and each worker) on its share of the cores; the
-            # caller's thread count comes back at shutdown.
-            cpu_threads: int | None = None
-            self._restore_threads: weakref.finalize | None = None
-            if not use_cuda:
-                cpu_threads, self._restore_threads = claim_cpu_threads(self, config, hf_config)
-            # Tensor parallelism: the worker processes (ranks 1..N-1), None with one rank.
-            self.workers: Executor | None = None
-            try:
-                if config.tensor_parallel_size > 1:
-                    self.workers = Executor(config, model_path, hf_config, use_cuda,
-                                            cpu_threads)
-                    self.model_runner: ModelRunner = self.workers.model_runner
-                else:
-                    self.model_runner = ModelRunner(config, 0, model_path, hf_config)
-                    # speculative_method "draft" (one GPU only): the draft model beside it.
-                    draft = make_draft_proposer(config, hf_config)
-                    if draft is not None:
-                        assert self.model_runner.verifier is not None
-                        self.model_runner.verifier.draft = draft
-                num_blocks = self._call_runner("initialize_cache")
-            except BaseException:
-                self.stop_workers_now()
-                self._give_threads_back()
-                raise
-        max_len = fit_max_model_length(config, num_blocks, fit_length_to_cache)
+        local checkpoint. fit_length_to_cache: see startup.fit_max_model_length (engine/core_parts.py builds the parts)."""
+        parts = start_core_parts(self, config, model_path, hf_config, fit_length_to_cache)
         # The engine's settings, resolved: max_model_length and eos from the checkpoint,
         # num_kvcache_blocks from memory.
-        self.config = dataclasses.replace(config, num_kvcache_blocks=num_blocks,
-                                          max_model_length=max_len)
-        self.max_model_length: int = max_len
+        self.config = parts.config
+        self.max_model_length = parts.max_model_length
+        self.vocab_size = parts.vocab_size
+        self.model_runner = parts.model_runner
+        # Tensor parallelism: the worker processes (ranks 1..N-1), None with one rank.
+        self.workers = parts.workers
+        self._restore_threads = parts.restore_threads
         self.scheduler = Scheduler(self.config)
         self.model_path = model_path
         # Made at the first request that asks for structured outputs (its compiler reads
@@ -114,17 +81,8 @@ class EngineCore:
         """Stop the worker processes and release the process group (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()
-        self._give_threads_back()
-
-    def _give_threads_back(self) -> None:
         if self._restore_threads is not None:
             self._restore_threads()
-
-    def _call_runner(self, method: str, *args: Any) -> Any:
-        """A ModelRunner method on rank 0, and under tensor parallelism on every rank."""
-        if self.workers is None:
-            return getattr(self.model_runner, method)(*args)
-        return self.workers.call(method, *args)
 
     # ------------------------------------------------------------------ requests
     def make_sequence(self, token_ids: Any, sampling_params: SamplingParams) -> Sequence:
@@ -203,28 +161,30 @@ class EngineCore:
         """Run one step on every rank; its tokens are not waited for here."""
         samples = [samples_this_step(seq) for seq in seqs]
         try:
-            sampled = self._call_runner("run", seqs, is_prefill)
+            # Under tensor parallelism every rank runs it.
+            sampled = (self.model_runner.run(seqs, is_prefill) if self.workers is None
+                       else self.workers.call("run", seqs, is_prefill))
         except BaseException:
             undo_step(self.scheduler, seqs)  # none of its K/V was written
             raise
+        assert sampled is not None  # rank 0's tokens
         num_tokens = sum(seq.num_new_tokens for seq in seqs) if is_prefill else -len(seqs)
         return QueuedStep(seqs, num_tokens, sampled, samples)
 
     def read_back(self, step: QueuedStep) -> list[RequestOutput]:
         """Wait for a step's tokens and hand them to the scheduler (only the rows that sample
         in it: a chunk short of its prompt's end gets no token)."""
-        if self.workers is not None:  # it may wait for a peer: a death raises
-            token_ids = self.workers.token_ids(step.sampled)
-        else:
-            token_ids = step.sampled.token_ids()
+        # Under tensor parallelism it may wait for a peer: a death raises.
+        token_ids = (step.sampled.token_ids() if self.workers is None
+                     else self.workers.token_ids(step.sampled))
         sampling = [i for i, sample in enumerate(step.samples) if sample]
         rows = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in rows]
-        logprobs = None
-        if step.sampled.logprobs is not None:  # came with the tokens
-            logprobs = read_step_logprobs(step.seqs, step.sampled.logprobs, sampling)
-        verified = None
-        if step.sampled.verified is not None:  # speculative decoding: several tokens a row
-            verified = verified_token_lists(step.sampled.verified, sampling)
+        # Logprobs came with the tokens if a row asked; speculative decoding: several
+        # tokens a row.
+        logprobs = (None if step.sampled.logprobs is None
+                    else read_step_logprobs(step.seqs, step.sampled.logprobs, sampling))
+        verified = (None if step.sampled.verified is None
+                    else verified_token_lists(step.sampled.verified, sampling))
         self.scheduler.postprocess(rows, [token_ids[i] for i in sampling], verified)
         return request_outputs(rows, known, logprobs, self.requests)

@@ -23,7 +23,7 @@ from myvllm.engine.request_checks import check_generate_args
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import check_in_process, resolve_engine, to_config
-from myvllm.sample.finished_outputs import FinishedOutputs
+from myvllm.sample.finished_outputs import FinishedOutputs, gathering
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.gc_freeze import frozen_heap
 from myvllm.utils.hf_config import gguf_parsed_once
@@ -42,13 +42,12 @@ class LLMEngine:
             self.engine_core = EngineCore(resolved.config, resolved.model_path,
                                           resolved.hf_config,
                                           fit_length_to_cache=resolved.fit_length_to_cache)
-        core = self.engine_core
         # The engine's settings, resolved: max_model_length and eos from the checkpoint,
         # num_kvcache_blocks from memory.
-        self.config: Config = core.config
-        self.max_model_length: int = core.max_model_length
-        self.vocab_size: int = core.vocab_size
-        self.async_scheduling: bool = core.async_scheduling
+        self.config: Config = self.engine_core.config
+        self.max_model_length: int = self.engine_core.max_model_length
+        self.vocab_size: int = self.engine_core.vocab_size
+        self.async_scheduling: bool = self.engine_core.async_scheduling
         # Logprobs and n > 1 completions, gathered until their request finishes (step());
         # made at the first request with extras (None: every finished output is a dict alone).
         self.finished_outputs: FinishedOutputs | None = None
@@ -103,9 +102,7 @@ class LLMEngine:
 
     def _add_sequence(self, seq: Sequence) -> int:
         if seq.extras is not None:  # it may ask for logprobs or n > 1 completions
-            if self.finished_outputs is None:
-                self.finished_outputs = FinishedOutputs()
-            self.finished_outputs.add(seq)
+            self.finished_outputs = gathering(self.finished_outputs, seq)
         return self.engine_core.add_sequence(seq)
 
     def abort(self, request_id: int) -> None:

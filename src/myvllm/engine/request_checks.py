@@ -7,26 +7,15 @@ send it to the engine core); Scheduler.check_sequence refuses a sequence that co
 from __future__ import annotations
 
 import numbers
-from collections import deque
 from collections.abc import Sequence as SequenceABC
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sample.sampling_controls import check_sampling_token_ids
 from myvllm.sampling_parameters import SamplingParams
 
-
-class SchedulerView(Protocol):
-    """What these checks read of the Scheduler (engine/scheduler.py, which imports them)."""
-
-    block_size: int
-    max_model_length: int
-    max_num_batched_tokens: int
-    enable_chunked_prefill: bool
-    block_manager: BlockManager
-    waiting: deque[Sequence]
-    running: deque[Sequence]
+if TYPE_CHECKING:
+    from myvllm.engine.scheduler_view import SchedulerView
 
 
 def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:

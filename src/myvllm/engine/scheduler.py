@@ -20,22 +20,13 @@ from dataclasses import dataclass
 
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.block_manager import BlockManager
+from myvllm.engine.capped_chunks import capped_chunk_size
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from myvllm.sample.extras import extras_of
-from myvllm.sample.forks import can_fork, fork, fork_source, make_forks, release_forks
+from myvllm.sample.forks import admit, can_admit, make_forks, release_forks
 from myvllm.sample.sampling_controls import is_stop_token
-from myvllm.spec_decode.scheduling import (Speculator, proposals_for_row, roll_back,
-                                           take_proposals, verified_tokens)
-
-
-# Beyond this position a prompt token's attention (over every token before it) costs more
-# than its matmuls: 4 * layers * heads * head_dim FLOPs per token of context against
-# 2 * parameters per token, ~3,800 tokens for Qwen3-0.6B (more for larger models).
-ATTENTION_BOUND_CONTEXT = 4096
-# The prefill kernel's query tile on GPUs (prefill_config: 128 rows, 64 for fp32 or wide
-# heads): a chunk of 131 tokens at 16k costs two tiles, nearly twice one of 128.
-CHUNK_TILE = 128
+from myvllm.spec_decode.scheduling import (Speculator, make_speculator, propose_for_row,
+                                           roll_back, take_proposals, verified_tokens)
 
 
 @dataclass
@@ -47,7 +38,7 @@ class StepBudget:
     streamed sequence decodes (Sequence.streamed), prompt chunks together get at most
     max_prefill_tokens_while_decoding of them, so that the decode rows' step stays short,
     and two corrections make every such capped step about as long (the guide's "The cap
-    beside decode rows" measures them):
+    beside decode rows" measures them; engine/capped_chunks.py makes them):
 
     - A chunk's attention grows with its position, so past ATTENTION_BOUND_CONTEXT a chunk
       of n tokens ending at position p costs n * p / ATTENTION_BOUND_CONTEXT of the cap.
@@ -82,31 +73,12 @@ class StepBudget:
 
 def chunk_size(start: int, remaining: int, budget: int, prompt_budget: int,
                capped: bool) -> tuple[int, int]:
-    """(tokens, cost) of the next chunk of a prompt at position `start`.
-
-    Capped, a chunk of n tokens ending past ATTENTION_BOUND_CONTEXT costs
-    n * (start + n) / ATTENTION_BOUND_CONTEXT of prompt_budget, and a chunk that is not the
-    prompt's last is cut to whole CHUNK_TILEs where it holds more than one: a 16k-token
-    prompt goes in chunks of 768 tokens at first (the default cap) and of 128 near its end.
-    """
+    """(tokens, cost) of the next chunk of a prompt at position `start`; capped, as
+    engine/capped_chunks.py costs and cuts it."""
     if not capped:
         n = min(remaining, budget, prompt_budget)
         return n, n
-    long = ATTENTION_BOUND_CONTEXT
-
-    def cost(n: int) -> int:
-        return -(-n * max(long, start + n) // long)
-
-    # The largest n with n * max(long, start + n) / long <= prompt_budget, nearly.
-    n = min(remaining, budget,
-            max(1, prompt_budget * long // max(long, start + prompt_budget)))
-    if CHUNK_TILE < n < remaining:
-        tiles = n // CHUNK_TILE + 1  # the formula above can be one tile short
-        while tiles > 1 and (tiles * CHUNK_TILE > min(budget, remaining)
-                             or cost(tiles * CHUNK_TILE) > prompt_budget):
-            tiles -= 1
-        n = tiles * CHUNK_TILE
-    return n, min(cost(n), prompt_budget)
+    return capped_chunk_size(start, remaining, budget, prompt_budget)
 
 
 class Scheduler:
@@ -131,9 +103,8 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         # Speculative decoding: proposals for decode rows (None: off). The EngineCore hands
         # it in; a Scheduler made alone makes its own when the config asks for one.
-        self.speculator: Speculator | None = speculator
-        if speculator is None and config.speculative_method is not None:
-            self.speculator = Speculator(config)
+        self.speculator: Speculator | None = (speculator if speculator is not None
+                                              else make_speculator(config))
 
     # ------------------------------------------------------------------ admission
     def check_sequence(self, seq: Sequence) -> None:
@@ -202,10 +173,9 @@ class Scheduler:
             else:  # a decode row: the last token's K/V, and maybe a new block for it
                 if seq.num_pending_tokens and self.reaches_stop_length(seq, seq.num_tokens):
                     continue  # its pending token is its last one (async)
-                proposals: list[int] = []
-                if self.speculator is not None:
-                    proposals = proposals_for_row(self.speculator, self.block_manager, seq,
-                                                  self.max_model_length, budget.tokens)
+                num_proposals = 0 if self.speculator is None else propose_for_row(
+                    self.speculator, self.block_manager, seq, self.max_model_length,
+                    budget.tokens)
                 while not self.block_manager.can_append(seq):
                     preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
@@ -215,11 +185,9 @@ class Scheduler:
                     if victim is seq:
                         break
                 else:
-                    self.block_manager.append(seq, num_lookahead=len(proposals))
-                    if proposals:
-                        extras_of(seq).spec_token_ids = proposals
-                    self._schedule_chunk(seq, 1 + len(proposals))
-                    budget.tokens -= 1 + len(proposals)
+                    self.block_manager.append(seq, num_lookahead=num_proposals)
+                    self._schedule_chunk(seq, 1 + num_proposals)
+                    budget.tokens -= 1 + num_proposals
                 if seq.status != SequenceStatus.RUNNING:
                     continue
             scheduled.append(seq)
@@ -237,21 +205,19 @@ class Scheduler:
                and len(self.running) < self.max_num_sequences
                and len(scheduled) < self.max_num_sequences):
             seq = self.waiting[0]
-            # n > 1: a fork shares the first completion's prompt blocks.
-            source = fork_source(seq) if seq.extras is not None else None
+            # With extras it may be an n > 1 fork: it shares its first completion's prompt
+            # blocks (sample/forks.py).
             if (seq.num_pending_tokens  # preempted while its last token was in flight
                     or (whole_prompts and len(seq) > budget.tokens)
-                    or not (can_fork(self.block_manager, seq) if source is not None
+                    or not (can_admit(self.block_manager, seq) if seq.extras is not None
                             else self.block_manager.can_allocate(seq))):
                 break
             self.waiting.popleft()
-            if source is not None:
-                fork(self.block_manager, source, seq)
+            if seq.extras is not None:
+                admit(self.block_manager, seq)
             else:
                 # Register no fresh block yet: _schedule_chunk registers what the chunk writes.
                 self.block_manager.allocate(seq, num_computable=0)
-            if seq.extras is not None:
-                seq.extras.fork_source = None  # a fork at the first admission only
             if seq.num_cached_prompt_tokens is None:  # first admission
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -308,10 +274,10 @@ class Scheduler:
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             if seq.is_finished:
                 continue
-            new_tokens = [token_id]
             proposals = take_proposals(seq) if self.speculator is not None else []
-            if proposals:  # a verification row: its accepted proposals, then one token
-                new_tokens = verified_tokens(self.speculator, seq, proposals, verified, i)
+            # A verification row: its accepted proposals, then one token.
+            new_tokens = (verified_tokens(self.speculator, seq, proposals, verified, i)
+                          if proposals else [token_id])
             for token in new_tokens:
                 seq.append_token(token)
                 if self.is_stop_token(seq, token):

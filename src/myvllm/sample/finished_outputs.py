@@ -78,3 +78,12 @@ class FinishedOutputs:
                 assert completions.first is not None  # all n have finished, 0 too
                 finished.append({**completions.first, "outputs": completions.outputs})
         return finished
+
+
+def gathering(finished: FinishedOutputs | None, seq: Sequence) -> FinishedOutputs:
+    """finished (made now if None: at an engine's first request with extras) gathering for
+    seq, a request with extras, too."""
+    if finished is None:
+        finished = FinishedOutputs()
+    finished.add(seq)
+    return finished

@@ -79,6 +79,26 @@ def fork(block_manager: BlockManager, source: Sequence, seq: Sequence) -> None:
     seq.num_cached_prompt_tokens = source.num_cached_prompt_tokens
 
 
+def can_admit(block_manager: BlockManager, seq: Sequence) -> bool:
+    """Room for seq, a request with extras: as a fork of its running first completion
+    (fork_source), or else as any prompt."""
+    return (can_fork(block_manager, seq) if fork_source(seq) is not None
+            else block_manager.can_allocate(seq))
+
+
+def admit(block_manager: BlockManager, seq: Sequence) -> None:
+    """seq's blocks at its admission (can_admit first): forked from its first completion if
+    it still may be, else allocated as any prompt's, no fresh block registered (the
+    scheduler registers what the chunk writes). A fork at the first admission only."""
+    source = fork_source(seq)
+    if source is not None:
+        fork(block_manager, source, seq)
+    else:
+        block_manager.allocate(seq, num_computable=0)
+    assert seq.extras is not None
+    seq.extras.fork_source = None
+
+
 def release_forks(seq: Sequence, waiting: deque[Sequence]) -> None:
     """Queue seq's other completions at the front of waiting (in order), to be forked from
     it: its prompt's last chunk is scheduled, or it ended before."""

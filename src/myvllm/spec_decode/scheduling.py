@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from myvllm.config import Config
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.extras import extras_of
 from myvllm.sample.sampling_controls import uses_sampling_controls
 from myvllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from myvllm.spec_decode.stats import SpecDecodeStats
@@ -168,6 +169,16 @@ def proposals_for_row(speculator: Speculator, block_manager: BlockManager,
     if proposals and not block_manager.can_append(seq, len(proposals)):
         return []
     return proposals
+
+
+def propose_for_row(speculator: Speculator, block_manager: BlockManager, seq: Sequence,
+                    max_model_length: int, budget: int) -> int:
+    """How many proposals seq's decode row carries in the step being scheduled
+    (proposals_for_row), kept in its extras for the step (a preemption of seq drops them)."""
+    proposals = proposals_for_row(speculator, block_manager, seq, max_model_length, budget)
+    if proposals:
+        extras_of(seq).spec_token_ids = proposals
+    return len(proposals)
 
 
 def take_proposals(seq: Sequence) -> list[int]:
