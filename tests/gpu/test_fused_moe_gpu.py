@@ -50,7 +50,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("inter", [768, 384])
 @pytest.mark.parametrize("num_tokens", [1, 2, 8, 64, 512, 4096])
 def test_fused_moe_bf16_real_shapes(num_tokens: int, inter: int) -> None:
-    from myvllm.kernels import fused_moe_ref
+    from myvllm.kernels.fused_reference import fused_moe_ref
     from myvllm.kernels.fused_moe_kernel import fused_moe_triton
 
     x, w13, w2, weights, ids = make_experts(num_tokens, inter)
