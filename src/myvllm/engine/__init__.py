@@ -9,8 +9,10 @@ ModelRunner): what a plain request runs, and nothing a feature adds.
     core.py           EngineCore: schedule -> run -> postprocess, one step at a time (Step 6)
     llm_engine.py     LLMEngine (myvllm.LLM): text in, text out, in your process (Step 6)
 
-beside them the request checks, the step's typed objects (batch.py), the outputs, start-up,
-and async scheduling's steps in flight (queued_steps.py). Features reach the core as objects
+beside them the request checks (request_checks.py, and scheduler_view.py: what of the
+Scheduler they read), a capped chunk's length (capped_chunks.py), the step's typed objects
+(batch.py), the outputs, start-up (startup.py; core_parts.py builds the core's parts in
+order) and async scheduling's steps in flight (queued_steps.py). Features reach the core as objects
 it is handed (None when off): the packages worker/, sample/, spec_decode/,
 structured_output/ and executor/.
 

@@ -8,6 +8,7 @@ prepare_sample):
     logits_features.py    what acts on or reads a step's logits: controls, grammar, logprobs
     logprobs.py           logprobs from the device to a request's output
     forks.py              n > 1: a request's other completions, forked after its prefill
+    finished_outputs.py   logprobs and n > 1 completions gathered until their request ends
 
 The guide's part "Features, one at a time" teaches each; none of it runs for a plain
 request.
