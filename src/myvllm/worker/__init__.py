@@ -1,6 +1,7 @@
 """The ModelRunner's machinery (the guide's Step 4; the core's runner is engine/model_runner.py):
 
     input_builder.py   a scheduled batch -> the tensors of one forward (prepare_prefill/decode)
+    feature_step.py    a step with a row that has extras: the features beside the plain path
     staging.py         host arrays -> device tensors; a step's tokens on their way back
     kv_cache.py        how many KV-cache blocks fit, and the cache tensors
     model_loading.py   the checkpoint's model class, built and loaded (fused on a GPU)
