@@ -28,6 +28,7 @@ from myvllm.engine.sequence import Sequence
 from myvllm.engine.core_parts import start_core_parts
 from myvllm.sample.logprobs import read_step_logprobs
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.spec_decode.scheduling import make_speculator
 from myvllm.spec_decode.verification import verified_token_lists
 from myvllm.structured_output.manager import StructuredOutputManager
 
@@ -36,7 +37,9 @@ class EngineCore:
     def __init__(self, config: Config, model_path: str, hf_config: Any = None, *,
                  fit_length_to_cache: bool = False) -> None:
         """config as the client resolved it (eos and max_model_length known); model_path a
-        local checkpoint. fit_length_to_cache: see startup.fit_max_model_length (engine/core_parts.py builds the parts)."""
+        local checkpoint. fit_length_to_cache: see startup.fit_max_model_length. The parts
+        (threads, workers or the ModelRunner, a draft model, the KV cache) are built in
+        order by engine/core_parts.py."""
         parts = start_core_parts(self, config, model_path, hf_config, fit_length_to_cache)
         # The engine's settings, resolved: max_model_length and eos from the checkpoint,
         # num_kvcache_blocks from memory.
@@ -47,7 +50,9 @@ class EngineCore:
         # Tensor parallelism: the worker processes (ranks 1..N-1), None with one rank.
         self.workers = parts.workers
         self._restore_threads = parts.restore_threads
-        self.scheduler = Scheduler(self.config)
+        # Speculative decoding: the proposer the scheduler asks for a decode row's proposals
+        # (None when off; the runner's verifier is made with the runner).
+        self.scheduler = Scheduler(self.config, make_speculator(self.config))
         self.model_path = model_path
         # Made at the first request that asks for structured outputs (its compiler reads
         # the tokenizer), then shared by all of them.
