@@ -53,6 +53,7 @@ from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log
 from myvllm.entrypoints.request_log import logger as request_logger
 from myvllm.entrypoints.responses import model_card
 from myvllm.entrypoints.serving_completion import Generation
+from myvllm.utils.chat_template import NoChatTemplateError, chat_prompt_ids
 
 logger = logging.getLogger("myvllm")
 
@@ -253,23 +254,23 @@ def need_tokenizer(llm: EngineClient) -> Any:
 
 
 def apply_chat_template(llm: EngineClient, body: protocol.ChatCompletionRequest
-                        | protocol.TokenizeChatRequest) -> list[int]:
+                        | protocol.TokenizeChatRequest, chat_template: str | None = None
+                        ) -> list[int]:
     """The conversation as the model was trained to read it (by default ending with the
-    assistant's turn opened); tokenized without adding special tokens (the template writes
-    them)."""
-    tokenizer = llm.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model has no chat template: use /v1/completions")
+    assistant's turn opened). chat_template: the server's --chat-template, used instead of
+    the tokenizer's own."""
     messages = [m.for_template() for m in body.messages]
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt,
-                                             **(body.chat_template_kwargs or {}))
+        return chat_prompt_ids(llm.tokenizer, messages,
+                               add_generation_prompt=body.add_generation_prompt,
+                               chat_template=chat_template,
+                               template_kwargs=body.chat_template_kwargs)
+    except NoChatTemplateError:
+        raise RequestError("this model has no chat template: use /v1/completions") from None
     except (TemplateError, ValueError, TypeError) as e:  # e.g. roles out of order
         raise RequestError(f"the chat template refused the messages: {e}") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 # ---------------------------------------------------------------------------- running it
