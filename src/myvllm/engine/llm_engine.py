@@ -5,6 +5,9 @@
       -> while not is_finished(): step()            one EngineCore.step()
       -> outputs in input order (engine/outputs.py says what each dict holds)
 
+chat(messages) renders each conversation with the chat template (utils/chat_template.py) and
+runs generate() on the token ids.
+
 It holds the tokenizer and an EngineCore (core.py), whose in-process client it is; the server
 and the chat shell use the other client, AsyncLLM (async_llm.py).
 """
