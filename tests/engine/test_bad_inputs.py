@@ -279,7 +279,7 @@ REQUEST_CASES: dict[str, tuple[Any, Any, type, str]] = {
     "nested_token_list": ([[[1, 2]]], GREEDY, TypeError, r"token ids must be ints.*\[1, 2\]"),
     "bytes_prompt": ([b"abc"], GREEDY, TypeError, r"str or a list of int token ids.*bytes"),
     "none_prompt": ([None], GREEDY, TypeError, r"str or a list of int token ids.*NoneType"),
-    "prompts_as_bare_string": ("hello", GREEDY, TypeError, r"not a single string"),
+    "one_prompt_out_of_vocab": ([3, VOCAB], GREEDY, ValueError, rf"token id {VOCAB}"),
     "prompts_not_a_list": (None, GREEDY, TypeError, r"prompts must be a list.*NoneType"),
     "prompts_as_generator": ((p for p in GOOD_PROMPTS), GREEDY, TypeError,
                              r"prompts must be a list.*generator"),

@@ -56,6 +56,49 @@ def test_every_config_field_is_a_kebab_case_flag() -> None:
     assert cli.engine_config(parser.parse_args(["chat", "m"])) == Config(model="m")
 
 
+def test_vllms_flag_names_are_aliases(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "m", "--max-num-seqs", "7", "--max-model-len", "99"])
+    assert cli.engine_config(args) == Config(model="m", max_num_sequences=7,
+                                             max_model_length=99)
+    help_text = parser._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore
+    for both in ("--max-num-sequences MAX_NUM_SEQUENCES, --max-num-seqs",
+                 "--max-model-length MAX_MODEL_LENGTH, --max-model-len"):
+        assert both in help_text
+    assert args.api_key is None and args.chat_template is None
+    assert parser.parse_args(["serve", "--api-key", "k1"]).api_key == "k1"
+    monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve"]).api_key == "from-env"
+    assert parser.parse_args(["serve", "--api-key", "k1"]).api_key == "k1"
+
+
+def test_serve_passes_the_key_and_the_template_file(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(cli, "serve", lambda *a: calls.append(a) or 0)
+    assert cli.main(["serve", "m", "--api-key", "k1", "--chat-template", str(template)]) == 0
+    (args,) = calls
+    assert args[-2:] == ("k1", "{{ messages[0].content }}")
+
+
+def test_a_missing_chat_template_is_refused_before_the_model_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def loading(*_: Any) -> int:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "serve", loading)
+    missing = tmp_path / "nope.jinja"
+    assert cli.main(["serve", "m", "--chat-template", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"myvllm serve: --chat-template: no such file: {missing}\n"
+    assert cli.main(["serve", "m", "--chat-template", str(tmp_path)]) == 2  # a folder
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_bad_flag_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "some/model", "--block-size", "0"]) == 2
     assert "block_size" in capsys.readouterr().err

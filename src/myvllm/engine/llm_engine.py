@@ -5,14 +5,18 @@
       -> while not is_finished(): step()            one EngineCore.step()
       -> outputs in input order (engine/outputs.py says what each dict holds)
 
+chat(messages) renders each conversation with the chat template (utils/chat_template.py) and
+runs generate() on the token ids.
+
 It holds the tokenizer and an EngineCore (core.py), whose in-process client it is; the server
 and the chat shell use the other client, AsyncLLM (async_llm.py).
 """
 
 from __future__ import annotations
 
+import numbers
 import time
-from typing import Any
+from typing import Any, cast
 
 from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
@@ -25,6 +29,7 @@ from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import check_in_process, resolve_engine, to_config
 from myvllm.sample.finished_outputs import FinishedOutputs, gathering
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.utils.chat_template import chat_prompt_ids, conversations
 from myvllm.utils.gc_freeze import frozen_heap
 from myvllm.utils.hf_config import gguf_parsed_once
 
@@ -127,16 +132,20 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: list[Prompt],
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """Generate completions for all prompts; outputs come back in input order."""
+        """Generate completions for all prompts (or one prompt: a str or one list of token
+        ids, answered as a list of one, as vLLM does); outputs come back in input order."""
+        one_prompt = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                                   and isinstance(prompts[0], numbers.Integral))
+        batch = cast("list[Prompt]", [prompts] if one_prompt else prompts)
         self.check_alive()
-        params = check_generate_args(prompts, sampling_params)
+        params = check_generate_args(batch, sampling_params)
         # Check every prompt before queuing any: one bad prompt must not leave the others
         # half-submitted.
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [self._make_sequence(p, sp) for p, sp in zip(batch, params)]
         for seq in seqs:
             # Its outputs come back together at the end: no step's length is seen on its own,
             # only the total, so prompts need not wait beside its decoding sequences.
@@ -159,6 +168,22 @@ class LLMEngine:
             progress.close()
         return [generate_result(outputs[seq.seq_id], seq.sampling_params.stop_token_ids,
                                 self._decode) for seq in seqs]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """generate() of one conversation (a list of {"role", "content"} dicts) or a list of
+        them, each through the tokenizer's chat template with the assistant's turn opened;
+        chat_template_kwargs reach the template (e.g. {"enable_thinking": False}). A model
+        with no tokenizer or chat template raises ValueError."""
+        prompts: list[Prompt] = [
+            chat_prompt_ids(self.tokenizer, conversation, template_kwargs=chat_template_kwargs)
+            for conversation in conversations(messages)]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -53,9 +53,6 @@ def check_request(token_ids: Any, params: Any, vocab_size: int) -> list[int]:
 def check_generate_args(prompts: Any, sampling_params: Any) -> list[SamplingParams]:
     """generate()'s arguments checked: prompts a list, sampling_params None (the defaults),
     one SamplingParams for all or one per prompt. Returns one per prompt."""
-    if isinstance(prompts, str):
-        raise TypeError("prompts must be a list (of strings or token-id lists), "
-                        "not a single string.")
     if not isinstance(prompts, (list, tuple)):
         raise TypeError("prompts must be a list of strings or token-id lists, got "
                         f"{type(prompts).__name__}")

@@ -25,6 +25,7 @@ from typing import Any
 
 from myvllm.config import Config
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.utils.chat_template import chat_prompt_ids
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops an answer."
 
@@ -47,9 +48,7 @@ async def stream_reply(llm: Any, prompt_ids: list[int], params: SamplingParams,
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     # enable_thinking=False: Qwen3 answers directly instead of reasoning at length first
     # (templates that do not know the flag ignore it).
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return chat_prompt_ids(tokenizer, messages, template_kwargs={"enable_thinking": False})
 
 
 def run_chat(config: Config, args: argparse.Namespace) -> int:

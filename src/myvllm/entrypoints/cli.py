@@ -1,13 +1,15 @@
 """The `myvllm` command.
 
     myvllm serve [MODEL] [--host H] [--port P] [--max-model-length 2048 ...]
+                 [--api-key KEY] [--chat-template FILE]
     myvllm chat  [MODEL] [--max-tokens N] [--temperature T] [--system TEXT] [...]
     myvllm export-tokenizer [MODEL] OUT_DIR
 
 Every Config field is a flag of both subcommands, its name in kebab-case (max_model_length ->
 --max-model-length, booleans as --enforce-eager / --no-enforce-eager), with the field's own
-docstring as its help. A flag that is not given leaves the Config default in place, so the
-defaults live in one place (config.py).
+docstring as its help; vLLM's names of two of them are aliases (--max-num-seqs,
+--max-model-len: CONFIG_FLAG_ALIASES). A flag that is not given leaves the Config default in
+place, so the defaults live in one place (config.py).
 
 Under torchrun (one process per tensor-parallel rank, on one host or several) the same command
 runs on every rank: rank 0 serves or chats, the other ranks serve rank 0's calls until it
@@ -25,6 +27,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 import sys
 import types
 import typing
@@ -36,6 +39,10 @@ if TYPE_CHECKING:
     from myvllm.utils.distributed import TorchrunEnv
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+# vLLM's flag names beside ours, for the commands vLLM users type.
+CONFIG_FLAG_ALIASES = {"max_num_sequences": ["--max-num-seqs"],
+                       "max_model_length": ["--max-model-len"]}
+API_KEY_ENV = "MYVLLM_API_KEY"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -70,7 +77,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(Config):
         if field.name == "model":
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *CONFIG_FLAG_ALIASES.get(field.name, [])]
         kind = hints[field.name]
         args = typing.get_args(kind)
         if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
@@ -80,11 +87,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
                                    "help": help_text}
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **options)
         elif kind in (int, float, str):
-            group.add_argument(flag, type=kind, metavar=field.name.upper(), **options)
+            group.add_argument(*flags, type=kind, metavar=field.name.upper(), **options)
         else:  # eos: an id or several
-            group.add_argument(flag, type=_int_list, metavar="ID[,ID...]", **options)
+            group.add_argument(*flags, type=_int_list, metavar="ID[,ID...]", **options)
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve MODEL over an OpenAI-compatible HTTP API: "
                            "/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                           "/metrics.")
+                           "/metrics, /ping, /version.")
     add_model_argument(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; 0.0.0.0 for every interface "
@@ -118,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "by prompt prefix (prefix-cache hits stay on one replica), else "
                             "the least loaded; or by load alone; or in turn (default: "
                             "%(default)s)")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                       help="answer 401 to requests without 'Authorization: Bearer KEY' "
+                            "(/health, /ping, /metrics and /version stay open); default: "
+                            f"the {API_KEY_ENV} environment variable, else no key")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template used for chat requests instead of the "
+                            "tokenizer's own")
     add_config_flags(serve)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal",
@@ -175,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = engine_config(args)
+        chat_template = read_chat_template(getattr(args, "chat_template", None))
         launch = torchrun_env()
         check_torchrun_world_size(launch, config.tensor_parallel_size)
     except (ValueError, TypeError) as e:
@@ -187,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return export_tokenizer(args.model, args.out_dir)
         if args.command == "serve":
             return serve(config, args.served_model_name or name, args.host, args.port,
-                         args.log_level, args.data_parallel_routing)
+                         args.log_level, args.data_parallel_routing, args.api_key or None,
+                         chat_template)
         if config.data_parallel_size != 1:
             print(f"myvllm chat: one conversation runs on one engine; --data-parallel-size "
                   f"{config.data_parallel_size} is for `myvllm serve`", file=sys.stderr)
@@ -198,6 +214,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model loads (later, each command handles it)
         print(f"myvllm {args.command}: interrupted while starting", file=sys.stderr)
         return 130
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template's file, read before the model loads (ValueError: cannot be read)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"--chat-template: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template: cannot read {path}: {e}") from None
 
 
 def serve_rank_0_calls(config: Config, launch: TorchrunEnv) -> int:
@@ -236,8 +265,10 @@ def export_tokenizer(model: str | None, out_dir: str) -> int:
 
 
 def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
-          data_parallel_routing: str = "prefix") -> int:
-    """Run the server until a signal (exit 0) or an engine core's death (exit 1)."""
+          data_parallel_routing: str = "prefix", api_key: str | None = None,
+          chat_template: str | None = None) -> int:
+    """Run the server until a signal (exit 0) or an engine core's death (exit 1). api_key,
+    chat_template: as openai_server.build_app."""
     from myvllm.serving.async_llm import AsyncLLM
     from myvllm.serving.dp_async_llm import DPAsyncLLM
     from myvllm.serving.engine_client import EngineClient
@@ -256,7 +287,8 @@ def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
     except RuntimeError as e:  # the core's own error (its traceback included), not ours
         print(f"myvllm serve: {e}", file=sys.stderr)
         return 1
-    server = make_server(llm, model_name, host, port, log_level)
+    server = make_server(llm, model_name, host, port, log_level, api_key=api_key,
+                         chat_template=chat_template)
     try:
         server.run()
     finally:

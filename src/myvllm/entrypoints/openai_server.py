@@ -2,6 +2,8 @@
 data-parallel replicas behind one router; both are EngineClients).
 
     GET  /health               200 while the engine accepts requests, else 503 (text/plain)
+    GET  /ping                 the same as /health (vLLM's route; POST too)
+    GET  /version              {"version": myvllm's version}
     GET  /v1/models            the one model served
     GET  /v1/models/{id}       its card, or a 404 naming the model served
     POST /v1/completions       prompt (text, token ids, or a batch of either) -> text
@@ -9,6 +11,9 @@ data-parallel replicas behind one router; both are EngineClients).
     POST /tokenize             prompt or messages -> token ids (vLLM's route)
     POST /detokenize           token ids -> text (vLLM's route)
     GET  /metrics              Prometheus text (see metrics.py)
+
+With an API key (make_server's api_key), every route but /health, /ping, /metrics and /version
+answers 401 without `Authorization: Bearer KEY` (api_key.py).
 
 A request's way through this file (generating: serving_completion.py; the engine side:
 myvllm/serving/async_llm.py):
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import signal
 import threading
@@ -46,6 +52,7 @@ from myvllm.serving.async_llm import EngineDeadError
 from myvllm.serving.engine_client import EngineClient
 from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints import protocol
+from myvllm.entrypoints.api_key import ApiKeyMiddleware
 from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
 from myvllm.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from myvllm.entrypoints.protocol import RequestError, error_body
@@ -53,8 +60,10 @@ from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log
 from myvllm.entrypoints.request_log import logger as request_logger
 from myvllm.entrypoints.responses import model_card
 from myvllm.entrypoints.serving_completion import Generation
+from myvllm.utils.chat_template import NoChatTemplateError, chat_prompt_ids
 
 logger = logging.getLogger("myvllm")
+myvllm_version = importlib.metadata.version("myvllm")
 
 # The largest request body read, unless make_server is told otherwise: room for a prompt of
 # max_model_length tokens at 64 bytes each (a token's text escaped in JSON, or its id and a
@@ -123,14 +132,20 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLogger,
-              max_body_bytes: int | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, api_key: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    """api_key: the bearer token every route but the open ones asks for (None: none asked).
+    chat_template: a Jinja template for chat requests instead of the tokenizer's (None: the
+    tokenizer's)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         llm.start()  # read the core's outputs and watch its process from now on
         yield
 
     app = FastAPI(title="myvllm", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.add_middleware(RequestLogMiddleware)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestLogMiddleware)  # added last, so outermost: it logs the 401s too
     max_model_length = llm.max_model_length
     body_limit = (max_body_bytes if max_body_bytes is not None
                   else default_body_limit(max_model_length))
@@ -166,6 +181,18 @@ def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLog
             return PlainTextResponse("ok\n")
         return PlainTextResponse("the engine is not running\n", status_code=503)
 
+    @app.get("/ping")  # vLLM's (and SageMaker's) health probe
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/ping", include_in_schema=False)  # vLLM takes POST too; it has no body
+    async def ping_post() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": myvllm_version}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(model_name, created, max_model_length)]}
@@ -197,14 +224,15 @@ def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLog
     @app.post("/v1/chat/completions", openapi_extra=_body_schema("/v1/chat/completions"))
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, protocol.ChatCompletionRequest)
-        return await generation.chat(request, body, apply_chat_template(llm, body))
+        return await generation.chat(request, body,
+                                     apply_chat_template(llm, body, chat_template))
 
     @app.post("/tokenize", openapi_extra=_body_schema("/tokenize"))
     async def tokenize(request: Request) -> dict[str, Any]:
         body = protocol.parse_tokenize_request(await read_body(request, body_limit))
         check_model(body.model)
         if isinstance(body, protocol.TokenizeChatRequest):
-            tokens = apply_chat_template(llm, body)
+            tokens = apply_chat_template(llm, body, chat_template)
         else:
             tokens = list(need_tokenizer(llm).encode(
                 body.prompt, add_special_tokens=body.add_special_tokens))
@@ -253,23 +281,23 @@ def need_tokenizer(llm: EngineClient) -> Any:
 
 
 def apply_chat_template(llm: EngineClient, body: protocol.ChatCompletionRequest
-                        | protocol.TokenizeChatRequest) -> list[int]:
+                        | protocol.TokenizeChatRequest, chat_template: str | None = None
+                        ) -> list[int]:
     """The conversation as the model was trained to read it (by default ending with the
-    assistant's turn opened); tokenized without adding special tokens (the template writes
-    them)."""
-    tokenizer = llm.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model has no chat template: use /v1/completions")
+    assistant's turn opened). chat_template: the server's --chat-template, used instead of
+    the tokenizer's own."""
     messages = [m.for_template() for m in body.messages]
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt,
-                                             **(body.chat_template_kwargs or {}))
+        return chat_prompt_ids(llm.tokenizer, messages,
+                               add_generation_prompt=body.add_generation_prompt,
+                               chat_template=chat_template,
+                               template_kwargs=body.chat_template_kwargs)
+    except NoChatTemplateError:
+        raise RequestError("this model has no chat template: use /v1/completions") from None
     except (TemplateError, ValueError, TypeError) as e:  # e.g. roles out of order
         raise RequestError(f"the chat template refused the messages: {e}") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 # ---------------------------------------------------------------------------- running it
@@ -314,16 +342,17 @@ class Server(uvicorn.Server):
 def make_server(llm: EngineClient, model_name: str, host: str, port: int,
                 log_level: str = "info", max_body_bytes: int | None = None,
                 exit_on_core_death: bool = True,
-                timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S) -> Server:
+                timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
+                api_key: str | None = None, chat_template: str | None = None) -> Server:
     """max_body_bytes: the largest request body taken (None: default_body_limit).
     exit_on_core_death False: the server keeps answering (503s) after the engine core
     died, instead of stopping (a server embedded in a process that decides for itself).
     log_level: uvicorn's, and the request log's (one INFO line per request).
     timeout_request_head: seconds a connection has to send a whole request head
-    (h11_deadlines.py)."""
+    (h11_deadlines.py). api_key, chat_template: as build_app."""
     stat_logger = PrometheusStatLogger(model_name)
     llm.stat_logger = stat_logger
-    app = build_app(llm, model_name, stat_logger, max_body_bytes)
+    app = build_app(llm, model_name, stat_logger, max_body_bytes, api_key, chat_template)
     request_logger.setLevel(log_level.upper())
     return Server(uvicorn_config(app, host, port, log_level, timeout_request_head), llm,
                   exit_on_core_death)

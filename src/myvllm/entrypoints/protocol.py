@@ -45,7 +45,8 @@ class RequestError(Exception):
         self.param = param
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               413: "RequestTooLargeError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 # Every generated token is matched against every stop string (and a stop string's beginnings
