@@ -1,7 +1,7 @@
 """What the GPU test files share: one random-weight checkpoint of Qwen3-0.6B's real shape.
 
 The whole suite runs in one device call (`python -m pytest tests/gpu`, within 8 minutes on one
-H200), so what is costly is made once: the checkpoint is built once per session (transformers'
+H200), so what is costly is made once: the checkpoint is built once per test run (transformers'
 random init of 0.6B parameters, ~38 s on the host), for every file that runs an engine or
 transformers on that shape. It is drawn on the host, not the GPU: the two draw different
 weights, and on the GPU-drawn ones test_gpu.py's seeded top-p rows flip one near-tied token
