@@ -151,14 +151,18 @@ def test_fields_not_supported_yet_are_400s_in_both_endpoints(base_url: str, chat
         status, answer = post(base_url, path, {**base, name: value, "max_tokens": 2})
         error = answer["error"]
         assert status == 400 and error["param"] == name, (name, answer)
-        assert error["message"].startswith(f"not supported yet: {name} (taken: "), answer
+        assert error["message"].startswith(f"not supported yet: {name} (allowed: "), answer
     for name, value in NEUTRAL:
         status, answer = post(base_url, path, {**base, name: value, "max_tokens": 2})
         assert status == 200, (name, answer)
     status, answer = post(base_url, path, {**base, "guided_decoding_backend": "xgrammar"})
     assert status == 400
-    assert "guided_decoding_backend: unknown field (taken: " in answer["error"]["message"]
-    assert "min_p, min_tokens" in answer["error"]["message"]  # the fields taken, listed
+    message = answer["error"]["message"]
+    assert "guided_decoding_backend: unknown field (allowed: " in message
+    assert "min_p, min_tokens" in message  # the fields allowed, listed
+    # A field not implemented yet is listed with the only values it takes.
+    assert ("suffix (only null)" in message) != chat  # a completions field
+    assert ("best_of (only 1 or null)" in message) != chat
 
 
 def test_the_openai_client_sees_which_field_is_refused(client: Any) -> None:
@@ -221,7 +225,7 @@ def test_one_log_line_per_request_with_tokens_and_refusal_reasons(base_url: str,
     assert '"POST /v1/completions HTTP/1.1" 200 prompt_tokens=5 completion_tokens=6 ' in lines[0]
     assert lines[0].startswith("127.0.0.1:") and lines[0].endswith("s")
     assert " 200 prompt_tokens=39 completion_tokens=12 " in lines[1]
-    assert " 400 " in lines[2] and lines[2].endswith(": not supported yet: best_of (taken: 1 "
+    assert " 400 " in lines[2] and lines[2].endswith(": not supported yet: best_of (allowed: 1 "
                                                      "or null)")
     assert '"GET /nothing HTTP/1.1" 404' in lines[3] and lines[3].endswith(": Not Found")
 

@@ -154,7 +154,7 @@ BAD_COMPLETION: dict[str, list[Any]] = {
     "logprobs": [-1, 21, True, 1.5, "1", 10**30],
     "echo": ["x", 1],
     "best_of": [2, 0, -5, "1"],
-    "suffix": ["x", 5],
+    "suffix": ["x", 5, ""],  # refused at any value but null
 }
 BAD_CHAT: dict[str, list[Any]] = {
     "messages": [None, [], "hello", [{}], [{"content": "no role"}], [{"role": 5, "content": "x"}],
@@ -203,7 +203,7 @@ EXTREME: dict[str, list[Any]] = {
     "guided_choice": [["\U0001f600", "a\"b\\c\n"]],
     "guided_regex": ["[a-z]+", "\\d{3}"],
     # Not supported yet, at the values that ask for nothing (clients send them).
-    "suffix": [""],
+    "suffix": [None],
     "user": ["someone", None],
 }
 BAD_JSON = [b"", b"{", b'{"prompt": "hi", ', b"null", b"1", b'"x"', b"[]", b"true",

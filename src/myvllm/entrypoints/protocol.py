@@ -16,9 +16,9 @@ it, so that no answer looks as if it honoured a field it ignored:
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
   value that asks for nothing (null, or "best_of": 1, "tools": [] ..., which clients such
-  as LangChain send on every request) and refused otherwise;
-- any other field is refused as unknown, with the list of the fields taken (OpenAI's own API
-  does the same).
+  as LangChain send on every request) and refused otherwise; `suffix` only at null;
+- any other field is refused as unknown, with the list of the fields allowed (OpenAI's own
+  API does the same).
 
 Response bodies are in responses.py.
 """
@@ -55,16 +55,17 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
 
-# Known fields not implemented yet: field -> (does this value ask for nothing?, what is taken).
-# null is always taken. A field missing from a request body's model is simply unknown there.
+# Known fields not implemented yet: field -> (does this value ask for nothing?, the values
+# allowed). null is always allowed. A field missing from a request body's model is simply unknown there.
 NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     # The best n of best_of completions (by their logprob): not implemented; n is.
-    "best_of": (lambda v: v == 1, "1"),
-    "suffix": (lambda v: v == "", '""'),
-    "tools": (lambda v: not v, "[]"),
-    "tool_choice": (lambda v: v == "none", '"none"'),
+    "best_of": (lambda v: v == 1, "1 or null"),
+    # Text after the completion (insertion): refused at any value but null, "" too.
+    "suffix": (lambda v: False, "null"),
+    "tools": (lambda v: not v, "[] or null"),
+    "tool_choice": (lambda v: v == "none", '"none" or null'),
     # On a chat message: the answers this server gives never hold tool calls.
-    "tool_calls": (lambda v: not v, "[]"),
+    "tool_calls": (lambda v: not v, "[] or null"),
     "tool_call_id": (lambda v: False, "null"),
 }
 
@@ -78,12 +79,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     def unsupported(self) -> list[str]:
-        """The NOT_YET fields of this model that ask for something, as "name (taken: ...)"."""
+        """The NOT_YET fields of this model that ask for something, as "name (allowed: ...)"."""
         refused = []
         for name in type(self).model_fields:
             value = getattr(self, name)
             if name in NOT_YET and value is not None and not NOT_YET[name][0](value):
-                refused.append(f"{name} (taken: {NOT_YET[name][1]} or null)")
+                refused.append(f"{name} (allowed: {NOT_YET[name][1]})")
         return refused
 
 
@@ -164,10 +165,10 @@ class _SamplingRequest(_Strict):
         if not all(stop):
             raise ValueError("stop strings must not be empty")
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are taken")
+            raise ValueError(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
         if any(len(s) > MAX_STOP_LENGTH for s in stop):
             raise ValueError(f"a stop string of {max(len(s) for s in stop)} characters; "
-                             f"at most {MAX_STOP_LENGTH} are taken")
+                             f"at most {MAX_STOP_LENGTH} are allowed")
         return self
 
     @model_validator(mode="after")
@@ -379,8 +380,8 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
         for err in errors:
             where = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
-                fields = ", ".join(_taken_fields(model, err["loc"]))
-                problems.append(f"{where}: unknown field (taken: {fields})")
+                fields = ", ".join(_allowed_fields(model, err["loc"]))
+                problems.append(f"{where}: unknown field (allowed: {fields})")
             else:
                 problems.append(f"{where}: {err['msg']}" if where else err["msg"])
         param = ".".join(str(p) for p in errors[0]["loc"]) or None
@@ -403,12 +404,14 @@ def parse_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeC
     return request
 
 
-def _taken_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
-    """The fields of the (nested) model in which loc, an unknown field's path, ends."""
+def _allowed_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The fields of the (nested) model in which loc, an unknown field's path, ends; a field
+    not implemented yet with the only values it takes ("suffix (only null)")."""
     nested: dict[int | str, type[BaseModel]] = {
         "stream_options": StreamOptions, "response_format": ResponseFormat,
         "json_schema": JsonSchemaFormat, "structured_outputs": StructuredOutputs,
         "messages": ChatMessage, "content": ContentPart}
     for step in loc[:-1]:
         model = nested.get(step, model)
-    return sorted(model.model_fields)
+    return [f"{name} (only {NOT_YET[name][1]})" if name in NOT_YET else name
+            for name in sorted(model.model_fields)]
