@@ -176,6 +176,31 @@ def test_abort_frees_the_blocks_and_the_stats_say_so(core: EngineCore, front: Fr
     assert not core.requests
 
 
+def test_a_prefill_counts_as_running_while_its_step_runs(core: EngineCore, front: Front,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """A long prefill (a minute on a CPU) is reported running, its blocks in use, before
+    its step ends: the queues go out as the step starts. The step here waits for the test,
+    so "during" needs no clock."""
+    step_may_end = threading.Event()
+    run = core.model_runner.run
+
+    def held_run(*args: Any) -> Any:
+        assert step_may_end.wait(60), "the test never let the step end"
+        return run(*args)
+
+    monkeypatch.setattr(core.model_runner, "run", held_run)
+    _, thread = run_loop(core, front)
+    front.send(AddRequest(1, list(range(5, 69)), GREEDY, True))
+    message = front.receive()  # sent while the prefill's step is held
+    assert isinstance(message, CoreOutputs) and not message.outputs
+    assert message.stats.num_running == 1 and message.stats.num_waiting == 0
+    assert message.stats.kv_cache_usage > 0
+    step_may_end.set()
+    assert front.until_finished({1})[1]
+    stop(front, thread)
+
+
 def test_n_completions_come_by_index_and_each_can_be_aborted(core: EngineCore,
                                                              front: Front) -> None:
     """n = 3: every output names its completion; aborting completion 1 (a stop string, at

@@ -15,6 +15,7 @@ is queued (engine/queued_steps.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from myvllm.config import Config
@@ -63,6 +64,8 @@ class EngineCore:
         # Requests not yet finished or aborted, by request id (its first completion's seq_id):
         # its sequences, one per completion (SamplingParams.n).
         self.requests: dict[int, list[Sequence]] = {}
+        # Called as each step starts, once scheduled (the server reports the queues); or None.
+        self.on_step_start: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ life
     @property
@@ -164,6 +167,8 @@ class EngineCore:
 
     def run_step(self, seqs: list[Sequence], is_prefill: bool) -> QueuedStep:
         """Run one step on every rank; its tokens are not waited for here."""
+        if self.on_step_start is not None:
+            self.on_step_start()
         samples = [samples_this_step(seq) for seq in seqs]
         try:
             # Under tensor parallelism every rank runs it.

@@ -23,7 +23,9 @@ The mean accepted length is 1 + num_accepted_tokens / num_drafts (vLLM's reading
 counters); the spec_decode counters appear only with speculative decoding on.
 
 "In use" counts blocks held by a request; free blocks that still hold a cached prefix count
-as free (they are handed out again when needed), as in vLLM.
+as free (they are handed out again when needed), as in vLLM. The core reports the queues as
+each step starts (EngineCore.on_step_start) and again after it, so a long prefill shows as
+running, its blocks as used, while its step runs.
 
 Each server owns its own registry, so several servers (tests) can live in one process.
 """

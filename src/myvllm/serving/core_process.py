@@ -6,7 +6,8 @@
       input socket  -- AddRequest / AbortRequests -> busy loop:
                                                        take every waiting message
                                                        step() if there is work
-      output socket <- CoreOutputs, one per step ---   send the step's tokens
+      output socket <- CoreOutputs, one per step ---   send the step's tokens (and, as a
+                                                       step starts, the queues it runs with)
 
 Why a process: the front end's Python (HTTP, JSON, tokenizing, detokenizing, server-sent
 events) and the engine loop's Python (scheduling, building inputs) each need the
@@ -133,6 +134,9 @@ class EngineCoreProc:
         self._refused: list[Refusal] = []
         self._last_stats: SchedulerStats | None = None
         self._heartbeat: HeartbeatThread | None = None
+        # The queues as the step about to run leaves them (a prefill is running, its blocks
+        # held), sent before it runs: a step can take a minute on a CPU.
+        core.on_step_start = lambda: self._send([])
 
     def start_heartbeat(self, output_address: str,
                         interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
@@ -172,6 +176,7 @@ class EngineCoreProc:
     def close(self) -> None:
         """Close both sockets (what is queued for the front end may take LINGER_MS to
         leave), and the ZeroMQ context if this object made it; idempotent."""
+        self.core.on_step_start = None  # its socket is closing
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self.input.close(linger=0)
