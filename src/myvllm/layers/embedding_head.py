@@ -1,7 +1,8 @@
 """Vocabulary-parallel token embedding and LM head: rank r holds rows [r V/tp, (r+1) V/tp) of
-the [vocab, hidden] table (ceil(V/tp) rows each, zero padding past V). The embedding sums the
-ranks' rows with all_reduce; the LM head gathers the logits on rank 0, the only rank that
-samples (the others return None). With one rank neither calls utils/distributed.py.
+the [vocab, hidden] table (ceil(V/tp) rows each, zero padding past V). With one rank they are
+a lookup and a matmul of the whole table; with tp > 1 the embedding sums the ranks' rows and
+the LM head gathers the logits on rank 0, the only rank that samples (the others return None):
+layers/vocab_parallel.py. Each weight's loader is load_vocab_parallel (layers/weight_loaders.py).
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from myvllm.kernels import linear
-from myvllm.layers.weight_loaders import check_not_packed, load_vocab_rows, set_weight_attrs
+from myvllm.layers.vocab_parallel import embed_own_rows, gather_logits
+from myvllm.layers.weight_loaders import load_vocab_parallel, set_weight_attrs
 from myvllm.utils.context import get_context
-from myvllm.utils.distributed import all_reduce, gather_on_rank0, get_tp_rank, get_tp_size
+from myvllm.utils.distributed import get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
+    weight_loader = load_vocab_parallel
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank()
@@ -31,21 +35,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
-        check_not_packed(shard_id, type(self).__name__)
-        load_vocab_rows(param, loaded_weight, self.vocab_start_idx, self.vocab_end_idx,
-                        (self.num_embeddings, self.embedding_dim), type(self).__name__)
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        mask = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
-        # Ids owned by another rank look up row 0 here; the mask then zeroes that row.
-        # Both steps are needed: without the second, every rank would add its row 0.
-        local_ids = torch.where(mask, input_ids - self.vocab_start_idx, 0)
-        y = F.embedding(local_ids, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(y)
+        return embed_own_rows(self.weight, input_ids, self.vocab_start_idx, self.vocab_end_idx)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -63,10 +56,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             x = x[rows].contiguous()
         logits = linear(x, self.weight)
         if self.tp_size > 1:  # the ranks' slices of the vocabulary, side by side on rank 0
-            gathered = gather_on_rank0(logits, self.tp_rank, self.tp_size)
-            if gathered is None:
-                return None
-            logits = gathered
+            return gather_logits(logits, self.tp_rank, self.tp_size, num_rows,
+                                 self.num_embeddings)
         return logits[:num_rows, : self.num_embeddings]
 
 

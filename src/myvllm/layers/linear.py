@@ -3,26 +3,31 @@
     ColumnParallelLinear  W [out, in] split along dim 0: each rank a slice of the OUTPUT
     RowParallelLinear     W [out, in] split along dim 1: partial sums -> all_reduce
 
-Parameters are built at the per-rank size; each one's weight_loader cuts its rank's piece out
-of the checkpoint's full tensor (layers/weight_loaders.py). The matmul is kernels.linear, which
+Parameters are built at the per-rank size; each one's weight_loader, a function of
+layers/weight_loaders.py that its class names, cuts its rank's piece out of the checkpoint's
+full tensor when the model is loaded. The matmul is kernels.linear, which
 picks the kernel for the device and the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from myvllm.kernels import is_batch_invariant, linear
-from myvllm.layers.weight_loaders import (check_not_packed, check_tp_divides_heads, copy_checked,
-                                          divide, load_columns, load_rows, set_weight_attrs)
+from myvllm.layers.weight_loaders import (check_tp_divides_heads, divide, load_column_parallel,
+                                          load_merged_columns, load_qkv, load_replicated,
+                                          load_row_parallel, set_weight_attrs)
 from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b) with per-rank parameter shapes; subclasses define the split."""
+    """y = x W^T (+ b) with per-rank parameter shapes; subclasses define the split, and name
+    the weight_loader (layer, param, loaded_weight, shard_id=None) that cuts it."""
+
+    weight_loader: Callable[..., None]
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -39,10 +44,6 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
-        raise NotImplementedError
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
@@ -54,24 +55,17 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
-        check_not_packed(shard_id, "ReplicatedLinear")
-        copy_checked(param.data, loaded_weight, "ReplicatedLinear")
+    weight_loader = load_replicated
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks (dim 0 of W); the output stays sharded."""
 
+    weight_loader = load_column_parallel
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         tp_size = get_tp_size()
         super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
-        check_not_packed(shard_id, type(self).__name__)
-        load_rows(param, loaded_weight, 0, param.size(0), self.tp_rank, self.tp_size,
-                  type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -86,21 +80,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     shard_id is the index into ``output_sizes`` (0 = gate_proj, 1 = up_proj).
     """
 
+    weight_loader = load_merged_columns
+
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
         tp_size = get_tp_size()
         for i, size in enumerate(output_sizes):
             divide(size, tp_size, f"output_sizes[{i}]")
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
-        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(f"MergedColumnParallelLinear needs shard_id in "
-                             f"0..{len(self.output_sizes) - 1}, got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        load_rows(param, loaded_weight, offset, self.output_sizes[shard_id] // self.tp_size,
-                  self.tp_rank, self.tp_size, f"MergedColumnParallelLinear shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -110,6 +97,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     runs locally with no communication; its rows are [q heads | k heads | v heads] of rank r
     (the guide's Step 1 draws them). shard_id is "q", "k" or "v".
     """
+
+    weight_loader = load_qkv
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int | None = None, bias: bool = False) -> None:
@@ -124,29 +113,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
-        q_size = self.num_heads * self.head_size
-        kv_size = self.num_kv_heads * self.head_size
-        layout = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        if shard_id not in layout:
-            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        offset, size = layout[shard_id]
-        load_rows(param, loaded_weight, offset, size, self.tp_rank, self.tp_size,
-                  f"QKVParallelLinear shard {shard_id!r}")
-
 
 class RowParallelLinear(LinearBase):
     """Input features split over ranks (dim 1 of W); partial outputs summed by all_reduce."""
 
+    weight_loader = load_row_parallel
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         tp_size = get_tp_size()
         super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
-        check_not_packed(shard_id, "RowParallelLinear")
-        load_columns(param, loaded_weight, self.tp_rank, self.tp_size, "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Add the bias on one rank only, or the all_reduce would add it tp times.
