@@ -32,6 +32,7 @@ QUICK_RUNS = {
     "prefilling-prefix": ["benchmark_prefilling.py", "--prefix", "24", "--seq-lens", "16"],
     "decoding": ["benchmark_decoding.py"],
     "moe": ["benchmarks/benchmark_moe.py"],
+    "invariant-matmul": ["benchmarks/benchmark_invariant_matmul.py"],
     "sampler": ["benchmarks/benchmark_sampler.py"],
     # Greedy tokens with n-gram speculation equal plain decoding's, copy-heavy and free.
     "spec-decode": ["benchmarks/benchmark_spec_decode.py"],

@@ -68,6 +68,58 @@ def test_matmul_rows_are_the_same_bits_in_any_batch(device, dtype, with_bias) ->
     assert torch.equal(mixed[13:53], full)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_plans_and_row_tiles_give_the_same_bits(device, dtype) -> None:
+    """The "tiles" plan (chunk partials summed in registers) and the "split" plan (one
+    program per chunk, the last one summing the stored partials in order), each with either
+    row tile, give every row the same bits, at every M and place in the batch. K = 72: three
+    chunks of 32 on the interpreter's tiles, the last one short and not a whole K tile."""
+    from myvllm.kernels.invariant_matmul_kernel import (_tile_counters, invariant_matmul_triton,
+                                                        matmul_config)
+
+    cfg = matmul_config(device, dtype)
+    k, n = 72, 37
+    assert k > 2 * cfg.chunk_k and k % cfg.chunk_k and k % cfg.block_k  # what the test needs
+    x = torch.randn(40, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device)
+    bias = torch.randn(n, dtype=dtype, device=device)
+    full = invariant_matmul_triton(x, w, bias, plan=("tiles", cfg.block_m))
+    expected = x.float() @ w.float().t() + bias.float()
+    torch.testing.assert_close(full.float(), expected, atol=TOL[dtype] * k, rtol=TOL[dtype])
+    plans = [(name, rows) for name in ("tiles", "split")
+             for rows in (cfg.block_m, cfg.small_block_m)]
+    for plan in plans:
+        for lo, hi in [(0, 40), (0, 1), (7, 8), (3, 20), (17, 40)]:
+            got = invariant_matmul_triton(x[lo:hi], w, bias, plan=plan)
+            assert torch.equal(got, full[lo:hi]), (plan, lo, hi)
+    # Each split launch's last programs zeroed their counters again (the next launch and a
+    # CUDA graph's replay start from zero).
+    assert not _tile_counters(device).any()
+    # The automatic choice, at every M (one chunk's K too), agrees with the fixed plans.
+    for rows in (1, 2, 5, 16, 33, 40):
+        assert torch.equal(matmul_batch_invariant(x[:rows], w, bias), full[:rows]), rows
+
+
+def test_matmul_plan_splits_decode_and_tiles_prefill_at_the_model_shapes() -> None:
+    """matmul_plan on an H200-sized GPU (132 SMs), bf16, Qwen3-0.6B's layers: a decode batch
+    splits K where its tiles alone would leave most SMs idle; a prefill tiles."""
+    pytest.importorskip("triton")
+    from myvllm.kernels.invariant_matmul_kernel import matmul_config, matmul_plan
+
+    cfg = matmul_config(torch.device("cuda"), torch.bfloat16)  # a config only: no GPU used
+    o_proj, down_proj, lm_head = (1024, 2048), (1024, 3072), (151936, 1024)
+    assert matmul_plan(1, *o_proj, cfg, 132) == ("split", 64)
+    assert matmul_plan(256, *down_proj, cfg, 132) == ("split", 64)
+    assert matmul_plan(1, *lm_head, cfg, 132) == ("tiles", 128)
+    assert matmul_plan(8192, *o_proj, cfg, 132) == ("tiles", 128)
+    assert matmul_plan(2048, *o_proj, cfg, 132) == ("tiles", 64)
+    with pytest.raises(ValueError, match="plan"):
+        from myvllm.kernels.invariant_matmul_kernel import invariant_matmul_triton
+
+        invariant_matmul_triton(torch.ones(2, 8), torch.ones(4, 8), plan=("fast", 16))
+
+
 def test_matmul_refuses_mismatched_shapes(device) -> None:
     x = torch.randn(3, 8, device=device)
     with pytest.raises(ValueError, match="must be \\[M, K\\] and \\[N, K\\]"):
@@ -167,6 +219,36 @@ def test_attention_tile_map_without_splits_gives_the_same_bits(device) -> None:
                                  cu(3, 24, device=device), 14, 24, scale, tables, k_cache,
                                  v_cache, tile_map=tiles)
     assert torch.equal(out[3:], whole[10:]) and torch.equal(out[:3], whole[:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_are_the_same_bits_with_any_query_tile(device, dtype) -> None:
+    """The query tile (BLOCK_M) is free: a row reduces the same key tiles in the same order
+    whatever the number of rows beside it. Prefill with 16- and 32-row tiles, and decode rows
+    through the prefill kernel with 16-, 32- and 64-row tiles (decode_tile_config's choice
+    on a GPU is 64 where the prefill's is 128), give every row the same bits."""
+    from myvllm.kernels.prefill_attention import (PrefillConfig, decode_with_prefill_kernel,
+                                                  flash_attention_varlen_triton)
+
+    length, hq, hkv, dim, block = 40, 2, 1, 16, 4
+    q = torch.randn(length, hq, dim, dtype=dtype, device=device)
+    k = torch.randn(length, hkv, dim, dtype=dtype, device=device)
+    v = torch.randn(length, hkv, dim, dtype=dtype, device=device)
+    k_cache, v_cache, table = paged_copy(k, v, block, num_blocks=16)
+    scale = dim**-0.5
+    tiles = {rows: PrefillConfig(block_m=rows, block_n=16, num_warps=4, num_stages=1)
+             for rows in (16, 32, 64)}
+    seqlens = cu(length, device=device)
+    by_tile = [flash_attention_varlen_triton(q, k, v, seqlens, seqlens, length, length, scale,
+                                             config=tiles[rows], batch_invariant=True)
+               for rows in (16, 32)]
+    assert torch.equal(by_tile[0], by_tile[1])
+    positions = torch.arange(1, length + 1, dtype=torch.int32, device=device)
+    tables = table.expand(length, -1).contiguous()
+    for rows in (16, 32, 64):
+        decoded = decode_with_prefill_kernel(q, k_cache, v_cache, tables, positions, scale,
+                                             config=tiles[rows])
+        assert torch.equal(decoded, by_tile[0]), rows
 
 
 def test_decode_padding_rows_give_zeros(device) -> None:

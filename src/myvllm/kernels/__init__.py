@@ -25,8 +25,9 @@ references in fused_reference.py):
 
     skinny_gemm              x W^T for x of 1..8 rows (on a GPU where prefers_skinny_gemm
                              says it beats cuBLAS)
-    matmul_batch_invariant   x W^T (+ b) with one fixed tiling for every row count, so a
-                             row's bits never depend on its batch
+    matmul_batch_invariant   x W^T (+ b) summed over K in fixed 512-element chunks in a
+                             fixed order at every row count, so a row's bits never depend
+                             on its batch
                              (kernels/invariant_matmul_kernel.py, kernels/batch_invariant.py)
 
 The fused kernels of a GPU (norm_rope_store_kvcache, the skinny_gemm with an RMSNorm or

@@ -11,11 +11,16 @@ flips: on an H200 a run whose prompts hit the prefix cache agreed with a cold ru
 
 With the mode on (Config.batch_invariant, set by the ModelRunner for its process):
 
-    matmuls        one Triton kernel, one fixed tiling for every row count, K summed tile
-                   by tile from 0 (no split-K); the LM head too (invariant_matmul_kernel.py)
+    matmuls        one Triton kernel whose sum over K runs in chunks of 512 elements from 0,
+                   added in order; a decode batch computes the chunks in parallel (split-K
+                   of a fixed chunk size, not a fixed number of splits), a prefill in one
+                   program per output tile; the row tile follows the shape, never the order
+                   (invariant_matmul_kernel.py); the LM head too
     attention      prefill, chunks and decode rows all run the prefill kernel: key tiles of
                    a fixed size from position 0, every tile through the same (masked) code,
-                   one program per query tile (no split-K), whether its keys are cached or new
+                   one program per query tile (no split-K), whether its keys are cached or new;
+                   decode rows in a 64-row query tile, not 128 (decode_tile_config: the
+                   query tile is free, the key tile is not)
     the rest       already one program per row whatever the batch: RMSNorm, q/k norm + RoPE,
                    SiLU-and-mul, the sampling kernels (their vocabulary chunks depend on the
                    vocabulary only), log_softmax

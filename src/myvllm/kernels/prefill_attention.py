@@ -31,7 +31,7 @@ scales applied to the scores and probabilities (fp8_kv.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -384,6 +384,25 @@ def prefill_config(device: torch.device, head_dim: int,
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
 
 
+def decode_tile_config(device: torch.device, head_dim: int,
+                       dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
+    """The prefill kernel's tiles for decode rows in batch-invariant mode
+    (decode_with_prefill_kernel): prefill_config's, with a query tile of at most 64 rows.
+
+    Why this is free: a row's bits depend on the key tiles (BLOCK_N, from key 0, every tile
+    through the masked loop) and on each dot's instruction, not on how many query rows share
+    the tile. A decode row fills one row of its tile; 64 rows on 4 warps is the smallest
+    tile that keeps the 128-row tile's instruction on a GPU (on Hopper one warpgroup's 64-row
+    wgmma, of which the 128-row tile on 8 warps runs two; below 64 rows Triton would switch
+    to another instruction, whose sums are not promised to round alike). Half the work of a
+    128-row tile for the one row; the key tile, and so the order, unchanged.
+    """
+    cfg = prefill_config(device, head_dim, dtype)
+    if device.type != "cuda" or cfg.block_m <= 64:
+        return cfg
+    return replace(cfg, block_m=64, num_warps=4, use_tma=False)
+
+
 def flash_attention_varlen_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -521,15 +540,18 @@ def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float, k_scale: float = 1.0,
-                               v_scale: float = 1.0) -> torch.Tensor:
+                               v_scale: float = 1.0, *,
+                               config: PrefillConfig | None = None) -> torch.Tensor:
     """paged_attention_decode's contract, computed by the prefill kernel in batch-invariant
     mode: each row is a sequence of one new token whose context_lens[b] keys are all in the
     cache. A decode row then reduces its keys exactly as the prefill or chunk row at the same
     position did (the decode kernel's tiles, GQA sharing and splits differ). It costs a query
-    tile of BLOCK_M rows for one real row; decode reads K/V from memory either way.
+    tile for one real row (of 64 rows, not the prefill's 128: decode_tile_config); decode
+    reads K/V from memory either way.
 
     CUDA-graph safe: the sequence boundaries are computed on the device, the grid is
-    (1, heads, batch). Rows with context 0 (padding) give zeros."""
+    (1, heads, batch). Rows with context 0 (padding) give zeros. `config` overrides the
+    tiles (the tests run several query tiles; its block_n must be the prefill's)."""
     batch = q.shape[0]
     if batch == 0:
         return torch.empty_like(q)
@@ -538,4 +560,5 @@ def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     cu_seqlens_k[1:] = torch.cumsum(context_lens, 0, dtype=torch.int32)
     return flash_attention_varlen_triton(
         q, q, q, cu_seqlens_q, cu_seqlens_k, 1, 0, scale, block_tables, k_cache, v_cache,
+        config=config or decode_tile_config(q.device, q.shape[-1], q.dtype),
         batch_invariant=True, k_scale=k_scale, v_scale=v_scale)
