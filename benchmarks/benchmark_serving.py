@@ -33,14 +33,24 @@ Each as p50 / p90 / p99 (ms). A chunk carries one engine step's tokens of that r
                        summed over the replicas)
 
 The server runs in its own process (started here unless --base-url is given), so the
-client's Python does not slow the server's. The client is plain asyncio over HTTP/1.1 (no
-dependency), reading the server-sent events of /v1/completions with stream=true.
+client's Python does not slow the server's. The client reads the server-sent events of
+/v1/completions with stream=true; --clients names which, each running the whole workload in
+turn against the same server: "raw" (the default) is plain asyncio over HTTP/1.1, no
+dependency; "httpx" is the openai client's transport (httpx2, or httpx); "aiohttp" is vLLM's
+benchmark client. A client after the first sends the prompts with every token id moved by its
+place in the list (mod the vocabulary): the same lengths, and no prefix-cache hit on what an
+earlier client sent. With --compare-offline and with several clients, a table at the end
+sets each client's first rate side by side: output tok/s, its ratio to generate(), TTFT.
+
+    uv run python benchmarks/benchmark_serving.py --compare-offline --request-rates inf \
+        --clients raw,httpx,aiohttp
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -54,6 +64,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -61,48 +72,122 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "src")]  # benchmarks.* and myvllm, run as a file too
 
 
-# ---------------------------------------------------------------------------- HTTP client
-async def stream_completion(host: str, port: int, body: dict[str, Any]) -> Any:
-    """POST /v1/completions with stream=true; yield the JSON of each server-sent event.
+# ---------------------------------------------------------------------------- HTTP clients
+# --clients: who reads the streams. "raw" is plain asyncio (no dependency, the least client
+# work); "httpx" is the openai client's transport (httpx2, the openai package's, or httpx);
+# "aiohttp" is vLLM's benchmark client. Each is imported only when asked for.
+CLIENTS = ("raw", "httpx", "aiohttp")
 
-    HTTP/1.1 by hand: the streamed body comes in chunked transfer encoding
-    ("<size in hex>\\r\\n<bytes>\\r\\n", ending with a chunk of size 0)."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        payload = json.dumps(body).encode()
-        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-                     "Connection: close\r\n\r\n".encode() + payload)
-        await writer.drain()
-        status = int((await reader.readline()).split()[1])
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode().partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if status != 200:
-            raise RuntimeError(f"HTTP {status}: {(await reader.read()).decode()[:500]}")
-        chunked = headers.get("transfer-encoding") == "chunked"
-        buffer = b""
-        while True:
-            if chunked:
-                size = int((await reader.readline()).strip() or b"0", 16)
-                if size == 0:
-                    break
-                data = await reader.readexactly(size + 2)
-                buffer += data[:-2]
-            else:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                buffer += data
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                text = event.decode().removeprefix("data: ")
-                if text == "[DONE]":
-                    return
-                yield json.loads(text)
-    finally:
-        writer.close()
+
+def sse_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The complete server-sent events in buffer (their data), and what is left of it."""
+    *events, rest = buffer.split(b"\n\n")
+    return [e.removeprefix(b"data: ") for e in events if e], rest
+
+
+class RawClient:
+    """POST /v1/completions with stream=true by hand, one connection per request.
+
+    HTTP/1.1: the streamed body comes in chunked transfer encoding ("<size in hex>\\r\\n
+    <bytes>\\r\\n", ending with a chunk of size 0)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+
+    async def close(self) -> None:
+        pass
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            payload = json.dumps(body).encode()
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(payload)}"
+                         "\r\nConnection: close\r\n\r\n".encode() + payload)
+            await writer.drain()
+            status = int((await reader.readline()).split()[1])
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}: {(await reader.read()).decode()[:500]}")
+            chunked = headers.get("transfer-encoding") == "chunked"
+            buffer = b""
+            while True:
+                if chunked:
+                    size = int((await reader.readline()).strip() or b"0", 16)
+                    if size == 0:
+                        break
+                    buffer += (await reader.readexactly(size + 2))[:-2]
+                else:
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    buffer += data
+                events, buffer = sse_events(buffer)
+                for event in events:
+                    yield event
+        finally:
+            writer.close()
+
+
+class HttpxClient:
+    """httpx's AsyncClient, as the openai client streams with it: one pool, no limit on its
+    connections (its default of 100 would queue the rest of 256 requests at once)."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import httpx2 as httpx  # the openai client's transport since openai 3
+        except ImportError:
+            import httpx  # type: ignore[no-redef]
+        self.client = httpx.AsyncClient(
+            base_url=url, timeout=None,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode()[:500]
+                raise RuntimeError(f"HTTP {response.status_code}: {text}")
+            buffer = b""
+            async for data in response.aiter_bytes():
+                events, buffer = sse_events(buffer + data)
+                for event in events:
+                    yield event
+
+
+class AiohttpClient:
+    """aiohttp's ClientSession, as vLLM's benchmark_serving reads streams: one session, no
+    limit on its connections, the body read line by line."""
+
+    def __init__(self, url: str) -> None:
+        import aiohttp
+
+        self.url = f"{url}/v1/completions"
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        async with self.session.post(self.url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:500]}")
+            async for line in response.content:
+                line = line.strip()
+                if line:
+                    yield line.removeprefix(b"data: ")
+
+
+def open_client(name: str, url: str) -> RawClient | HttpxClient | AiohttpClient:
+    """A client of --clients, opened in the running event loop."""
+    return {"raw": RawClient, "httpx": HttpxClient, "aiohttp": AiohttpClient}[name](url)
 
 
 @dataclass
@@ -116,8 +201,8 @@ class RequestResult:
     error: str | None = None
 
 
-async def one_request(host: str, port: int, model: str | None, prompt: list[int],
-                      max_tokens: int, temperature: float) -> RequestResult:
+async def one_request(client: RawClient | HttpxClient | AiohttpClient, model: str | None,
+                      prompt: list[int], max_tokens: int, temperature: float) -> RequestResult:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens,
                             "temperature": temperature, "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
@@ -126,37 +211,46 @@ async def one_request(host: str, port: int, model: str | None, prompt: list[int]
     result = RequestResult(len(prompt), max_tokens)
     start = last = time.perf_counter()
     try:
-        async for event in stream_completion(host, port, body):
-            now = time.perf_counter()
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if event.get("usage"):
-                result.output_tokens = event["usage"]["completion_tokens"]
-            if not event["choices"]:
-                continue
-            if math.isnan(result.ttft):
-                result.ttft = now - start
-            else:
-                result.itl.append(now - last)
-            last = now
+        async with contextlib.aclosing(client.stream(body)) as events:
+            async for data in events:
+                now = time.perf_counter()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                if not event["choices"]:
+                    continue
+                if math.isnan(result.ttft):
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
         result.e2e = last - start
-    except (OSError, RuntimeError, ValueError) as e:
-        result.error = f"{type(e).__name__}: {e}"
+    except Exception as e:  # any client's errors (httpx and aiohttp have their own kinds)
+        result.error = f"{type(e).__name__}: {e}"  # the request counts as failed
     return result
 
 
-async def run_at_rate(host: str, port: int, model: str | None, prompts: list[list[int]],
-                      max_tokens: list[int], rate: float, temperature: float,
-                      seed: int) -> tuple[list[RequestResult], float]:
+async def run_at_rate(client_name: str, url: str, model: str | None,
+                      prompts: list[list[int]], max_tokens: list[int], rate: float,
+                      temperature: float, seed: int) -> tuple[list[RequestResult], float]:
     rng = random.Random(seed)
-    tasks = []
-    start = time.perf_counter()
-    for prompt, n in zip(prompts, max_tokens):
-        tasks.append(asyncio.create_task(one_request(host, port, model, prompt, n, temperature)))
-        if rate != math.inf:
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    client = open_client(client_name, url)
+    try:
+        tasks = []
+        start = time.perf_counter()
+        for prompt, n in zip(prompts, max_tokens):
+            tasks.append(asyncio.create_task(one_request(client, model, prompt, n,
+                                                         temperature)))
+            if rate != math.inf:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+    finally:
+        await client.close()
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -211,12 +305,27 @@ def print_row(s: dict[str, Any]) -> None:
     lat = "  ".join(f"{name} {s[key]['p50']:.1f}/{s[key]['p90']:.1f}/{s[key]['p99']:.1f}"
                     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
                                       ("ITL", "itl_ms")))
-    print(f"rate {rate:>6} req/s: {s['completed']} done, {s['failed']} failed, "
+    print(f"{s['client']:>7}, rate {rate:>6} req/s: {s['completed']} done, {s['failed']} failed, "
           f"{s['request_throughput']:.2f} req/s, {s['output_tok_s']:.0f} output tok/s"
           + ("" if math.isnan(s.get("vs_offline", math.nan)) else
              f" ({s['vs_offline']:.2f}x offline)")
           + f", prefix hits {100 * s.get('prefix_hit_rate', math.nan):.1f}% | "
           f"ms p50/p90/p99: {lat}", flush=True)
+
+
+def print_clients(summaries: list[dict[str, Any]]) -> None:
+    """Each client's first rate side by side (with --compare-offline, against generate())."""
+    if len({s["client"] for s in summaries}) < 2 and math.isnan(summaries[0]["vs_offline"]):
+        return
+    print("client   rate    output tok/s  vs offline  TTFT p50 / p99 ms")
+    seen = set()
+    for s in summaries:
+        if s["client"] in seen:
+            continue
+        seen.add(s["client"])
+        ratio = "-" if math.isnan(s["vs_offline"]) else f"{s['vs_offline']:.3f}x"
+        print(f"{s['client']:<8} {s['rate_spec']:<7} {s['output_tok_s']:>12.0f}  {ratio:>10}  "
+              f"{s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p99']:.1f}", flush=True)
 
 
 def plot(summaries: list[dict[str, Any]], path: str) -> None:
@@ -228,7 +337,8 @@ def plot(summaries: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [s for s in summaries if s["request_rate"] != math.inf]
+    rows = [s for s in summaries if s["request_rate"] != math.inf
+            and s["client"] == summaries[0]["client"]]
     if not rows:
         return
     x = [s["request_throughput"] for s in rows]
@@ -292,7 +402,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 # ---------------------------------------------------------------------------- offline anchor
 def run_offline(model: str, server_args: list[str], prompts: list[list[int]],
-                max_tokens: list[int], temperature: float) -> float:
+                max_tokens: list[int], temperature: float, warmup: list[list[int]]) -> float:
     """generate() on the same requests and engine settings as the server gets: output tok/s
     (one warm-up call first, as the server gets). Runs in a child process (--offline-only),
     so that its GPU memory is free again before the server starts."""
@@ -302,7 +412,7 @@ def run_offline(model: str, server_args: list[str], prompts: list[list[int]],
     config = cli.engine_config(cli.build_parser().parse_args(["serve", model, *server_args]))
     llm = LLM(config)
     try:
-        llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
                   for n in max_tokens]
         start = time.perf_counter()
@@ -336,6 +446,21 @@ def parse_rates(text: str) -> list[str]:
     return rates
 
 
+def parse_clients(text: str) -> list[str]:
+    clients = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in clients if c not in CLIENTS]
+    if unknown or not clients or len(set(clients)) < len(clients):
+        raise argparse.ArgumentTypeError(f"--clients takes a comma-separated list without "
+                                         f"repeats; allowed: {', '.join(CLIENTS)}; got {text!r}")
+    return clients
+
+
+def shifted(prompts: list[list[int]], shift: int, vocab: int) -> list[list[int]]:
+    """The prompts with every token id moved by shift (mod vocab): the same lengths and the
+    same prefixes shared among them, none of another client's blocks in the prefix cache."""
+    return [[(t + shift) % vocab for t in prompt] for prompt in prompts]
+
+
 def _positive(text: str) -> bool:
     try:
         return float(text) > 0
@@ -362,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-rates", type=parse_rates, default=parse_rates("inf,0.5x,0.8x,1.0x"),
                    help="comma-separated: req/s, 'inf' (all at once), or '0.8x' of the "
                         "peak measured by the 'inf' run before (default: %(default)s)")
+    p.add_argument("--clients", type=parse_clients, default=["raw"],
+                   help="comma-separated, each running the whole workload in turn: "
+                        f"{', '.join(CLIENTS)} (default: raw)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", default=str(REPO / "docs" / "benchmark_serving.png"))
@@ -400,9 +528,12 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.num_shared_prefixes)]
         prompts = [rng.choice(prefixes) + p for p in prompts]
 
+    # Warm-up requests (the server's and generate()'s) with token ids no client sends: none
+    # of the measured prompts is in the prefix cache when its client starts.
+    warmup = shifted(prompts[:4], len(args.clients), vocab)
     if args.offline_only:
         assert model is not None
-        tok_s = run_offline(model, server_args, prompts, max_tokens, args.temperature)
+        tok_s = run_offline(model, server_args, prompts, max_tokens, args.temperature, warmup)
         print(f"offline output tok/s: {tok_s:.1f}", flush=True)
         return 0
     offline = math.nan
@@ -420,37 +551,42 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = start_server(model, port, server_args)
-    host, port_text = url.removeprefix("http://").split(":")
     try:
         wait_healthy(url, proc)
         # Warm-up: compile kernels for the shapes to come, outside the measurement.
-        asyncio.run(run_at_rate(host, int(port_text), None, prompts[:4], [4] * 4, math.inf,
+        asyncio.run(run_at_rate(args.clients[0], url, None, warmup, [4] * 4, math.inf,
                                 args.temperature, args.seed))
         summaries: list[dict[str, Any]] = []
-        peak = math.nan
-        for spec in args.request_rates:
-            rate = (math.inf if spec == "inf" else
-                    float(spec[:-1]) * peak if spec.endswith("x") else float(spec))
-            hits_before, queries_before = prefix_cache_counts(url)
-            results, duration = asyncio.run(run_at_rate(
-                host, int(port_text), None, prompts, max_tokens, rate, args.temperature,
-                args.seed))
-            hits, queries = prefix_cache_counts(url)
-            summary = summarize(results, duration, rate)
-            summary["prefix_hit_rate"] = ((hits - hits_before) / (queries - queries_before)
-                                          if queries > queries_before else math.nan)
-            summary["rate_spec"] = spec
-            summary["offline_output_tok_s"] = offline
-            summary["vs_offline"] = summary["output_tok_s"] / offline
-            if spec == "inf":
-                peak = summary["request_throughput"]
-            summaries.append(summary)
-            print_row(summary)
+        for k, client in enumerate(args.clients):
+            # Each client after the first gets the prompts with their token ids moved by k:
+            # the same work, and no prefix-cache hit on a prompt an earlier client sent.
+            client_prompts = shifted(prompts, k, vocab) if k else prompts
+            peak = math.nan
+            for spec in args.request_rates:
+                rate = (math.inf if spec == "inf" else
+                        float(spec[:-1]) * peak if spec.endswith("x") else float(spec))
+                hits_before, queries_before = prefix_cache_counts(url)
+                results, duration = asyncio.run(run_at_rate(
+                    client, url, None, client_prompts, max_tokens, rate, args.temperature,
+                    args.seed))
+                hits, queries = prefix_cache_counts(url)
+                summary = summarize(results, duration, rate)
+                summary["prefix_hit_rate"] = ((hits - hits_before) / (queries - queries_before)
+                                              if queries > queries_before else math.nan)
+                summary["client"] = client
+                summary["rate_spec"] = spec
+                summary["offline_output_tok_s"] = offline
+                summary["vs_offline"] = summary["output_tok_s"] / offline
+                if spec == "inf":
+                    peak = summary["request_throughput"]
+                summaries.append(summary)
+                print_row(summary)
     finally:
         if proc is not None:
             stop_server(proc)
         tmp.cleanup()
 
+    print_clients(summaries)
     ok = all(s["failed"] == 0 and s["output_tokens_as_requested"] for s in summaries)
     print("all requests completed with the requested number of tokens: "
           + ("OK" if ok else f"NO ({[s['errors'] for s in summaries]})"))
