@@ -41,29 +41,34 @@ def plural(count: int, noun: str) -> str:
 def run_demo(default_model: str, argv: list[str] | None = None) -> None:
     parser = build_parser(default_model)
     args = parser.parse_args(argv)
-    from myvllm import SamplingParams
+    from myvllm import Config, SamplingParams
+    from myvllm.entrypoints.preflight import Refused, check_model, checked, refuse
+    from myvllm.utils.model_path import ModelNotFoundError
 
     try:  # bad values stop here, before seconds of imports and model loading
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                seed=args.seed)
-    except ValueError as e:
-        parser.error(str(e))
+        params = checked(lambda: SamplingParams(temperature=args.temperature,
+                                                max_tokens=args.max_tokens, seed=args.seed))
+        config = checked(lambda: Config(model=args.model,
+                                        tensor_parallel_size=args.tensor_parallel_size,
+                                        enforce_eager=args.enforce_eager))
+        try:
+            check_model(config.model, "--model")
+        except Refused as e:
+            if not isinstance(e.__cause__, ModelNotFoundError) or config.model is None:
+                raise  # a local path that does not exist, a file that is no checkpoint
+            # A hub id that is neither cached nor reachable: the bundled model runs. One
+            # line, with the hub's own reason (offline, gated repo, unknown id ...).
+            reason = str(e.__cause__.__cause__ or e).strip().splitlines()[0][:160]
+            print(f"{config.model} is not in the local cache and could not be fetched "
+                  f"({reason}): running the bundled SmolLM2-135M-Instruct instead (a "
+                  "135M-parameter model: fluent, but often wrong on facts and arithmetic).")
+            config.model = None
+            check_model(None, "--model")
+    except Refused as e:
+        raise SystemExit(refuse(parser.prog, e, parser)) from None
     from myvllm import LLM
-    from myvllm.utils.model_path import ModelNotFoundError, resolve_model_path
 
-    model: str | None = args.model
-    try:
-        resolve_model_path(model)
-    except ModelNotFoundError as e:
-        # One line, with the hub's own reason (offline, gated repo, unknown id ...).
-        reason = str(e.__cause__ or e).strip().splitlines()[0][:160]
-        print(f"{model} is not in the local cache and could not be fetched ({reason}): "
-              "running the bundled SmolLM2-135M-Instruct instead (a 135M-parameter model: "
-              "fluent, but often wrong on facts and arithmetic).")
-        model = None
-
-    llm = LLM(model, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager)
+    llm = LLM(config)
     prompts = args.prompts or DEFAULT_PROMPTS
     chats = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

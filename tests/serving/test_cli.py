@@ -79,7 +79,8 @@ def test_serve_passes_the_key_and_the_template_file(tmp_path: Path,
     template.write_text("{{ messages[0].content }}")
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(cli, "serve", lambda *a: calls.append(a) or 0)
-    assert cli.main(["serve", "m", "--api-key", "k1", "--chat-template", str(template)]) == 0
+    assert cli.main(["serve", str(tmp_path), "--port", str(free_port()), "--api-key", "k1",
+                     "--chat-template", str(template)]) == 0
     (args,) = calls
     assert args[-2:] == ("k1", "{{ messages[0].content }}")
 
@@ -101,7 +102,7 @@ def test_a_missing_chat_template_is_refused_before_the_model_loads(
 
 def test_bad_flag_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "some/model", "--block-size", "0"]) == 2
-    assert "block_size" in capsys.readouterr().err
+    assert "--block-size must be an int >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # ~15 s: a whole chat with a real engine (the quick suite stays within 5 minutes)
@@ -284,7 +285,8 @@ def test_ctrl_c_while_loading_is_one_line_and_leaves_no_process(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(AsyncLLM, "_wait_until_ready", interrupted)
-    assert cli.main([command, str(tiny_path), "--num-kvcache-blocks", "64"]) == 130
+    port = ["--port", str(free_port())] if command == "serve" else []
+    assert cli.main([command, str(tiny_path), "--num-kvcache-blocks", "64", *port]) == 130
     err = capsys.readouterr().err
     assert f"myvllm {command}: interrupted while starting" in err
     assert "Traceback" not in err

@@ -5,6 +5,8 @@ request onto one replica; and the settings that cannot work are clear errors."""
 from __future__ import annotations
 
 import random
+import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,7 +151,7 @@ def test_the_flag_and_its_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.engine_config(args).data_parallel_size == 2
     assert args.data_parallel_routing == "round_robin"
     assert cli.main(["serve", "m", "--data-parallel-size", "0"]) == 2
-    assert "data_parallel_size" in capsys.readouterr().err
+    assert "--data-parallel-size must be an int >= 1" in capsys.readouterr().err
     assert cli.main(["chat", "m", "--data-parallel-size", "2"]) == 2
     assert "is for `myvllm serve`" in capsys.readouterr().err
 
@@ -191,14 +193,19 @@ def test_replicas_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_serve_with_more_replicas_than_gpus_is_one_line(monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture[str]
-                                                        ) -> None:
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert cli.main(["serve", "some/model", "--data-parallel-size", "2"]) == 2
+    with socket.socket() as sock:  # a free port: the address is checked first
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # An existing model folder (no weights read: the GPUs are counted first).
+    assert cli.main(["serve", str(tmp_path), "--data-parallel-size", "2",
+                     "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.strip() == ("myvllm serve: data_parallel_size=2 x tensor_parallel_size=1 needs "
                            "2 GPUs, but only 1 visible")

@@ -51,12 +51,21 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return chat_prompt_ids(tokenizer, messages, template_kwargs={"enable_thinking": False})
 
 
+def chat_sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The flags' sampling settings (bad values raise ValueError, before the model loads)."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
 def run_chat(config: Config, args: argparse.Namespace) -> int:
     from myvllm.serving.async_llm import AsyncLLM
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
-    llm = AsyncLLM(config)
+    params = chat_sampling_params(args)
+    try:
+        llm = AsyncLLM(config)
+    except ValueError as e:  # settings the checkpoint refuses (its heads, its architecture)
+        print(f"myvllm chat: {e}", file=sys.stderr)
+        return 2
     loop = asyncio.new_event_loop()
     try:
         tokenizer = llm.tokenizer

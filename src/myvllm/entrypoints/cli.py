@@ -183,8 +183,9 @@ def engine_config(args: argparse.Namespace) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.model, name = pick_model(args.model)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from myvllm.entrypoints.preflight import refuse
     from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env
 
     try:
@@ -192,9 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         chat_template = read_chat_template(getattr(args, "chat_template", None))
         launch = torchrun_env()
         check_torchrun_world_size(launch, config.tensor_parallel_size)
-    except (ValueError, TypeError) as e:
-        print(f"myvllm {args.command}: {e}", file=sys.stderr)
-        return 2
+        loads_here = args.command != "export-tokenizer" and (launch is None or launch.rank == 0)
+        if loads_here:
+            check_settings(args, config)
+        # After the quick checks: finding the default model may ask the hub.
+        args.model, name = pick_model(args.model)
+        config = dataclasses.replace(config, model=args.model)
+        if loads_here:
+            check_models(config)
+    except (ValueError, TypeError) as e:  # one line, exit status 2 (preflight.py)
+        return refuse(f"myvllm {args.command}", e, command_parser(parser, args.command))
     try:
         if launch is not None and launch.rank != 0 and args.command != "export-tokenizer":
             return serve_rank_0_calls(config, launch)
@@ -204,16 +212,45 @@ def main(argv: list[str] | None = None) -> int:
             return serve(config, args.served_model_name or name, args.host, args.port,
                          args.log_level, args.data_parallel_routing, args.api_key or None,
                          chat_template)
-        if config.data_parallel_size != 1:
-            print(f"myvllm chat: one conversation runs on one engine; --data-parallel-size "
-                  f"{config.data_parallel_size} is for `myvllm serve`", file=sys.stderr)
-            return 2
         from myvllm.entrypoints.chat import run_chat
 
         return run_chat(config, args)
     except KeyboardInterrupt:  # Ctrl-C while the model loads (later, each command handles it)
         print(f"myvllm {args.command}: interrupted while starting", file=sys.stderr)
         return 130
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subcommand's own parser (its flags, its usage)."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
+def check_settings(args: argparse.Namespace, config: Config) -> None:
+    """The quick checks before the model loads (preflight.py): serve's address, chat's
+    sampling flags and replicas, the device."""
+    from myvllm.entrypoints import preflight
+
+    if args.command == "serve":
+        preflight.check_listen_address(args.host, args.port)
+    else:
+        from myvllm.entrypoints.chat import chat_sampling_params
+
+        preflight.checked(lambda: chat_sampling_params(args))
+        if config.data_parallel_size != 1:
+            raise preflight.Refused(
+                f"--data-parallel-size {config.data_parallel_size} is for `myvllm serve`: one "
+                "conversation runs on one engine; allowed: 1")
+    preflight.check_device(config)
+
+
+def check_models(config: Config) -> None:
+    """The model and the draft model found (a hub id is fetched, as loading would first)."""
+    from myvllm.entrypoints.preflight import check_model
+
+    check_model(config.model, "MODEL", weights=config.load_format != "dummy")
+    if config.speculative_model is not None:
+        check_model(config.speculative_model, "--speculative-model")
 
 
 def read_chat_template(path: str | None) -> str | None:
