@@ -59,12 +59,19 @@ def tps_runs(out: Path) -> dict[str, list[str]]:
     }
 
 
+# Runs checked by a test of their own below (their output has no "correct" column).
+OTHER_RUNS = {
+    # The front end and the engine core process with fake steps: 16 streams served.
+    "frontend": ["benchmarks/benchmark_frontend.py", "--quick"],
+}
+
+
 @pytest.fixture(scope="module")
 def runs(outputs_dir: Path) -> dict[str, dict[str, Any]]:
     """Every run of this file in one interpreter: {name: returncode, stdout, stderr}."""
     pytest.importorskip("triton")
     quick = {name: [script, "--quick", *extra] for name, (script, *extra) in QUICK_RUNS.items()}
-    named = {**quick, **tps_runs(outputs_dir)}
+    named = {**quick, **tps_runs(outputs_dir), **OTHER_RUNS}
     runs_file, results_file = outputs_dir / "runs.json", outputs_dir / "run_results.json"
     runs_file.write_text(json.dumps(list(named.values())))
     # The kernel runs alone took up to 300 s, the tps runs up to 600 and 900 s each.
@@ -92,6 +99,17 @@ def test_benchmark_quick_mode_is_correct(runs: dict[str, dict[str, Any]], name: 
     assert verdicts, f"no result rows printed:\n{output[-4000:]}"
     assert "NO" not in verdicts, output[-4000:]
     assert verdicts.count("OK") >= (2 if "--prefix" in QUICK_RUNS[name] else 4), output[-4000:]
+
+
+def test_benchmark_frontend_quick_mode(runs: dict[str, dict[str, Any]]) -> None:
+    """The CPU harness of the front end: every stream served in full, then the CPU time a
+    token costs in the front end and in the core process."""
+    run = runs["frontend"]
+    stdout, output = run["stdout"], output_of(run)
+    assert run["returncode"] == 0, output[-4000:]
+    assert "requested number of tokens: OK" in stdout, output[-4000:]
+    for line in ("   front end: ", "core process: ", "tokens an event"):
+        assert line in stdout, f"{line!r} missing:\n{output[-4000:]}"
 
 
 def test_benchmark_tps_quick_mode(runs: dict[str, dict[str, Any]], outputs_dir: Path) -> None:
