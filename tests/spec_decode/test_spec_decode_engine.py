@@ -76,22 +76,22 @@ def test_verification_runs_as_decode_rows_without_a_prompt_chunk_beside_it(
 
     llm = LLM(str(tiny_checkpoint("qwen3")), **{**COMMON, **settings},
               speculative_method="ngram")
-    runner = llm.engine_core.model_runner
     paths: list[str] = []
-    as_decode, prefill = verification.verification_decode_step, runner.forward_prefill
+    as_decode = verification.verification_decode_step
+    prefill = verification.forward_prefill_with_features
 
     def recording_decode_step(*args: object) -> object:
         paths.append("decode")
         return as_decode(*args)  # type: ignore[arg-type]
 
-    def recording_prefill(seqs: object, spans: object = None, verification: object = None
-                          ) -> object:
-        if verification is not None:
+    def recording_prefill(runner: object, seqs: object, features: object,
+                          verifying: object = None) -> object:
+        if verifying is not None:
             paths.append("prefill")
-        return prefill(seqs, spans, verification)  # type: ignore[arg-type]
+        return prefill(runner, seqs, features, verifying)  # type: ignore[arg-type]
 
     monkeypatch.setattr(verification, "verification_decode_step", recording_decode_step)
-    monkeypatch.setattr(runner, "forward_prefill", recording_prefill)
+    monkeypatch.setattr(verification, "forward_prefill_with_features", recording_prefill)
     assert generate(llm, prompts(), GREEDY) == reference
     assert "decode" in paths
     assert ("prefill" in paths) == through_prefill

@@ -16,13 +16,11 @@ from myvllm.config import Config, stop_token_ids
 from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.sequence import Sequence
 from myvllm.kernels import set_batch_invariant
-from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.sample.logprobs import StepLogprobs
-from myvllm.sample.sampling_controls import (ToDevice, needs_full_sampler, prepare_min_ps,
-                                             seeded_generators)
-from myvllm.spec_decode.verification import VerificationStep, Verifier
-from myvllm.worker import pending_tokens, warmup
-from myvllm.worker.cuda_graphs import GraphCache, GraphKey
+from myvllm.sample.sampling_controls import ToDevice, prepare_min_ps, seeded_generators
+from myvllm.spec_decode.verification import Verifier
+from myvllm.worker import warmup
+from myvllm.worker.cuda_graphs import GraphCache, GraphKey, decode_sampling_in_graph
 from myvllm.worker.feature_step import run_feature_step
 from myvllm.worker.input_builder import InputBuilder
 from myvllm.worker.kv_cache import KVCacheLayout
@@ -97,22 +95,20 @@ class ModelRunner:
         return warmup.initialize_cache(self)
 
     # ------------------------------------------------------------------ one step
-    def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
-                        verification: VerificationStep | None = None) -> torch.Tensor | None:
+    def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The model and LM head over each sequence's chunk -> on rank 0 the logits of each
-        one's last token (verification rows: of all their positions), else None."""
+        one's last token, else None. (A step with features: worker/feature_step.py.)"""
         step = self.inputs.prepare_prefill(seqs)
-        key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
         with forward_context(step.context):
-            hidden = self.run_graph_or_eager(key, step, self.body_forward)
+            hidden = self.prefill_hidden(step)
             # The LM head reads each sequence's last row (context.cu_seqlens_q), never padding.
-            logits = self.model.compute_logits(hidden) if verification is None else None
-        if verification is not None:
-            logits = verification.logits(hidden, self.model.compute_logits, self.inputs.fresh)
-        if features is not None:
-            features.add_prompt_logprobs(hidden, self.model.compute_logits,
-                                         self.config.max_num_sequences)
-        return logits
+            return self.model.compute_logits(hidden)
+
+    def prefill_hidden(self, step: StepInputs) -> torch.Tensor:
+        """The model's body over a prefill step (inside its forward context): replayed from
+        the chunk graph of its padded size where one was captured (a GPU), else eager."""
+        key = ("prefill", step.input_ids.size(0)) if step.context.q_tiles is not None else None
+        return self.run_graph_or_eager(key, step, self.body_forward)
 
     def run_graph_or_eager(self, key: GraphKey | None, step: StepInputs,
                            forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
@@ -125,18 +121,6 @@ class ModelRunner:
     def body_forward(self, step: StepInputs) -> torch.Tensor:
         """The model's body (what a chunk graph captures)."""
         return self.model(step.input_ids, step.positions)
-
-    def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
-                       ) -> torch.Tensor:
-        """One decode step (what a decode graph captures): the hidden states of all (padded)
-        rows; with `sample`, the LM head and the temperature-only sampler into the pool too
-        (a graph, captured with all_greedy=False, serves greedy batches alike)."""
-        hidden = self.model(step.input_ids, step.positions)
-        if sample:
-            assert step.sampled is not None and step.temperatures is not None
-            logits = self.model.compute_logits(hidden)
-            step.sampled.copy_(self.sampler(logits, step.temperatures, all_greedy=all_greedy))
-        return hidden
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
@@ -169,41 +153,30 @@ class ModelRunner:
     def return_tokens(self, seqs: list[Sequence], tokens: torch.Tensor | None,
                       logprobs: StepLogprobs | None = None) -> SampledTokens | None:
         """The step's sampled tokens (rank 0's; None where a decode graph sampled into the
-        pool) on their way back: through the pool where it is used, to every rank's pool
-        under tensor parallelism with async scheduling. Rank 0 returns them as
-        SampledTokens, other ranks None."""
-        num_seqs = len(seqs)
-        pool = self.inputs.pool
-        if tokens is not None and self.tokens_via_pool:
-            pool.tokens[:num_seqs].copy_(tokens)
-        if self.broadcast_sampled:  # every rank's pool gets this step's tokens (no wait)
-            pending_tokens.share(pool, num_seqs)
+        pool) on their way back; rank 0 returns them as SampledTokens, other ranks None."""
+        if self.tokens_via_pool:  # a GPU, or async scheduling (worker/token_pool.py)
+            return self.inputs.pool.return_tokens(seqs, tokens, logprobs, self.rank,
+                                                  self.broadcast_sampled)
         if self.rank != 0:
             return None
-        if self.tokens_via_pool:
-            return pool.read_back(seqs, logprobs)
         # A CPU without async scheduling: nothing reads them on the device.
         assert tokens is not None  # a CPU step samples here (sample_in_graph is False)
         return SampledTokens(tokens, logprobs)
 
-    def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
-                   ) -> torch.Tensor | None:
-        """A decode step -> its logits, or None when it sampled into the pool itself.
-        verification: the step's verification rows, run as decode rows."""
-        step = (self.inputs.prepare_decode(seqs) if verification is None
-                else verification.decode_step(self.inputs))
-        full_sampler = (verification is not None or not self.sample_in_graph
-                        or needs_full_sampler(seqs))
-        sample = not full_sampler
-        all_greedy = sample and all(seq.sampling_params.temperature == 0 for seq in seqs)
-        # A graph samples with all_greedy=False (see decode_forward): the same tokens.
+    def run_decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """A decode step -> its logits, or None where its decode graph sampled into the
+        pool itself (one GPU: worker/cuda_graphs.py)."""
+        if self.sample_in_graph:
+            return decode_sampling_in_graph(self, seqs)
+        return self.decode_logits(self.inputs.prepare_decode(seqs))
+
+    def decode_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """The model and LM head over a decode step's rows: replayed from the decode graph of
+        its padded size where one was captured (a GPU), else eager."""
         key = ("decode", step.input_ids.size(0)) if self.inputs.padded is not None else None
         with forward_context(step.context):
-            hidden = self.run_graph_or_eager(
-                key, step, lambda step: self.decode_forward(step, sample, all_greedy))
-            if not full_sampler:
-                return None
-            # On every rank (the LM head is collective); all rows, as in decode_forward.
+            hidden = self.run_graph_or_eager(key, step, self.body_forward)
+            # On every rank (the LM head is collective); all (padded) rows.
             return self.model.compute_logits(hidden)
 
 

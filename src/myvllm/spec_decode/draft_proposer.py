@@ -50,7 +50,6 @@ from myvllm.sample.extras import proposals_of
 from myvllm.sample.sampling_controls import generator_for
 from myvllm.engine.sequence import Sequence
 from myvllm.spec_decode.rejection_sampler import target_probs
-from myvllm.utils.context import forward_context
 from myvllm.utils.hf_config import load_hf_config
 
 
@@ -209,12 +208,8 @@ class DraftProposer:
             [shadow.last_token for shadow in shadows], [], positions, slots,
             [len(shadow) for shadow in shadows], [0.0] * len(shadows),
             [shadow.block_table for shadow in shadows])
-        key = ("decode", step.input_ids.size(0)) if runner.inputs.padded is not None else None
-        with forward_context(step.context):
-            hidden = runner.run_graph_or_eager(
-                key, step, lambda step: runner.decode_forward(step, sample=False))
-            # All (padded) rows, as in the target's decode step; the batch's rows first.
-            logits = runner.model.compute_logits(hidden)
+        # All (padded) rows, as in the target's decode step; the batch's rows first.
+        logits = runner.decode_logits(step)
         assert logits is not None  # rank 0 (a draft runs on one GPU)
         return logits[:len(shadows)].float()
 

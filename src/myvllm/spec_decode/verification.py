@@ -54,7 +54,8 @@ from myvllm.sample.extras import proposals_of
 from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.sample.sampling_controls import ToDevice, generator_for
 from myvllm.spec_decode.rejection_sampler import PLACEHOLDER, rejection_sample
-from myvllm.worker.feature_step import FeatureRunner, sample_with_features
+from myvllm.worker.feature_step import (FeatureRunner, forward_prefill_with_features,
+                                        sample_with_features)
 from myvllm.worker.input_builder import InputBuilder, last_token
 from myvllm.worker.staging import FreshTensors, SampledTokens, VerifiedRows
 from myvllm.worker.token_pool import TokenPool
@@ -96,11 +97,7 @@ class VerifyingRunner(FeatureRunner, Protocol):
 
     broadcast_sampled: bool
 
-    def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None,
-                        verification: VerificationStep | None = None) -> torch.Tensor | None: ...
-
-    def run_decode(self, seqs: list[Sequence], verification: VerificationStep | None = None
-                   ) -> torch.Tensor | None: ...
+    def decode_logits(self, step: StepInputs) -> torch.Tensor | None: ...
 
 
 class VerificationStep:
@@ -125,9 +122,9 @@ class VerificationStep:
         can (as_decode_rows); every row greedy: the argmax decides (greedy_verify); else
         rejection sampling in sample_with_features. Rank 0 returns the tokens, other ranks None."""
         if self.as_decode_rows:
-            logits = runner.run_decode(self.seqs, self)
+            logits = runner.decode_logits(self.decode_step(runner.inputs))
         else:
-            logits = runner.forward_prefill(self.seqs, features, self)
+            logits = forward_prefill_with_features(runner, self.seqs, features, self)
         if (logits is not None and not runner.broadcast_sampled
                 and self.greedy_fast_path_applies(features)):
             return self.greedy_verify(logits, runner.inputs.pool, runner.inputs.fresh.tensor)

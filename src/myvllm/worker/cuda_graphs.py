@@ -16,14 +16,32 @@ before the next graph replays.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from myvllm.engine.batch import StepInputs
+from myvllm.engine.sequence import Sequence
+from myvllm.layers.sampler import Sampler
+from myvllm.sample.sampling_controls import needs_full_sampler
 from myvllm.utils.context import forward_context
+from myvllm.worker.input_builder import InputBuilder
+from myvllm.worker.model_loading import CausalLM
 
 GraphKey = tuple[str, int]  # (kind of step, padded size)
+
+
+class GraphRunner(Protocol):
+    """A ModelRunner (engine/model_runner.py), as its decode graphs see it."""
+
+    model: CausalLM
+    sampler: Sampler
+    inputs: InputBuilder
+
+    def run_graph_or_eager(self, key: GraphKey | None, step: StepInputs,
+                           forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor: ...
+
+    def decode_logits(self, step: StepInputs) -> torch.Tensor | None: ...
 
 
 class GraphCache:
@@ -78,3 +96,32 @@ class GraphCache:
             torch.cuda.synchronize(device)
             self.graphs.clear()
             self.outputs.clear()
+
+
+def decode_forward(runner: GraphRunner, step: StepInputs, sample: bool,
+                   all_greedy: bool = False) -> torch.Tensor:
+    """One decode step (what a decode graph captures): the hidden states of all (padded)
+    rows; with `sample`, the LM head and the temperature-only sampler into the pool too
+    (a graph, captured with all_greedy=False, serves greedy batches alike)."""
+    hidden = runner.model(step.input_ids, step.positions)
+    if sample:
+        assert step.sampled is not None and step.temperatures is not None
+        logits = runner.model.compute_logits(hidden)
+        step.sampled.copy_(runner.sampler(logits, step.temperatures, all_greedy=all_greedy))
+    return hidden
+
+
+def decode_sampling_in_graph(runner: GraphRunner, seqs: list[Sequence]) -> torch.Tensor | None:
+    """ModelRunner.run_decode with one GPU, whose decode graphs sample too: None, the tokens
+    in the pool; a batch that needs the full sampler (filters, seeds, a feature's logits:
+    sample/sampling_controls.py) gets its logits instead, the graph's sampling unused."""
+    step = runner.inputs.prepare_decode(seqs)
+    if needs_full_sampler(seqs):
+        return runner.decode_logits(step)
+    all_greedy = all(seq.sampling_params.temperature == 0 for seq in seqs)
+    # A graph samples with all_greedy=False (see decode_forward): the same tokens.
+    key = ("decode", step.input_ids.size(0)) if runner.inputs.padded is not None else None
+    with forward_context(step.context):
+        runner.run_graph_or_eager(key, step,
+                                  lambda step: decode_forward(runner, step, True, all_greedy))
+    return None

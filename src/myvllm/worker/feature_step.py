@@ -6,17 +6,21 @@ never comes here: ModelRunner.run checks with one line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from myvllm.engine.batch import SamplingArgs
+from myvllm.config import Config
+from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.sampler import Sampler
 from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.sample.logprobs import StepLogprobs
+from myvllm.utils.context import forward_context
 from myvllm.worker.input_builder import InputBuilder
-from myvllm.worker.staging import SampledTokens, VerifiedRows
+from myvllm.worker.model_loading import CausalLM
+from myvllm.worker.staging import FreshTensors, SampledTokens, VerifiedRows
 
 
 class Verifying(Protocol):
@@ -29,19 +33,24 @@ class Verifying(Protocol):
     def verify(self, logits: torch.Tensor, args: SamplingArgs, to_device: Any
                ) -> torch.Tensor: ...
 
+    def logits(self, hidden: torch.Tensor,
+               compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+               fresh: FreshTensors) -> torch.Tensor | None: ...
+
 
 class FeatureRunner(Protocol):
     """A ModelRunner (engine/model_runner.py), as a step with features runs on it."""
 
+    config: Config
     rank: int
     inputs: InputBuilder
+    model: CausalLM
     sampler: Sampler
     eos_token_ids: frozenset[int]
     hf_config: Any
     verifier: Any  # spec_decode's Verifier, or None when speculation is off
 
-    def forward_prefill(self, seqs: list[Sequence], features: LogitsFeatures | None = None
-                        ) -> torch.Tensor | None: ...
+    def prefill_hidden(self, step: StepInputs) -> torch.Tensor: ...
 
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor | None: ...
 
@@ -65,8 +74,26 @@ def run_feature_step(runner: FeatureRunner, seqs: list[Sequence], is_prefill: bo
         if verification is not None:  # rows verify proposals (spec_decode/)
             sampled: SampledTokens | None = verification.run(runner, features)
             return sampled
-    logits = runner.forward_prefill(seqs, features) if is_prefill else runner.run_decode(seqs)
+    logits = (forward_prefill_with_features(runner, seqs, features) if is_prefill
+              else runner.run_decode(seqs))
     return sample_with_features(runner, seqs, logits, features)
+
+
+def forward_prefill_with_features(runner: FeatureRunner, seqs: list[Sequence],
+                                  features: LogitsFeatures,
+                                  verification: Verifying | None = None) -> torch.Tensor | None:
+    """ModelRunner.forward_prefill with the features' prompt logprobs (the LM head over
+    those prompt rows too); with verification rows, the logits of all their positions."""
+    step = runner.inputs.prepare_prefill(seqs)
+    with forward_context(step.context):
+        hidden = runner.prefill_hidden(step)
+        # The LM head reads each sequence's last row (context.cu_seqlens_q), never padding.
+        logits = runner.model.compute_logits(hidden) if verification is None else None
+    if verification is not None:
+        logits = verification.logits(hidden, runner.model.compute_logits, runner.inputs.fresh)
+    features.add_prompt_logprobs(hidden, runner.model.compute_logits,
+                                 runner.config.max_num_sequences)
+    return logits
 
 
 def sample_with_features(runner: FeatureRunner, seqs: list[Sequence],

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 if TYPE_CHECKING:
     from myvllm.engine.sequence import Sequence
@@ -65,10 +64,3 @@ def gather(source: torch.Tensor, token_index: torch.Tensor,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """input_ids = source[token_index], source being [pool | host ids] on the device."""
     return torch.index_select(source, 0, token_index, out=out)
-
-
-def share(pool: TokenPool, num_seqs: int) -> None:
-    """Tensor parallelism: every rank reads pending tokens from its own pool, and only rank 0
-    samples. Collective: rank 0's rows to every rank, queued on the stream after its sampler
-    and before the next step's reads."""
-    dist.broadcast(pool.tokens[:num_seqs], src=0)

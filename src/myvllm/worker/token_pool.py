@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 from myvllm.engine.sequence import Sequence
 from myvllm.sample.logprobs import StepLogprobs
@@ -28,6 +29,28 @@ class TokenPool:
         # The way back on a GPU: two pinned host slots that alternate.
         self.host_slots = (PinnedSlots({torch.int64: self.size}, on_gpu=True)
                            if tokens.device.type == "cuda" else None)
+
+    def return_tokens(self, seqs: list[Sequence], tokens: torch.Tensor | None,
+                      logprobs: StepLogprobs | None, rank: int, broadcast: bool
+                      ) -> SampledTokens | None:
+        """ModelRunner.return_tokens through the pool: the step's tokens (None where a decode
+        graph sampled into the pool) into its rows, to every rank's pool with `broadcast`
+        (tensor parallelism with async scheduling); rank 0 reads them back, other ranks
+        return None."""
+        num_seqs = len(seqs)
+        if tokens is not None:
+            self.tokens[:num_seqs].copy_(tokens)
+        if broadcast:  # every rank's pool gets this step's tokens (no wait)
+            self.share(num_seqs)
+        if rank != 0:
+            return None
+        return self.read_back(seqs, logprobs)
+
+    def share(self, num_seqs: int) -> None:
+        """Tensor parallelism: every rank reads pending tokens from its own pool, and only
+        rank 0 samples. Collective: rank 0's rows to every rank, queued on the stream after
+        its sampler and before the next step's reads."""
+        dist.broadcast(self.tokens[:num_seqs], src=0)
 
     def read_back(self, seqs: list[Sequence], logprobs: StepLogprobs | None = None
                   ) -> SampledTokens:

@@ -26,7 +26,7 @@ from myvllm.layers.logits_processors import LogitsProcessing, Penalties, process
 from myvllm.layers.attention import Attention
 from myvllm.layers.sampler import Sampler
 from myvllm.spec_decode.verification import Verifier
-from myvllm.worker.cuda_graphs import GraphCache
+from myvllm.worker.cuda_graphs import GraphCache, GraphRunner, decode_forward
 from myvllm.worker.input_builder import InputBuilder
 from myvllm.worker.kv_cache import KVCacheLayout, allocate_kv_cache, count_blocks
 from myvllm.worker.padded_steps import pad_steps
@@ -34,7 +34,7 @@ from myvllm.worker.padded_steps import pad_steps
 logger = logging.getLogger("myvllm")
 
 
-class WarmupRunner(Protocol):
+class WarmupRunner(GraphRunner, Protocol):
     """A ModelRunner (engine/model_runner.py), as its start-up here sees it."""
 
     config: Config
@@ -57,9 +57,6 @@ class WarmupRunner(Protocol):
     def forward_prefill(self, seqs: list[Sequence]) -> torch.Tensor | None: ...
 
     def body_forward(self, step: StepInputs) -> torch.Tensor: ...
-
-    def decode_forward(self, step: StepInputs, sample: bool, all_greedy: bool = False
-                       ) -> torch.Tensor: ...
 
 
 def initialize_cache(runner: WarmupRunner) -> int:
@@ -109,7 +106,7 @@ def pad_and_capture(runner: WarmupRunner) -> None:
 
     def decode_graph_forward(step: StepInputs) -> torch.Tensor:
         """What each decode graph captures (with or without sampling, see sample_in_graph)."""
-        return runner.decode_forward(step, sample=runner.sample_in_graph)
+        return decode_forward(runner, step, sample=runner.sample_in_graph)
 
     for kind, sizes, inputs, forward in (
             ("decode", padded.decode_sizes, padded.capture_decode_inputs,
