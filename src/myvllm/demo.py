@@ -15,7 +15,9 @@ DEFAULT_PROMPTS = [
 
 
 def build_parser(default_model: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from myvllm.entrypoints.preflight import FlagParser  # an unknown flag: the closest one
+
+    parser = FlagParser(
         description="Generate chat completions with myvllm. When the model is neither on disk "
                     "nor in the local Hugging Face cache and the hub cannot be reached, the "
                     "bundled SmolLM2-135M-Instruct (GGUF) runs instead.")

@@ -132,3 +132,34 @@ def test_the_commands_refuse_in_one_line() -> None:
     done = run_script("main_llama32.py", "--max-tokens", "0", "--tensor-parallel-size", "1")
     assert (done.returncode, done.stderr) == (
         2, "main_llama32.py: --max-tokens must be an int >= 1, got 0\n")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["serve", "--max-num-seqz", "8"], ["usage: myvllm serve", "myvllm serve: error: "
+                                        "unrecognized arguments: --max-num-seqz",
+                                        "(did you mean --max-num-seqs?)"]),
+    (["chat", "--temprature=0.5"], ["usage: myvllm chat", "unrecognized arguments: "
+                                    "--temprature=0.5 (did you mean --temperature?)"]),
+    (["serve", "--port", "abc"], ["usage: myvllm serve",
+                                  "argument --port: invalid int value: 'abc'"]),
+])
+def test_an_unknown_flag_prints_the_subcommands_usage_and_the_closest_flag(
+        argv: list[str], words: list[str], no_loading: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
+    assert "{serve,chat,export-tokenizer}" not in err  # not the top level's usage
+
+
+def test_main_py_suggests_the_closest_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from myvllm.demo import run_demo
+
+    with pytest.raises(SystemExit) as exited:
+        run_demo("some/model", ["--promt", "hi"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --promt hi (did you mean --prompt?)" in (
+        capsys.readouterr().err)

@@ -34,6 +34,7 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 from myvllm.config import Config
+from myvllm.entrypoints.preflight import FlagParser
 
 if TYPE_CHECKING:
     from myvllm.utils.distributed import TorchrunEnv
@@ -104,7 +105,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="myvllm", description="myvllm: serve or chat with "
                                      "a model.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Each subcommand refuses the flags it does not know, with its usage and the closest flag.
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=FlagParser)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve MODEL over an OpenAI-compatible HTTP API: "

@@ -14,17 +14,21 @@ flag). The settings checked: the listening address (the host resolves to an addr
 machine, the port is in range and free), the model and the draft model (found on disk, in the
 Hugging Face cache or on the hub), and every Config check, whose messages name the flag
 (--block-size) rather than the field (Config.block_size).
+
+Flags argparse does not know are refused by FlagParser, the parser of each subcommand and of
+main.py: with that command's usage (a subcommand's, not the top level's) and the closest flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import re
 import socket
 import sys
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from myvllm.config import Config
 from myvllm.utils.model_path import resolve_model_path
@@ -36,6 +40,33 @@ HOST_ALLOWED = ("an address of this machine or a name that resolves to one (127.
                 "localhost; 0.0.0.0 or :: for every interface)")
 MAX_REASON_CHARS = 300  # a hub error can be long; the line stays readable
 T = TypeVar("T")
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ArgumentParser that refuses arguments it does not know itself, with the closest flag:
+
+        usage: myvllm serve [-h] [--host HOST] ...
+        myvllm serve: error: unrecognized arguments: --max-num-seqz (did you mean --max-num-seqs?)
+
+    As a subcommand's parser (add_subparsers(parser_class=FlagParser)) it reports them with
+    its own usage; a plain ArgumentParser would hand them up to the top-level parser, whose
+    usage says nothing of the subcommand's flags."""
+
+    def parse_known_args(self, args: Iterable[str] | None = None,
+                         namespace: Any = None) -> tuple[Any, list[str]]:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self._closest(unknown)}")
+        return parsed, unknown
+
+    def _closest(self, unknown: list[str]) -> str:
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        for arg in unknown:
+            if arg.startswith("-"):
+                close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
 
 
 class Refused(ValueError):
