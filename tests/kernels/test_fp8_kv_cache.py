@@ -21,13 +21,12 @@ instruction itself, which tests/gpu/test_gpu_fp8_kv_cache.py checks on the GPU.
 from __future__ import annotations
 
 import importlib
-import math
 from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
-from helpers_kernels import DTYPES, HAS_CUDA, TOL
+from helpers_kernels import DTYPES, HAS_CUDA, K_SCALE, TOL, V_SCALE, paged_caches
 
 from myvllm.kernels import (
     flash_attention_varlen_ref,
@@ -40,8 +39,6 @@ from myvllm.kernels.fp8_kv_reference import FP8_DTYPE, FP8_MAX, dequantize_kv, q
 # output of attention over N(0, 1) keys and values by 2.6-3.8% in norm (these shapes, three
 # seeds); reading the same cache without its scales (K_SCALE, V_SCALE) is off by 48-59%.
 FP8_REL_TOL = 0.05
-K_SCALE, V_SCALE = 0.37, 1.9
-NAN_BYTE = 0x7F  # e4m3fn's NaN: unused cache slots hold it, so a read of one shows
 
 
 @pytest.fixture(scope="module")
@@ -85,31 +82,6 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 def cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))],
                         dtype=torch.int32, device=device)  # fmt: skip
-
-
-def paged_caches(k: torch.Tensor, v: torch.Tensor, lengths: list[int], block_size: int,
-                 cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K/V [sum(lengths), Hkv, D] stored by store_kvcache_ref (fp8: with K_SCALE, V_SCALE) into
-    a cache of shuffled blocks; unused slots hold NaN. -> (k_cache, v_cache, block_tables)."""
-    gen = torch.Generator().manual_seed(1234)
-    per_seq = [math.ceil(n / block_size) for n in lengths]
-    num_blocks = sum(per_seq) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.full((len(lengths), max(per_seq) + 1), -1, dtype=torch.int32)
-    slots = []
-    for b, n in enumerate(lengths):
-        blocks = [order.pop() for _ in range(per_seq[b])]
-        tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
-    shape = (num_blocks, block_size, k.shape[1], k.shape[2])
-    if cache_dtype == FP8_DTYPE:
-        k_cache = torch.full(shape, NAN_BYTE, dtype=torch.uint8, device=k.device).view(FP8_DTYPE)
-    else:
-        k_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=k.device)
-    v_cache = k_cache.clone()
-    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=k.device)
-    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, K_SCALE, V_SCALE)
-    return k_cache, v_cache, tables.to(k.device)
 
 
 # --------------------------------------------------------------------------- the oracle

@@ -23,8 +23,14 @@ bandwidth, not by arithmetic. Two ideas keep the bytes moving:
 Keys are found through the block table one token at a time (position p -> block
 block_tables[b, p // block_size], offset p % block_size), so BLOCK_N and block_size need no
 relation: a tile may span many small blocks or sit inside one big block. An fp8 cache's
-tiles are cast as they are loaded and their scales applied to the scores and probabilities
-(fp8_kv.py): half the bytes to read.
+tiles are cast as they are loaded, k_scale folded into the queries and v_scale into the
+output (fp8_kv.py): half the bytes to read.
+
+3. Scores without padding. Over an fp8 cache the padded dots and softmax of idea 1 cost more
+   than reading the bytes (Qwen3-0.6B: 2 query heads a kv head, 7/8 of that work padding).
+   For groups of up to 4 heads, decode_cuda_cores.py's program computes the scores on the
+   CUDA cores for the real heads only; DECODE_SCORES chooses ("auto": by the cache's dtype,
+   AUTO_CUDA_CORES_MAX_GROUP). Both programs write the same outputs and split partials.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_kv import cache_scale, dequantize_kv, queries_for_cache, scale_probs
+from . import decode_cuda_cores
+from .decode_cuda_cores import paged_decode_cuda_cores_kernel, tile_rows
+from .fp8_kv import cache_scale, dequantize_kv, fold_into_queries
 from .pdl import pdl_args, pdl_wait
 
 LOG2E = math.log2(math.e)
@@ -95,7 +103,9 @@ def _paged_decode_split_kernel(
     heads = kv_head * GROUP + offs_g  # the query heads of this kv head's group
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = queries_for_cache(q, k_cache_ptr.dtype.element_ty)
+    # An fp8 cache: the softmax scale and k_scale go into the queries, which are rounded to
+    # the dots' dtype once anyway; a 16-bit cache's queries stay as given, scaled per score.
+    q = fold_into_queries(q, qk_scale * k_scale, k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -103,16 +113,15 @@ def _paged_decode_split_kernel(
 
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_base = kv_head * stride_ch
-    qk_scale = qk_scale * cache_scale(k_scale, k_cache_ptr.dtype.element_ty)
     for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        n_mask = pos < hi
-        blk = tl.load(bt_row_ptr + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = kv_base + blk * stride_cb + (pos % PAGE) * stride_cs
+        rows, n_mask = tile_rows(bt_row_ptr, kv_base, start, hi, offs_n, stride_cb, stride_cs,
+                                 PAGE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         k = dequantize_kv(k, q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if not k_cache_ptr.dtype.element_ty.is_fp8():
+            qk = qk * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # The first tile of a split always holds a valid key, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -120,12 +129,12 @@ def _paged_decode_split_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        p = scale_probs(p, v_scale, v.dtype)
         v = dequantize_kv(v, q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc += p @ v
         m_i = m_new
 
+    acc = acc * cache_scale(v_scale, v_cache_ptr.dtype.element_ty)  # sum p (s v) = s sum p v
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         # l_i is 0 only for an empty context (a padding row): write zeros, not NaN.
@@ -216,16 +225,46 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
+# How the decode kernel computes its scores: "dot" on the tensor cores (the GROUP query heads
+# of a kv head padded to 16 rows, the program above), "cuda_cores" as products summed on the
+# CUDA cores over the real heads only (decode_cuda_cores.py; groups of up to
+# decode_cuda_cores.MAX_GROUP heads, larger ones always take the dot), "auto" by the cache's
+# dtype (AUTO_CUDA_CORES_MAX_GROUP). A module attribute, read at every call, so that a
+# benchmark can compare both in one process (benchmarks/benchmark_decode_attention.py).
+DECODE_SCORES = "auto"
+SCORES_ALLOWED = ("auto", "dot", "cuda_cores")
+# "auto": the largest group whose scores go to the CUDA cores, by the cache's bytes an
+# element (0: always the dot). Change it here after a GPU run of the kernel benchmark.
+AUTO_CUDA_CORES_MAX_GROUP = {1: 4, 2: 0, 4: 0}
+
+
+def uses_cuda_cores(scores: str, group: int, cache_dtype: torch.dtype) -> bool:
+    """Whether a decode call of this group over this cache runs the CUDA-core program."""
+    if scores not in SCORES_ALLOWED:
+        raise ValueError(f"paged_attention_decode: scores {scores!r} is not known; "
+                         f"allowed: {', '.join(SCORES_ALLOWED)}")
+    if not decode_cuda_cores.supports_group(group) or scores == "dot":
+        return False
+    return scores == "cuda_cores" or group <= AUTO_CUDA_CORES_MAX_GROUP.get(cache_dtype.itemsize, 0)
+
+
 def decode_config(device: torch.device, head_dim: int,
-                  cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+                  cache_dtype: torch.dtype | None = None, *, cuda_cores: bool = False,
+                  group: int = 1) -> DecodeConfig:
     """Tile size and warps (tuning knobs). Small tiles on the CPU interpreter keep tests fast.
 
     An fp8 cache gets 2 warps and a deeper pipeline: on the H200 at full-batch shapes that
     took its kernel from ~2.0 to ~2.4 TB/s (docs/diagnostics/decode_tile_sweep.py), while the
     bf16 cache's kernel reads at 90-96% of the copy bandwidth with any of the fast tiles.
+    The CUDA-core program holds a [BLOCK_N, D] float32 accumulator per query head (16
+    registers a thread and head at 16 keys, 4 warps, D = 128; sm_90 compiles of 2 heads take
+    96 registers, of 4 heads 230 with 4 warps), so larger groups get 8 warps; num_stages is
+    its loop's load pipeline (tl.range).
     """
     if device.type != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    if cuda_cores:
+        return DecodeConfig(block_n=16, num_warps=4 if group <= 2 else 8, num_stages=3)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     if cache_dtype is not None and cache_dtype.itemsize == 1:
@@ -245,11 +284,13 @@ def paged_attention_decode_triton(
     config: DecodeConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    scores: str | None = None,
 ) -> torch.Tensor:
     """Triton version of paged_attention_decode (contract in kernels/__init__.py).
 
     num_splits forces the split count (tests use it to exercise both paths); by default it
-    comes from choose_num_splits. config overrides the tile size (tuning sweeps).
+    comes from choose_num_splits. config overrides the tile size (tuning sweeps), scores the
+    module's DECODE_SCORES (which program computes the scores: "auto", "dot", "cuda_cores").
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -277,7 +318,10 @@ def paged_attention_decode_triton(
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, sms)
     if num_splits < 1:
         raise ValueError(f"paged_attention_decode: num_splits must be >= 1, got {num_splits}")
-    cfg = config or decode_config(q.device, head_dim, k_cache.dtype)
+    cuda_cores = uses_cuda_cores(DECODE_SCORES if scores is None else scores, group,
+                                 k_cache.dtype)
+    cfg = config or decode_config(q.device, head_dim, k_cache.dtype, cuda_cores=cuda_cores,
+                                  group=group)
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         # Allocated per call: inside a CUDA graph capture these come from the graph's pool.
@@ -288,23 +332,20 @@ def paged_attention_decode_triton(
         )
     else:
         m_part = l_part = acc_part = o  # unused by the kernel in this mode
-    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o, m_part, l_part, acc_part,
-        scale * LOG2E, k_scale, v_scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), o.stride(0), o.stride(1),
-        GROUP=group,
-        G_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_N=cfg.block_n,
-        PAGE=block_size,
-        NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **pdl_args(q),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    args = (q, k_cache, v_cache, block_tables, context_lens, o, m_part, l_part, acc_part,
+            scale * LOG2E, k_scale, v_scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), o.stride(0), o.stride(1))  # fmt: skip
+    shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+                 PAGE=block_size, NUM_SPLITS=num_splits, **pdl_args(q),
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (batch, num_kv_heads, num_splits)
+    if cuda_cores:
+        paged_decode_cuda_cores_kernel[grid](*args, LOAD_STAGES=cfg.num_stages, **shape)
+    else:
+        _paged_decode_split_kernel[grid](
+            *args, G_PAD=max(16, triton.next_power_of_2(group)),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **shape)
     if num_splits > 1:
         _paged_decode_reduce_kernel[(batch, num_heads)](
             m_part, l_part, acc_part, o, o.stride(0), o.stride(1),

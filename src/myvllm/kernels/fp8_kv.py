@@ -8,7 +8,9 @@ The attention kernels do the multiplication where it is cheapest, not on each [k
 tile: a loaded tile is only cast (exactly: bf16 and fp16 hold every e4m3 value), k_scale
 multiplies the scores (folded into the softmax scale once per program, since
 q . (s k) = s (q . k)) and v_scale the probabilities before they weigh V (sum p (s v) =
-s sum p v; the softmax's denominator sums the unscaled p). That leaves one conversion per
+s sum p v; the softmax's denominator sums the unscaled p). The decode kernels go one step
+further: k_scale and the softmax scale multiply the queries once (fold_into_queries), v_scale
+the output once (cache_scale), so nothing is scaled per key. That leaves one conversion per
 element of the cache, the least an fp8 cache can cost. For a bf16 model the conversion is to
 fp16, not bf16: e4m3 -> fp16 is a single instruction on the GPU, and the queries are cast to
 fp16 once per program for the dot products (queries_for_cache; fp16 holds them more finely
@@ -47,6 +49,20 @@ def queries_for_cache(q, CACHE_DTYPE: tl.constexpr):
     if CACHE_DTYPE.is_fp8():
         if q.dtype.is_bf16():
             q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    return q
+
+
+@triton.jit
+def fold_into_queries(q, factor, CACHE_DTYPE: tl.constexpr):
+    """For an fp8 cache, q * factor (the softmax scale and k_scale, folded in once per
+    program instead of multiplying every score) in the dtype the dot products run in, rounded
+    once: fp16 for 16-bit queries (see queries_for_cache), float32 stays float32. Any other
+    cache: q unchanged (its scores are scaled after the dot)."""
+    if CACHE_DTYPE.is_fp8():
+        if q.dtype.is_fp32():
+            q = q * factor
+        else:
+            q = tl.clamp(q.to(tl.float32) * factor, -FP16_MAX, FP16_MAX).to(tl.float16)
     return q
 
 
