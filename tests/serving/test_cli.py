@@ -82,7 +82,33 @@ def test_serve_passes_the_key_and_the_template_file(tmp_path: Path,
     assert cli.main(["serve", str(tmp_path), "--port", str(free_port()), "--api-key", "k1",
                      "--chat-template", str(template)]) == 0
     (args,) = calls
-    assert args[-2:] == ("k1", "{{ messages[0].content }}")
+    assert args[-3:-1] == ("k1", "{{ messages[0].content }}")
+
+
+def test_serve_passes_the_tool_and_reasoning_flags(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(cli, "serve", lambda *a: calls.append(a) or 0)
+    model = [str(tmp_path), "--port", str(free_port())]
+    assert cli.main(["serve", *model, "--enable-auto-tool-choice", "--tool-call-parser",
+                     "hermes", "--reasoning-parser", "qwen3"]) == 0
+    assert calls[0][-1] == ChatOutputSettings(True, "hermes", "qwen3")
+    assert cli.main(["serve", *model]) == 0
+    assert calls[1][-1] == ChatOutputSettings()
+    # Refused before the model loads, in one line naming the parsers allowed.
+    for flags, words in [(["--tool-call-parser", "mistral"], "--tool-call-parser: unknown tool "
+                          "call parser 'mistral' (allowed: hermes, llama3_json)"),
+                         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs "
+                          "--tool-call-parser NAME (allowed: hermes, llama3_json)"),
+                         (["--reasoning-parser", "r1"], "--reasoning-parser: unknown "
+                          "reasoning parser 'r1' (allowed: qwen3)")]:
+        capsys.readouterr()
+        assert cli.main(["serve", *model, *flags]) == 2
+        assert capsys.readouterr().err == f"myvllm serve: {words}\n"
+    assert len(calls) == 2
 
 
 def test_a_missing_chat_template_is_refused_before_the_model_loads(

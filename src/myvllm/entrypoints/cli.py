@@ -2,6 +2,7 @@
 
     myvllm serve [MODEL] [--host H] [--port P] [--max-model-length 2048 ...]
                  [--api-key KEY] [--chat-template FILE]
+                 [--enable-auto-tool-choice --tool-call-parser NAME] [--reasoning-parser NAME]
     myvllm chat  [MODEL] [--max-tokens N] [--temperature T] [--system TEXT] [...]
     myvllm export-tokenizer [MODEL] OUT_DIR
 
@@ -37,6 +38,7 @@ from myvllm.config import Config
 from myvllm.entrypoints.preflight import FlagParser
 
 if TYPE_CHECKING:
+    from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings
     from myvllm.utils.distributed import TorchrunEnv
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template used for chat requests instead of the "
                             "tokenizer's own")
+    add_chat_output_flags(serve)
     add_config_flags(serve)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal",
@@ -159,6 +162,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_argument(export)
     export.add_argument("out_dir", metavar="OUT_DIR", help="created if missing")
     return parser
+
+
+def add_chat_output_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags that read chat answers as tool calls and reasoning."""
+    from myvllm.entrypoints.reasoning_parsers import ReasoningParserManager
+    from myvllm.entrypoints.tool_parsers import ToolParserManager
+
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto", '
+                             "the default of a request with tools); needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="how the model writes tool calls: "
+                             f"{', '.join(sorted(ToolParserManager.tool_parsers))} (hermes: "
+                             "Qwen3's and Hermes' <tool_call>; llama3_json: Llama 3's JSON)")
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="split the model's thinking into reasoning_content: "
+                             f"{', '.join(sorted(ReasoningParserManager.reasoning_parsers))}")
+
+
+def chat_output_settings(args: argparse.Namespace) -> ChatOutputSettings:
+    """The serve flags of add_chat_output_flags, checked (ValueError: an unknown parser)."""
+    from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings
+
+    settings = ChatOutputSettings(args.enable_auto_tool_choice, args.tool_call_parser,
+                                  args.reasoning_parser)
+    settings.check()
+    return settings
 
 
 def pick_model(model: str | None) -> tuple[str | None, str]:
@@ -193,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = engine_config(args)
         chat_template = read_chat_template(getattr(args, "chat_template", None))
+        chat_outputs = chat_output_settings(args) if args.command == "serve" else None
         launch = torchrun_env()
         check_torchrun_world_size(launch, config.tensor_parallel_size)
         loads_here = args.command != "export-tokenizer" and (launch is None or launch.rank == 0)
@@ -213,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve(config, args.served_model_name or name, args.host, args.port,
                          args.log_level, args.data_parallel_routing, args.api_key or None,
-                         chat_template)
+                         chat_template, chat_outputs)
         from myvllm.entrypoints.chat import run_chat
 
         return run_chat(config, args)
@@ -305,9 +336,10 @@ def export_tokenizer(model: str | None, out_dir: str) -> int:
 
 def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
           data_parallel_routing: str = "prefix", api_key: str | None = None,
-          chat_template: str | None = None) -> int:
+          chat_template: str | None = None,
+          chat_outputs: ChatOutputSettings | None = None) -> int:
     """Run the server until a signal (exit 0) or an engine core's death (exit 1). api_key,
-    chat_template: as openai_server.build_app."""
+    chat_template, chat_outputs: as openai_server.build_app."""
     from myvllm.serving.async_llm import AsyncLLM
     from myvllm.serving.dp_async_llm import DPAsyncLLM
     from myvllm.serving.engine_client import EngineClient
@@ -327,7 +359,7 @@ def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
         print(f"myvllm serve: {e}", file=sys.stderr)
         return 1
     server = make_server(llm, model_name, host, port, log_level, api_key=api_key,
-                         chat_template=chat_template)
+                         chat_template=chat_template, chat_outputs=chat_outputs)
     try:
         server.run()
     finally:

@@ -53,6 +53,7 @@ from myvllm.serving.engine_client import EngineClient
 from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints import protocol
 from myvllm.entrypoints.api_key import ApiKeyMiddleware
+from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings, output_parsing
 from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
 from myvllm.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from myvllm.entrypoints.protocol import RequestError, error_body
@@ -133,10 +134,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLogger,
               max_body_bytes: int | None = None, api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None,
+              chat_outputs: ChatOutputSettings | None = None) -> FastAPI:
     """api_key: the bearer token every route but the open ones asks for (None: none asked).
     chat_template: a Jinja template for chat requests instead of the tokenizer's (None: the
-    tokenizer's)."""
+    tokenizer's). chat_outputs: how chat answers are read (reasoning, tool calls: the
+    --reasoning-parser, --enable-auto-tool-choice and --tool-call-parser flags)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         llm.start()  # read the core's outputs and watch its process from now on
@@ -224,8 +227,9 @@ def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLog
     @app.post("/v1/chat/completions", openapi_extra=_body_schema("/v1/chat/completions"))
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, protocol.ChatCompletionRequest)
+        parsing = output_parsing(body, chat_outputs, llm.tokenizer)
         return await generation.chat(request, body,
-                                     apply_chat_template(llm, body, chat_template))
+                                     apply_chat_template(llm, body, chat_template), parsing)
 
     @app.post("/tokenize", openapi_extra=_body_schema("/tokenize"))
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -293,7 +297,9 @@ def apply_chat_template(llm: EngineClient, body: protocol.ChatCompletionRequest
         return chat_prompt_ids(llm.tokenizer, messages,
                                add_generation_prompt=body.add_generation_prompt,
                                chat_template=chat_template,
-                               template_kwargs=body.chat_template_kwargs)
+                               template_kwargs=body.chat_template_kwargs,
+                               tools=(body.template_tools() if isinstance(
+                                   body, protocol.ChatCompletionRequest) else None))
     except NoChatTemplateError:
         raise RequestError("this model has no chat template: use /v1/completions") from None
     except (TemplateError, ValueError, TypeError) as e:  # e.g. roles out of order
@@ -343,16 +349,20 @@ def make_server(llm: EngineClient, model_name: str, host: str, port: int,
                 log_level: str = "info", max_body_bytes: int | None = None,
                 exit_on_core_death: bool = True,
                 timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
-                api_key: str | None = None, chat_template: str | None = None) -> Server:
+                api_key: str | None = None, chat_template: str | None = None,
+                chat_outputs: ChatOutputSettings | None = None) -> Server:
     """max_body_bytes: the largest request body taken (None: default_body_limit).
     exit_on_core_death False: the server keeps answering (503s) after the engine core
     died, instead of stopping (a server embedded in a process that decides for itself).
     log_level: uvicorn's, and the request log's (one INFO line per request).
     timeout_request_head: seconds a connection has to send a whole request head
-    (h11_deadlines.py). api_key, chat_template: as build_app."""
+    (h11_deadlines.py). api_key, chat_template, chat_outputs: as build_app."""
     stat_logger = PrometheusStatLogger(model_name)
     llm.stat_logger = stat_logger
-    app = build_app(llm, model_name, stat_logger, max_body_bytes, api_key, chat_template)
+    if chat_outputs is not None:
+        chat_outputs.check()
+    app = build_app(llm, model_name, stat_logger, max_body_bytes, api_key, chat_template,
+                    chat_outputs)
     request_logger.setLevel(log_level.upper())
     return Server(uvicorn_config(app, host, port, log_level, timeout_request_head), llm,
                   exit_on_core_death)

@@ -11,12 +11,15 @@ it, so that no answer looks as if it honoured a field it ignored:
   `logprobs` in /v1/completions, `logprobs` and `top_logprobs` in chat; structured outputs:
   OpenAI's `response_format` (json_object, json_schema) and vLLM's `structured_outputs` and
   older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (one of them a
-  request);
+  request); tool calling in chat (`tools`, `tool_choice`, `parallel_tool_calls`, and the
+  messages that carry calls and their results: `tool_calls`, `tool_call_id`), checked here as
+  vLLM checks them (tool_choice without tools is a 400; tools without tool_choice mean
+  "auto"; "required" with no tools means "none");
 - `user` is taken and ignored: an end-user id for the provider's abuse monitoring, with no
   effect on the answer;
 - fields of OpenAI's (or vLLM's) API that are not implemented yet (NOT_YET) are taken at the
-  value that asks for nothing (null, or "best_of": 1, "tools": [] ..., which clients such
-  as LangChain send on every request) and refused otherwise; `suffix` only at null;
+  value that asks for nothing (null, or "best_of": 1) and refused otherwise; `suffix` only
+  at null;
 - any other field is refused as unknown, with the list of the fields allowed (OpenAI's own
   API does the same).
 
@@ -26,11 +29,14 @@ Response bodies are in responses.py.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      model_validator)
 
+from myvllm.entrypoints.tool_parsers.tool_choice import named_function_schema, required_schema
 from myvllm.sampling_parameters import (MAX_LOGPROBS, MAX_N, SamplingParams,
                                           StructuredOutputsParams)
 
@@ -62,11 +68,6 @@ NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v == 1, "1 or null"),
     # Text after the completion (insertion): refused at any value but null, "" too.
     "suffix": (lambda v: False, "null"),
-    "tools": (lambda v: not v, "[] or null"),
-    "tool_choice": (lambda v: v == "none", '"none" or null'),
-    # On a chat message: the answers this server gives never hold tool calls.
-    "tool_calls": (lambda v: not v, "[] or null"),
-    "tool_call_id": (lambda v: False, "null"),
 }
 
 
@@ -294,13 +295,37 @@ class ContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+    @model_validator(mode="after")
+    def _arguments_are_json(self) -> FunctionCall:
+        try:
+            arguments = json.loads(self.arguments or "{}")
+        except ValueError:
+            raise ValueError(f"the arguments of a call of {self.name!r} are not JSON: "
+                             f"{self.arguments[:80]!r}") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"the arguments of a call of {self.name!r} are not a JSON object")
+        return self
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (the answer's message.tool_calls, sent back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # given to the chat template, which may show it
-    # Not implemented yet (NOT_YET): an assistant turn that called tools, a tool's answer.
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, as answered
 
     def text(self) -> str:
         if self.content is None:
@@ -309,11 +334,46 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: a call's arguments as a dict (templates
+        write them with tojson; vLLM hands them over so)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name,
+                              "arguments": json.loads(call.function.arguments or "{}")}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # taken: a forced call always follows the schema here
+
+
+class ChatCompletionToolsParam(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(_Strict):
+    """tool_choice naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class _ChatPrompt(_Strict):
@@ -324,13 +384,24 @@ class _ChatPrompt(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+# tool_choice: a mode, or an object naming the function; told apart by the value's type, so
+# that a mistake is reported against the one it meant ("tool_choice.mode: Input should be
+# 'none', 'auto' or 'required'").
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("mode")]
+    | Annotated[ChatCompletionNamedToolChoiceParam, Tag("named")],
+    Discriminator(lambda v: "named" if isinstance(v, (dict, BaseModel)) else "mode")]
+
+
 class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None  # each answer token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and its k best's
-    # Not implemented yet (NOT_YET).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Tool calling (entrypoints/tool_parsers/): the tools the model may call, and whether it
+    # must (required), must call one (named), may (auto) or must not (none).
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most
 
     @model_validator(mode="after")
     def _max_tokens(self) -> ChatCompletionRequest:
@@ -340,6 +411,63 @@ class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
             # OpenAI's and vLLM's rule: top_logprobs alone would be silently ignored.
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tool_usage(self) -> ChatCompletionRequest:
+        """vLLM's rules: tools without tool_choice mean "auto"; tool_choice needs tools;
+        "required" with no tools is "none"; a named function must be one of the tools."""
+        if self.tool_choice is None and self.tools:
+            self.tool_choice = "auto"
+        if self.tool_choice is None or self.tool_choice == "none":
+            return self
+        if self.tools is None:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if self.tool_choice == "required" and not self.tools:
+            self.tool_choice = "none"
+            return self
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            name = self.tool_choice.function.name
+            names = [tool.function.name for tool in self.tools]
+            if name not in names:
+                raise ValueError(f"tool_choice names the function {name!r}, which is not one "
+                                 f"of the tools (allowed: {', '.join(names) or 'none'})")
+        return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """How the answer is read: None (no tools: as text), "auto", "required", or
+        "named" (tool_choice names the function)."""
+        if self.tool_choice is None or self.tool_choice == "none" or not self.tools:
+            return None
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            return "named"
+        return self.tool_choice
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (none under tool_choice "none")."""
+        if self.tool_mode is None or self.tools is None:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """As every request's, plus the schema of a forced call (tool_choice "required" or
+        a named function), which takes no other constraint beside it."""
+        asked = super().structured_outputs_params()
+        schema = self.forced_call_schema()
+        if schema is None:
+            return asked
+        if asked is not None:
+            raise ValueError(f"tool_choice {self.tool_mode} constrains the answer to a call, "
+                             "so it takes no other structured output constraint")
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+    def forced_call_schema(self) -> dict[str, Any] | None:
+        tools = self.template_tools() or []
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam) and tools:
+            return named_function_schema(tools, self.tool_choice.function.name)
+        if self.tool_mode == "required":
+            return required_schema(tools, self.parallel_tool_calls is not False)
+        return None
 
     def logprob_params(self) -> dict[str, int | None]:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
@@ -407,11 +535,24 @@ def parse_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeC
 def _allowed_fields(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """The fields of the (nested) model in which loc, an unknown field's path, ends; a field
     not implemented yet with the only values it takes ("suffix (only null)")."""
-    nested: dict[int | str, type[BaseModel]] = {
-        "stream_options": StreamOptions, "response_format": ResponseFormat,
-        "json_schema": JsonSchemaFormat, "structured_outputs": StructuredOutputs,
-        "messages": ChatMessage, "content": ContentPart}
+    candidates = [model]  # the models a step may be in: several under a union
     for step in loc[:-1]:
-        model = nested.get(step, model)
+        if not isinstance(step, str):
+            continue  # a list's index
+        named = [m for m in candidates if m.__name__ == step]  # a union's member, by name
+        if named:
+            candidates = named
+            continue
+        fields = [m.model_fields[step] for m in candidates if step in m.model_fields]
+        if fields:
+            candidates = _models_in(fields[0].annotation) or candidates
+    model = candidates[0]
     return [f"{name} (only {NOT_YET[name][1]})" if name in NOT_YET else name
             for name in sorted(model.model_fields)]
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models an annotation holds: itself, or inside list[...] and unions."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]

@@ -15,6 +15,8 @@ class Choice:
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None  # entrypoints/logprobs.py's shape, if asked
+    # A chat answer read as more than text (chat_output_parsing.py): its message.
+    message: dict[str, Any] | None = None
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
@@ -36,13 +38,14 @@ def chat_response(request_id: str, model: str, choices: list[Choice],
                   usage_: dict[str, int]) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index,
+                         "message": c.message or {"role": "assistant", "content": c.text},
                          "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                         for c in choices],
             "usage": usage_}
 
 
-def chat_chunk(request_id: str, model: str, delta: dict[str, str] | None,
+def chat_chunk(request_id: str, model: str, delta: dict[str, Any] | None,
                finish_reason: str | None = None,
                usage_: dict[str, int] | None = None,
                logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:

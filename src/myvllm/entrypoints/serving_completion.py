@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from myvllm.serving.async_llm import EngineDeadError, StreamOutput
 from myvllm.serving.engine_client import EngineClient
 from myvllm.engine.request_checks import check_token_ids
+from myvllm.entrypoints.chat_output_parsing import ChatOutputParsing
 from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                          RequestError, error_body)
@@ -189,15 +190,20 @@ class Generation:
         return "" if tokenizer is None else tokenizer.decode(token_ids)
 
     async def chat(self, request: Request, body: ChatCompletionRequest,
-                   prompt_ids: list[int]) -> Response:
+                   prompt_ids: list[int], parsing: ChatOutputParsing | None = None
+                   ) -> Response:
+        """parsing: how the answers are read (reasoning, tool calls); None: as text."""
         limit = check_prompt(prompt_ids, body.max_tokens, self.llm.max_model_length,
                              self.llm.vocab_size)
-        return await self.run(request, body, [prompt_ids], [limit], chat=True)
+        return await self.run(request, body, [prompt_ids], [limit], chat=True,
+                              parsing=parsing)
 
     async def run(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                   prompts: list[list[int]], max_tokens: list[int], chat: bool,
-                  echo: list[str] | None = None) -> Response:
-        """echo: each prompt's text, which its choice's text starts with."""
+                  echo: list[str] | None = None, parsing: ChatOutputParsing | None = None
+                  ) -> Response:
+        """echo: each prompt's text, which its choice's text starts with; parsing: as
+        chat's."""
         try:
             params = [body.sampling_params(m) for m in max_tokens]
         except (ValueError, TypeError) as e:
@@ -213,8 +219,10 @@ class Generation:
         log.prompt_tokens = sum(map(len, prompts))
         if body.stream:
             started = await self.start(prompts, params, body.stop_strings, request_id, True)
-            events = (self.stream_chat if chat else self.stream_completion)(
-                request, request_id, started, answers, body.include_usage)
+            events = (self.stream_chat(request, request_id, started, answers,
+                                       body.include_usage, parsing) if chat else
+                      self.stream_completion(request, request_id, started, answers,
+                                             body.include_usage))
             return StreamingResponse(events, media_type="text/event-stream")
         # Not streamed: the answer is one body; watch the connection while it is computed.
         collect = asyncio.ensure_future(
@@ -228,6 +236,10 @@ class Generation:
         gone.cancel()
         choices, num_completion_tokens = collect.result()
         log.completion_tokens = num_completion_tokens
+        if parsing is not None:
+            for choice in choices:
+                choice.message, choice.finish_reason = parsing.message(choice.text,
+                                                                       choice.finish_reason)
         if any(c.finish_reason == "abort" for c in choices):
             # Not the client's doing (its leaving cancels the task above): the server is
             # shutting down. A partial answer with a 200 would pass for a complete one.
@@ -305,7 +317,9 @@ class Generation:
         yield sse("[DONE]")
 
     async def stream_chat(self, request: Request, request_id: str, started: list[Started],
-                          answers: list[Answer], include_usage: bool) -> AsyncIterator[str]:
+                          answers: list[Answer], include_usage: bool,
+                          parsing: ChatOutputParsing | None = None) -> AsyncIterator[str]:
+        streams = [parsing.stream() for _ in answers] if parsing is not None else None
         for index in range(len(answers)):  # one chat prompt: a choice per completion
             yield sse(chat_chunk(request_id, self.model_name,
                                  {"role": "assistant", "content": ""}, index=index))
@@ -314,9 +328,14 @@ class Generation:
             async with contextlib.aclosing(self._outputs(request, started)) as outputs:
                 async for _, out in outputs:
                     last[out.index] = out
-                    delta = {"content": out.text} if out.text else {}
-                    yield sse(chat_chunk(request_id, self.model_name, delta,
-                                         out.finish_reason,
+                    finish_reason = out.finish_reason
+                    if streams is None:
+                        delta = {"content": out.text} if out.text else {}
+                    else:
+                        stream = streams[out.index]
+                        delta = stream.delta(out.text or "", out.finished)
+                        finish_reason = stream.finish_reason(finish_reason)
+                    yield sse(chat_chunk(request_id, self.model_name, delta, finish_reason,
                                          logprobs=answers[out.index].logprobs_of(out),
                                          index=out.index))
         except EngineDeadError as e:

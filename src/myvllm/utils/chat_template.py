@@ -16,10 +16,13 @@ class NoChatTemplateError(ValueError):
 
 def chat_prompt_ids(tokenizer: Any, messages: list[Message], *,
                     add_generation_prompt: bool = True, chat_template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """messages (one conversation of {"role", "content"} dicts) as token ids, by default ending
     with the assistant's turn opened. chat_template: a Jinja template used instead of the
-    tokenizer's own. template_kwargs reach the template (e.g. enable_thinking). Tokenized
+    tokenizer's own. template_kwargs reach the template (e.g. enable_thinking); tools (OpenAI's
+    {"type": "function", "function": {...}} dicts) too, as `tools`, for templates that show
+    the model what it may call (None: no tools, as a template without them reads). Tokenized
     without adding special tokens: the template writes them. A template that refuses the
     messages raises jinja2's TemplateError (or ValueError/TypeError)."""
     if tokenizer is None:
@@ -27,9 +30,14 @@ def chat_prompt_ids(tokenizer: Any, messages: list[Message], *,
                                   "pass prompts as token ids to generate()")
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise NoChatTemplateError("this model has no chat template")
+    kwargs = dict(template_kwargs or {})
+    if tools is not None:
+        if "tools" in kwargs:
+            raise ValueError("tools given twice: as tools and in chat_template_kwargs")
+        kwargs["tools"] = tools
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template, **(template_kwargs or {}))
+                                         chat_template=chat_template, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -1,0 +1,67 @@
+"""What a reasoning parser gives: the output so far split into reasoning and content, each
+only growing as the text does (a tag's beginning is held back until it is sure), so that the
+streamed deltas add up to the non-streamed answer's fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SplitOutput:
+    reasoning: str | None  # None: the output holds no reasoning
+    content: str
+
+
+class ReasoningParser:
+    """One request's reader of reasoning (vLLM's ReasoningParser)."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    def split(self, text: str, final: bool) -> SplitOutput:
+        """text, the output so far (final: all of it), as reasoning and content."""
+        raise NotImplementedError
+
+
+class ReasoningParserManager:
+    """The reasoning parsers by name (vLLM's registry and names)."""
+
+    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
+
+    @classmethod
+    def register_module(cls, name: str) -> Any:
+        def register(parser: type[ReasoningParser]) -> type[ReasoningParser]:
+            cls.reasoning_parsers[name] = parser
+            return parser
+        return register
+
+    @classmethod
+    def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
+        """The parser named name; ValueError naming the parsers there are."""
+        parser = cls.reasoning_parsers.get(name)
+        if parser is None:
+            raise ValueError(f"unknown reasoning parser {name!r} (allowed: "
+                             f"{', '.join(sorted(cls.reasoning_parsers))})")
+        return parser
+
+
+class ReasoningStream:
+    """One streamed choice: text in, the new reasoning and the new content out."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.reasoning_sent = 0
+        self.content_sent = 0
+
+    def delta(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(new reasoning, new content) once text, the output's next piece, is added."""
+        self.text += text
+        split = self.parser.split(self.text, final)
+        reasoning = (split.reasoning or "")[self.reasoning_sent:]
+        content = split.content[self.content_sent:]
+        self.reasoning_sent += len(reasoning)
+        self.content_sent += len(content)
+        return reasoning, content
