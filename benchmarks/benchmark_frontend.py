@@ -14,15 +14,17 @@ after --step-ms of sleep (a GPU's step time, which costs the host nothing). The 
 Python is not counted. The workload is benchmark_serving.py's: --num-prompts requests at
 once, streamed, prompt and output lengths uniform in 100..1024, ignore_eos.
 
-Measured over the workload (after a warm-up): the CPU time of this process (the front end:
+First the admission: every request at once for one token, the front end's CPU time a
+request (HTTP, parsing, the checks, AddRequest, one event). Then the workload (after a
+warm-up), measured: the CPU time of this process (the front end:
 HTTP, JSON, server-sent events, AsyncLLM; time.process_time) and of the core process (from
 /proc), each per output token and per server-sent event, and how many tokens an event
 carried on average (1.0: the front end kept up with every step; more: it fell behind and sent
 several steps' tokens in one event). The prompts are token ids and the model has no
 tokenizer, as in benchmark_serving.py's workload, so no text is detokenized.
 
---profile front|core runs cProfile in that process during the workload and prints the
-functions taking the most time (their own time, then cumulative). Figures are host CPU
+--profile front|core runs cProfile (counting CPU time) in that process during the workload
+(the front end: the admission too; the core: its whole busy loop) and prints the functions taking the most time (their own time, then cumulative). Figures are host CPU
 figures of the machine that runs it; a GPU's serving speed is benchmark_serving.py's.
 """
 
@@ -96,7 +98,7 @@ def fake_step_core(*args: Any, step_s: float, profile_path: str | None) -> None:
         loop = core_process.EngineCoreProc.run_busy_loop
 
         def profiled_loop(self: Any) -> None:
-            profiler = cProfile.Profile()
+            profiler = cProfile.Profile(time.process_time)  # CPU time, not the sleeps
             profiler.enable()
             try:
                 loop(self)
@@ -163,8 +165,19 @@ async def measure(llm: Any, server: Any, url: str, client: str, prompts: list[li
     try:
         await clients(prompts[:4], [4] * 4)  # warm-up: connections, first steps
         core_pid = llm._process.pid
+        # Admission: every request at once for one token, so that the front end's time is
+        # the requests' way in (HTTP, parsing, checks, AddRequest) and one event each.
+        admission_profiler = cProfile.Profile(time.process_time) if profile_front else None
+        front_before = time.process_time()
+        if admission_profiler is not None:
+            admission_profiler.enable()
+        admitted = await clients(prompts, [1] * len(prompts))
+        if admission_profiler is not None:
+            admission_profiler.disable()
+        admission_cpu_s = time.process_time() - front_before
         front_before, core_before = time.process_time(), cpu_seconds(core_pid)
-        profiler = cProfile.Profile() if profile_front else None
+        # CPU time: the waits for the sockets are not the front end's cost.
+        profiler = cProfile.Profile(time.process_time) if profile_front else None
         if profiler is not None:
             profiler.enable()
         summary = await clients(prompts, max_tokens)
@@ -173,6 +186,9 @@ async def measure(llm: Any, server: Any, url: str, client: str, prompts: list[li
         summary["front_cpu_s"] = time.process_time() - front_before
         summary["core_cpu_s"] = cpu_seconds(core_pid) - core_before
         summary["front_profile"] = profiler
+        summary["admission_cpu_s"] = admission_cpu_s
+        summary["admission_profile"] = admission_profiler
+        summary["admission_ttft_ms"] = admitted["ttft_ms"]
         return summary
     finally:
         server.should_exit = True
@@ -240,16 +256,24 @@ def main(argv: list[str] | None = None) -> int:
     for name, cpu in (("front end", front), ("core process", core)):
         print(f"{name:>12}: {cpu:.2f} CPU s, {1e6 * cpu / tokens:.1f} us a token, "
               f"{1e6 * cpu / events:.1f} us an event")
+    admission = summary["admission_cpu_s"]
+    print(f"   admission: {admission:.2f} CPU s in the front end for {args.num_prompts} "
+          f"requests of one token at once, {1e3 * admission / args.num_prompts:.2f} ms a "
+          f"request (their TTFT p50/p99 {summary['admission_ttft_ms']['p50']:.0f}/"
+          f"{summary['admission_ttft_ms']['p99']:.0f} ms)")
     print("all requests completed with the requested number of tokens: "
           + ("OK" if ok else f"NO ({summary['errors']})"))
     if summary["front_profile"] is not None:
-        print_profile(pstats.Stats(summary["front_profile"]), "front end", args.top)
+        print_profile(pstats.Stats(summary["admission_profile"]), "front end, admission",
+                      args.top)
+        print_profile(pstats.Stats(summary["front_profile"]), "front end, the workload",
+                      args.top)
     if profile_path is not None:
         print_profile(pstats.Stats(profile_path), "core process (the busy loop)", args.top)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"args": vars(args), "output_tokens": tokens, "events": events,
-             "front_cpu_s": front, "core_cpu_s": core,
+             "front_cpu_s": front, "core_cpu_s": core, "admission_cpu_s": admission,
              "front_us_per_token": 1e6 * front / tokens, "core_us_per_token": 1e6 * core / tokens,
              "output_tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_ms"]}, indent=2))
     tmp.cleanup()
