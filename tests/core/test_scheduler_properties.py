@@ -39,6 +39,7 @@ from myvllm.engine.block_manager import compute_hash
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.worker.pending_tokens import add_pending_token
 from helpers_blocks import used_block_ids
 
 VOCAB = 16
@@ -399,7 +400,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
             sampled = ([s for s, _ in done], [t for _, t in done])
             if overlapped:
                 for seq in sampled[0]:
-                    seq.add_pending_token()
+                    add_pending_token(seq)
                 if in_flight:
                     sch.postprocess(*in_flight)
                 in_flight = sampled
@@ -430,7 +431,7 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
         tokens = runner.run(batch, is_prefill, sch)
         if overlapped:
             for seq in batch:
-                seq.add_pending_token()
+                add_pending_token(seq)
             if in_flight:
                 sch.postprocess(*in_flight)
             in_flight = (batch, tokens)

@@ -6,6 +6,7 @@ import pytest
 
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.worker.pending_tokens import add_pending_token
 
 
 def test_basic_fields_and_copy() -> None:
@@ -91,7 +92,7 @@ def test_pickle_with_a_pending_token_carries_its_row_of_the_pool() -> None:
     s.status = SequenceStatus.RUNNING
     s.append_token(4)
     s.sampled_row = 5
-    s.add_pending_token()
+    add_pending_token(s)
     w = pickle.loads(pickle.dumps(s))
     assert (w.num_pending_tokens, w.sampled_row, len(w)) == (1, 5, 5)
     assert w.last_block_num_tokens == 1  # the pending token's slot: the next block's first

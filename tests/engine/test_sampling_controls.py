@@ -21,6 +21,7 @@ from myvllm.sample.sampling_controls import prepare_logits_processing, uses_samp
 from myvllm.engine.sequence import Sequence
 from myvllm.layers.logits_processors import apply_min_p, process_logits
 from myvllm.layers.sampler import Sampler
+from myvllm.worker.pending_tokens import add_pending_token
 
 VOCAB = 50
 EOS = frozenset({0})
@@ -109,7 +110,7 @@ def test_min_tokens_counts_a_pending_token() -> None:
     has not read it; with it the row has its min_tokens and is no longer masked."""
     seq = sequence([5, 6], [9], min_tokens=2)
     assert uses_sampling_controls(seq)
-    seq.add_pending_token()
+    add_pending_token(seq)
     assert not uses_sampling_controls(seq)
     assert prepare_logits_processing([seq], to_device, torch.zeros(4, dtype=torch.int64),
                                      EOS) is None
@@ -124,7 +125,7 @@ def test_penalties_read_a_pending_token_from_the_pool() -> None:
             sequence([4], [5, 6], presence_penalty=0.5)]
     pool = torch.tensor([0, 0, 7, 0, 0, 3], dtype=torch.int64)
     for seq, row in zip(seqs, [5, 2]):
-        seq.add_pending_token()
+        add_pending_token(seq)
         seq.sampled_row = row
     ours = processed(seqs, logits, pool)
     ref0 = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[1, 2, 3, 3]]), logits[:1])

@@ -23,6 +23,7 @@ from myvllm.sample.sampling_controls import prepare_logits_processing
 from myvllm.engine.sequence import Sequence
 from myvllm.worker.staging import FreshTensors
 from myvllm.layers.logits_processors import process_logits
+from myvllm.worker.pending_tokens import add_pending_token
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -60,7 +61,7 @@ def test_processed_logits_on_the_gpu_equal_the_cpus() -> None:
                        SamplingParams(**{**GREEDY, **c}))
         for token in torch.randint(1, vocab, (i,), generator=gen).tolist():
             seq.append_token(token)
-        seq.add_pending_token()  # its newest token still in the pool (async scheduling)
+        add_pending_token(seq)  # its newest token still in the pool (async scheduling)
         seq.sampled_row = i
         seqs.append(seq)
     pool = torch.randint(1, vocab, (len(seqs),), generator=gen)

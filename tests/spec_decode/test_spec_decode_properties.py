@@ -38,6 +38,7 @@ from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sample.extras import proposals_of
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.worker.pending_tokens import add_pending_token
 
 VOCAB = 4
 SEED = 12345
@@ -179,7 +180,7 @@ def test_speculative_bookkeeping_matches_plain_decoding(
             event("preemption")
         samplers, tokens, verified = runner.run(batch)
         for seq in samplers:
-            seq.add_pending_token()  # as EngineCore.step does
+            add_pending_token(seq)  # as EngineCore.step does
         sch.postprocess(samplers, tokens, verified)
         check_invariants(sch)
         steps += 1

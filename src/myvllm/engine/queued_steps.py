@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
+from myvllm.worker.pending_tokens import add_pending_token, drop_pending_tokens
 from myvllm.worker.staging import SampledTokens
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def left_in_flight(step: QueuedStep, speculator: Speculator | None) -> QueuedSte
     pending until the step is read back."""
     for seq, sample in zip(step.seqs, step.samples, strict=True):
         if sample:
-            seq.add_pending_token()
+            add_pending_token(seq)
             step.constrained = (step.constrained or (
                 seq.extras is not None and seq.extras.grammar_matcher is not None) or (
                 speculator is not None and speculator.needs_tokens_on_host(seq)))
@@ -98,7 +99,7 @@ class InFlight:
         pending token, which the next step recomputes (the device runs steps in order)."""
         if self.step is not None:
             for seq in self.step.seqs:
-                seq.drop_pending_tokens()
+                drop_pending_tokens(seq)
             self.step = None
 
 

@@ -25,6 +25,7 @@ from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from myvllm.sample.forks import admit, can_admit, make_forks, release_forks
 from myvllm.sample.sampling_controls import is_stop_token
+from myvllm.worker.pending_tokens import drop_pending_tokens
 from myvllm.spec_decode.scheduling import (Speculator, make_speculator, propose_for_row,
                                            roll_back, take_proposals, verified_tokens)
 
@@ -301,7 +302,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.num_pending_tokens:  # a surplus step may be in flight for it (async)
-            seq.drop_pending_tokens()
+            drop_pending_tokens(seq)
         self.block_manager.deallocate(seq)
         if seq in self.running:
             self.running.remove(seq)

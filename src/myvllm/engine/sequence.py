@@ -92,8 +92,9 @@ class Sequence:
         # (spec_decode/draft_proposer.py).
         self.num_preemptions: int = 0
         # Async scheduling (the guide's Features): tokens counted in num_tokens, not yet in
-        # token_ids (their values are still on the device), and the row of the last one in
-        # the last step's sampled-token pool (worker/pending_tokens.py, worker/token_pool.py).
+        # token_ids (their values are still on the device; worker/pending_tokens.py counts
+        # and drops them), and the row of the last one in the last step's sampled-token pool
+        # (worker/token_pool.py).
         self.num_pending_tokens: int = 0
         self.sampled_row: int | None = None
         # The optional features' state (sample/extras.py): None for a plain request.
@@ -118,21 +119,6 @@ class Sequence:
             self.num_tokens += 1
         # Preempted while this token was pending: the next forward still recomputes all.
         self.needs_prefill = self.status == SequenceStatus.WAITING
-
-    def add_pending_token(self) -> None:
-        """Async scheduling: count a token sampled by a step not read back yet (its K/V
-        slot and its place in a block); append_token fills it in."""
-        self.num_tokens += 1
-        self.num_pending_tokens += 1
-
-    def drop_pending_tokens(self) -> None:
-        """Forget tokens that will never be read (the sequence finished, or its step was
-        abandoned); the next step recomputes from the last known token."""
-        if self.num_pending_tokens:
-            self.num_tokens -= self.num_pending_tokens
-            self.num_pending_tokens = 0
-            # The last known token's K/V came from the abandoned step: compute it again.
-            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     def reset_for_recompute(self) -> None:
         """Preempted: back to waiting, nothing of it in the cache, the next forward a prefill

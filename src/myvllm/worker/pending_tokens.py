@@ -2,10 +2,10 @@
 before their value is known. Async scheduling plans step N+1 before step N's tokens reach the
 host.
 
-The Sequence's side (Sequence.num_pending_tokens, add_pending_token, drop_pending_tokens):
-each sequence of step N counts one pending token (its K/V slot, its place in a block), which
-Scheduler.postprocess fills in (Sequence.append_token takes the oldest pending slot). What
-plans by length works unchanged; only what reads token values waits.
+The Sequence's side (Sequence.num_pending_tokens; add_pending_token and drop_pending_tokens
+here): each sequence of step N counts one pending token (its K/V slot, its place in a block),
+which Scheduler.postprocess fills in (Sequence.append_token takes the oldest pending slot).
+What plans by length works unchanged; only what reads token values waits.
 
 The runner's side, the functions here: a pending token is read on the device, from its row
 of the sampled-token pool (worker/token_pool.py; that row is Sequence.sampled_row). A step's
@@ -32,6 +32,23 @@ if TYPE_CHECKING:
     from myvllm.engine.sequence import Sequence
     from myvllm.worker.staging import FreshTensors
     from myvllm.worker.token_pool import TokenPool
+
+
+def add_pending_token(seq: Sequence) -> None:
+    """Count a token sampled by a step not read back yet (its K/V slot and its place in a
+    block); Sequence.append_token fills it in."""
+    seq.num_tokens += 1
+    seq.num_pending_tokens += 1
+
+
+def drop_pending_tokens(seq: Sequence) -> None:
+    """Forget tokens that will never be read (the sequence finished, or its step was
+    abandoned); the next step recomputes from the last known token."""
+    if seq.num_pending_tokens:
+        seq.num_tokens -= seq.num_pending_tokens
+        seq.num_pending_tokens = 0
+        # The last known token's K/V came from the abandoned step: compute it again.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
 
 
 def pending_token(seq: Sequence, at: int, pending: list[tuple[int, int]]) -> int:
