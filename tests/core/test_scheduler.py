@@ -391,7 +391,14 @@ def test_chunks_far_into_a_long_prompt_shrink_beside_decode_rows() -> None:
     """Beside decode rows, a chunk's attention grows with its position: past
     ATTENTION_BOUND_CONTEXT tokens the cap counts a token for more, so chunks shrink."""
     from myvllm.engine.capped_chunks import ATTENTION_BOUND_CONTEXT as long
-    from myvllm.engine.scheduler import chunk_size as chunk
+    from myvllm.engine.scheduler import StepBudget
+
+    def chunk(start: int, remaining: int, budget: int, prompt_budget: int,
+              capped: bool) -> tuple[int, int]:
+        """(tokens, cost) of the next chunk, as StepBudget.take_chunk takes it."""
+        step = StepBudget(budget, prompt_budget, capped)
+        n = step.take_chunk(start, remaining)
+        return n, prompt_budget - step.prompt
 
     assert chunk(0, 10_000, 16384, 512, capped=True) == (512, 512)
     assert chunk(long - 512, 10_000, 16384, 512, capped=True) == (512, 512)

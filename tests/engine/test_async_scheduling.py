@@ -137,7 +137,7 @@ def test_interrupted_generate_leaves_an_async_engine_usable() -> None:
     llm.model_runner.run = interrupted_run  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine_core._in_flight.step is None and llm.is_finished()
+    assert llm.engine_core.in_flight.step is None and llm.is_finished()
     manager = llm.scheduler.block_manager
     assert len(manager.free_block_ids) == len(manager.blocks) and not used_block_ids(manager)
     llm.model_runner.run = run  # type: ignore[method-assign]

@@ -26,7 +26,7 @@ from myvllm.engine.queued_steps import InFlight, QueuedStep, undo_step
 from myvllm.engine.request_checks import check_request
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
-from myvllm.engine.core_parts import start_core_parts
+from myvllm.engine.core_parts import start_core_parts, stop_core_parts
 from myvllm.sample.logprobs import read_step_logprobs
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.spec_decode.scheduling import make_speculator
@@ -59,8 +59,9 @@ class EngineCore:
         # the tokenizer), then shared by all of them.
         self._structured_outputs: StructuredOutputManager | None = None
         self.async_scheduling = bool(config.async_scheduling)
-        # async_scheduling: the step queued and not read yet (None without it).
-        self._in_flight = InFlight() if self.async_scheduling else None
+        # async_scheduling: the step queued and not read yet (None without it; after an error
+        # or Ctrl-C, queued_steps.drop_in_flight forgets it).
+        self.in_flight = InFlight() if self.async_scheduling else None
         # Requests not yet finished or aborted, by request id (its first completion's seq_id):
         # its sequences, one per completion (SamplingParams.n).
         self.requests: dict[int, list[Sequence]] = {}
@@ -79,18 +80,10 @@ class EngineCore:
         if self.workers is not None:
             self.workers.check_alive()
 
-    def stop_workers_now(self) -> None:
-        """After an interrupted step under tensor parallelism: the ranks may have stopped in
-        different places (one inside a collective), so the workers stop without waiting."""
-        if self.workers is not None:
-            self.workers.stop_workers_now()
-
     def shutdown(self) -> None:
-        """Stop the worker processes and release the process group (idempotent)."""
-        if self.workers is not None:
-            self.workers.shutdown()
-        if self._restore_threads is not None:
-            self._restore_threads()
+        """Stop the worker processes and release the process group, and give the caller its
+        own thread count back (idempotent)."""
+        stop_core_parts(self.workers, self._restore_threads)
 
     # ------------------------------------------------------------------ requests
     def make_sequence(self, token_ids: Any, sampling_params: SamplingParams) -> Sequence:
@@ -140,14 +133,9 @@ class EngineCore:
         if all(seq.is_finished for seq in seqs):
             del self.requests[request_id]
 
-    def drop_in_flight(self) -> None:
-        """Forget a step in flight (after an error or Ctrl-C): InFlight.drop."""
-        if self._in_flight is not None:
-            self._in_flight.drop()
-
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or (
-            self._in_flight is not None and self._in_flight.step is not None)
+            self.in_flight is not None and self.in_flight.step is not None)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> tuple[list[RequestOutput], int]:
@@ -157,8 +145,8 @@ class EngineCore:
         for a pure decode step (one per sequence). With async_scheduling both describe the
         step queued by the previous call (InFlight.step_through)."""
         self.check_alive()
-        if self._in_flight is not None:  # async scheduling
-            return self._in_flight.step_through(self)
+        if self.in_flight is not None:  # async scheduling
+            return self.in_flight.step_through(self)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return [], 0

@@ -63,13 +63,25 @@ def start_core_parts(owner: object, config: Config, model_path: str, hf_config: 
                     model_runner.verifier.draft = draft
                 num_blocks = model_runner.initialize_cache()
         except BaseException:
-            if workers is not None:
-                workers.stop_workers_now()
-            if restore_threads is not None:
-                restore_threads()
+            stop_core_parts(workers, restore_threads, now=True)
             raise
     max_len = fit_max_model_length(config, num_blocks, fit_length_to_cache)
     resolved = dataclasses.replace(config, num_kvcache_blocks=num_blocks,
                                    max_model_length=max_len)
     return CoreParts(resolved, max_len, hf_config.vocab_size, model_runner, workers,
                      restore_threads)
+
+
+def stop_core_parts(workers: Executor | None, restore_threads: weakref.finalize | None,
+                    now: bool = False) -> None:
+    """EngineCore.shutdown (idempotent): stop the worker processes and release the process
+    group, and give the caller its own thread count back. now: after an interrupted step or
+    start-up, when the ranks may have stopped in different places (one inside a
+    collective), the workers stop without waiting."""
+    if workers is not None:
+        if now:
+            workers.stop_workers_now()
+        else:
+            workers.shutdown()
+    if restore_threads is not None:
+        restore_threads()

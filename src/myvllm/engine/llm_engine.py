@@ -22,6 +22,7 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.core import EngineCore
 from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.queued_steps import abandon_generate
 from myvllm.engine.outputs import GenerateProgress, finished_dict, generate_result
 from myvllm.engine.request_checks import check_generate_args
 from myvllm.engine.scheduler import Scheduler
@@ -162,7 +163,7 @@ class LLMEngine:
                     progress.step(len(finished), num_tokens, time.perf_counter() - start)
                     outputs.update((out["seq_id"], out) for out in finished)
         except BaseException:
-            self._abort(seqs)
+            abandon_generate(self.engine_core, [seq.seq_id for seq in seqs], self.abort)
             raise
         finally:
             progress.close()
@@ -189,12 +190,3 @@ class LLMEngine:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _abort(self, seqs: list[Sequence]) -> None:
-        """After an error or Ctrl-C mid-generate: drop this call's sequences. Under tensor
-        parallelism the ranks may have stopped in different places (one inside a collective),
-        so the workers are stopped too and the engine refuses further work."""
-        self.engine_core.drop_in_flight()
-        for seq in seqs:
-            self.abort(seq.seq_id)
-        self.engine_core.stop_workers_now()

@@ -6,6 +6,7 @@ Features, "Async scheduling"); and the undo of a step that failed before it ran 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from myvllm.engine.batch import RequestOutput
@@ -101,6 +102,43 @@ class InFlight:
             for seq in self.step.seqs:
                 drop_pending_tokens(seq)
             self.step = None
+
+
+class StopsWorkers(Protocol):
+    """The Executor (executor/executor.py) of the tensor-parallel workers, as an abandoned run
+    stops it."""
+
+    def stop_workers_now(self) -> None: ...
+
+
+class AbandonedCore(Protocol):
+    """What of the EngineCore (engine/core.py) a run given up mid-way reads."""
+
+    @property
+    def in_flight(self) -> InFlight | None: ...
+
+    @property
+    def workers(self) -> StopsWorkers | None: ...
+
+
+def drop_in_flight(core: AbandonedCore) -> None:
+    """Forget the step in flight (after an error or Ctrl-C; InFlight.drop); none without
+    async scheduling."""
+    if core.in_flight is not None:
+        core.in_flight.drop()
+
+
+def abandon_generate(core: AbandonedCore, request_ids: list[int],
+                     abort: Callable[[int], None]) -> None:
+    """After an error or Ctrl-C mid-generate: drop the step in flight and the call's
+    requests (abort, each). Under tensor parallelism the ranks may have stopped in different
+    places (one inside a collective), so the workers are stopped at once too, and the engine
+    refuses further work."""
+    drop_in_flight(core)
+    for request_id in request_ids:
+        abort(request_id)
+    if core.workers is not None:
+        core.workers.stop_workers_now()
 
 
 def undo_step(scheduler: Scheduler, seqs: list[Sequence]) -> None:

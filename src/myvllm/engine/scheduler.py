@@ -45,7 +45,7 @@ class StepBudget:
       of n tokens ending at position p costs n * p / ATTENTION_BOUND_CONTEXT of the cap.
     - The prefill kernel computes queries in tiles of CHUNK_TILE rows, and a started tile
       costs a whole one, so a capped chunk that is not its prompt's last is cut to whole
-      tiles (chunk_size).
+      tiles (take_chunk).
     """
 
     tokens: int
@@ -65,21 +65,15 @@ class StepBudget:
 
     def take_chunk(self, start: int, remaining: int) -> int:
         """The length of the next chunk of a prompt at position `start` with `remaining`
-        tokens to go, taken out of the budget."""
-        chunk, cost = chunk_size(start, remaining, self.tokens, self.prompt, self.capped)
+        tokens to go, taken out of the budget (capped: at its cost, as
+        engine/capped_chunks.py costs and cuts it)."""
+        if self.capped:
+            chunk, cost = capped_chunk_size(start, remaining, self.tokens, self.prompt)
+        else:
+            chunk = cost = min(remaining, self.tokens, self.prompt)
         self.tokens -= chunk
         self.prompt -= cost
         return chunk
-
-
-def chunk_size(start: int, remaining: int, budget: int, prompt_budget: int,
-               capped: bool) -> tuple[int, int]:
-    """(tokens, cost) of the next chunk of a prompt at position `start`; capped, as
-    engine/capped_chunks.py costs and cuts it."""
-    if not capped:
-        n = min(remaining, budget, prompt_budget)
-        return n, n
-    return capped_chunk_size(start, remaining, budget, prompt_budget)
 
 
 class Scheduler:

@@ -52,6 +52,7 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.core import EngineCore
+from myvllm.engine.queued_steps import drop_in_flight
 from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddRequest, CoreDead,
                                          CoreInput, CoreOutput, CoreOutputs, Heartbeat,
                                          Refusal, SchedulerStats, Shutdown, SpecDecodeCounts)
@@ -300,7 +301,7 @@ class HeartbeatThread:
 
 def abort_all(core: EngineCore) -> None:
     """Drop every request and any step in flight (at shutdown, or after an error)."""
-    core.drop_in_flight()
+    drop_in_flight(core)
     for request_id in list(core.requests):
         core.abort(request_id)
 
