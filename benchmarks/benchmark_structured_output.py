@@ -76,8 +76,9 @@ def main() -> None:
     seqs = []
     for _ in range(batch):
         seq = Sequence([1], block_size=16, sampling_params=SamplingParams(structured_outputs=so))
-        seq.grammar_matcher = manager.matcher_for(so)
-        assert seq.grammar_matcher.accept_string(PREFIX)
+        assert seq.extras is not None  # a grammar is a feature: its state is in extras
+        seq.extras.grammar_matcher = manager.matcher_for(so)
+        assert seq.extras.grammar_matcher.accept_string(PREFIX)
         seq.num_computed_tokens = seq.num_tokens  # it samples this step
         seqs.append(seq)
     samples = [True] * batch
@@ -99,10 +100,10 @@ def main() -> None:
         ("sampler, temperature 0.8", lambda: sampler(logits, temperatures, all_greedy=False),
          False),
         ("sampler, temperature 0.8, with the bitmask", lambda: sampler(
-            logits, temperatures, all_greedy=False, token_bitmask=bitmask), True),
+            apply_token_bitmask(logits, bitmask), temperatures, all_greedy=False), True),
         ("sampler, greedy", lambda: sampler(logits, temperatures * 0, all_greedy=True), False),
         ("sampler, greedy, with the bitmask", lambda: sampler(
-            logits, temperatures * 0, all_greedy=True, token_bitmask=bitmask), True),
+            apply_token_bitmask(logits, bitmask), temperatures * 0, all_greedy=True), True),
         ("apply_token_bitmask alone", lambda: apply_token_bitmask(logits, bitmask), False),
     ]
     for name, fn, masked in rows:

@@ -188,6 +188,18 @@ class Config:
     vocabulary; another vocabulary size is refused at start-up). It runs in the same engine
     with a KV cache of its own, a block for each of the target's."""
 
+    grammar_compile_timeout_s: float = 5.0
+    """Structured outputs: the most seconds one grammar may take to compile. Grammars compile
+    in threads of their own, off the step loop, while their requests wait outside the
+    scheduler; one still compiling after this long is abandoned and its request refused
+    (a 400 through the server), and so is the same grammar asked for again. A JSON schema of
+    a few dozen fields compiles in well under a second."""
+
+    grammar_cache_bytes: int = 256 * 2**20
+    """Structured outputs: the memory the compiled grammars kept for reuse may take (xgrammar's
+    own count of each one's bytes); the least recently used go first. A grammar asked for
+    again while it is kept is not compiled again. 0 = keep none."""
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Config:
         # The dataclass writes __init__; Python calls __new__ with the same arguments first,
         # so an unknown keyword gets the closest valid name here instead of Python's bare
@@ -243,6 +255,11 @@ class Config:
                              "kv_cache_dtype='fp8' (a prompt computed in one go reads its "
                              "own keys unrounded, a cached prefix reads them as fp8); use "
                              "kv_cache_dtype='auto'")
+        t = self.grammar_compile_timeout_s
+        if not (is_real(t) and math.isfinite(t) and t > 0):
+            raise ValueError(f"Config.grammar_compile_timeout_s must be a number of seconds "
+                             f"> 0, got {t!r}")
+        _check_int("grammar_cache_bytes", self.grammar_cache_bytes, minimum=0)
         self.eos = _normalize_eos(self.eos)
         _check_speculative(self)
 

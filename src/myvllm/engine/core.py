@@ -86,21 +86,25 @@ class EngineCore:
         stop_core_parts(self.workers, self._restore_threads)
 
     # ------------------------------------------------------------------ requests
-    def make_sequence(self, token_ids: Any, sampling_params: SamplingParams) -> Sequence:
-        """A request checked and made a Sequence, not queued (bad input raises here)."""
+    def make_sequence(self, token_ids: Any, sampling_params: SamplingParams, *,
+                      with_grammar: bool = True) -> Sequence:
+        """A request checked and made a Sequence, not queued (bad input raises here).
+        with_grammar=False: its grammar (structured outputs) is not compiled here; the core
+        process holds it until a compile thread has (structured_output/held_requests.py)."""
         seq = Sequence(check_request(token_ids, sampling_params, self.vocab_size),
                        self.config.block_size, sampling_params)
         # An empty or too long prompt, one that can never fit the KV cache: refused here.
         self.scheduler.check_sequence(seq)
-        if sampling_params.structured_outputs is not None:
-            self.structured_outputs().add_matcher(seq)
+        if sampling_params.structured_outputs is not None and with_grammar:
+            self.structured_outputs().add_matcher(seq)  # waits for the compile
         return seq
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The engine's grammar compiler and cache, made at the first call."""
         if self._structured_outputs is None:
             self._structured_outputs = StructuredOutputManager(
-                self.model_path, self.vocab_size, sorted(self.scheduler.eos_token_ids))
+                self.model_path, self.vocab_size, sorted(self.scheduler.eos_token_ids),
+                self.config.grammar_cache_bytes, self.config.grammar_compile_timeout_s)
         return self._structured_outputs
 
     def add_sequence(self, seq: Sequence) -> int:

@@ -43,7 +43,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -59,11 +59,17 @@ from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddReq
 from myvllm.executor.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
 
+if TYPE_CHECKING:
+    from myvllm.structured_output.held_requests import GrammarWaits
+
 logger = logging.getLogger("myvllm")
 
 # While idle, the loop wakes this often to see whether the engine died meanwhile (a
 # tensor-parallel worker killed between requests), so it stops and says so at once.
 IDLE_POLL_MS = 1000
+# While requests wait for their grammars (and nothing steps), it wakes this often to queue
+# those whose grammar a compile thread has finished.
+GRAMMAR_POLL_MS = 10
 PARENT_CHECK_S = 0.5  # how often the core looks whether the front end is still there
 LINGER_MS = 2000  # at exit, how long queued output messages may take to leave
 # How often the heartbeat thread tells the front end that this process is alive. The front
@@ -133,6 +139,9 @@ class EngineCoreProc:
         self._core_ids: dict[int, int] = {}  # front end id -> core id
         self._front_ids: dict[int, int] = {}  # core id -> front end id
         self._refused: list[Refusal] = []
+        # Requests with structured outputs waiting for their grammar, outside the scheduler
+        # (made at the first; a compile never runs in this loop).
+        self._grammar_waits: GrammarWaits | None = None
         self._last_stats: SchedulerStats | None = None
         self._heartbeat: HeartbeatThread | None = None
         # The queues as the step about to run leaves them (a prefill is running, its blocks
@@ -151,8 +160,11 @@ class EngineCoreProc:
             with frozen_heap():
                 while True:
                     # Block for a message only when there is nothing to step.
-                    if not self._take_inputs(block=not core.has_unfinished_requests()):
+                    if not self._take_inputs(block=not core.has_unfinished_requests(),
+                                             poll_ms=GRAMMAR_POLL_MS if self._grammar_waits
+                                             else IDLE_POLL_MS):
                         break
+                    self._admit_compiled()
                     outputs: list[RequestOutput] = []
                     if core.has_unfinished_requests():
                         outputs = self._step()
@@ -185,10 +197,10 @@ class EngineCoreProc:
         if self._owns_context:
             self._context.term()
 
-    def _take_inputs(self, block: bool) -> bool:
-        """Apply every message waiting (waiting up to IDLE_POLL_MS for one when block);
-        False once Shutdown arrived."""
-        if block and not self.input.poll(IDLE_POLL_MS):
+    def _take_inputs(self, block: bool, poll_ms: int = IDLE_POLL_MS) -> bool:
+        """Apply every message waiting (waiting up to poll_ms for one when block); False
+        once Shutdown arrived."""
+        if block and not self.input.poll(poll_ms):
             self.core.check_alive()  # raises once the engine died while idle
             return True
         while True:
@@ -206,13 +218,40 @@ class EngineCoreProc:
 
     def _add(self, message: AddRequest) -> None:
         try:
+            if message.sampling_params.structured_outputs is not None:
+                self._hold_for_grammar(message)
+                return
             core_id = self.core.add_request(message.prompt_token_ids, message.sampling_params,
                                             streamed=message.streamed)
         except (ValueError, TypeError) as e:  # bad input: that request's error only
             self._refused.append(Refusal(message.request_id, type(e).__name__, str(e)))
             return
-        self._core_ids[message.request_id] = core_id
-        self._front_ids[core_id] = message.request_id
+        self._register(message.request_id, core_id)
+
+    def _register(self, front_id: int, core_id: int) -> None:
+        self._core_ids[front_id] = core_id
+        self._front_ids[core_id] = front_id
+
+    def _hold_for_grammar(self, message: AddRequest) -> None:
+        """Check the request now, and hold it until a compile thread has built its grammar
+        (a big grammar takes seconds: never in this loop, where it would stop every step)."""
+        seq = self.core.make_sequence(message.prompt_token_ids, message.sampling_params,
+                                      with_grammar=False)
+        seq.streamed = message.streamed
+        if self._grammar_waits is None:
+            self._grammar_waits = self.core.structured_outputs().waits
+        self._grammar_waits.hold(message.request_id, seq)
+
+    def _admit_compiled(self) -> None:
+        """Queue the held requests whose grammar is ready; refuse those whose grammar failed
+        to compile or ran past its time limit."""
+        if not self._grammar_waits:
+            return
+        for front_id, ready in self._grammar_waits.take_ready():
+            if isinstance(ready, ValueError):
+                self._refused.append(Refusal(front_id, "ValueError", str(ready)))
+            else:
+                self._register(front_id, self.core.add_sequence(ready))
 
     def _abort(self, message: AbortRequests | AbortCompletion) -> None:
         if isinstance(message, AbortCompletion):
@@ -227,6 +266,8 @@ class EngineCoreProc:
             if core_id is not None:
                 del self._front_ids[core_id]
                 self.core.abort(core_id)
+            elif self._grammar_waits is not None:  # maybe still waiting for its grammar
+                self._grammar_waits.drop(front_id)
 
     def _to_output(self, out: RequestOutput) -> CoreOutput:
         front_id = self._front_ids[out.request_id]
@@ -246,7 +287,9 @@ class EngineCoreProc:
             spec = SpecDecodeCounts(counts.num_drafts, counts.num_draft_tokens,
                                     counts.num_accepted_tokens,
                                     list(counts.accepted_per_position))
-        stats = SchedulerStats(len(scheduler.running), len(scheduler.waiting),
+        # Those waiting for their grammar wait too, outside the scheduler.
+        waiting = len(scheduler.waiting) + len(self._grammar_waits or ())
+        stats = SchedulerStats(len(scheduler.running), waiting,
                                kv_cache_usage(scheduler.block_manager), spec)
         if not outputs and not self._refused and stats == self._last_stats:
             return

@@ -2,10 +2,15 @@
 
 SamplingParams.structured_outputs (a JSON schema, a regex, a choice, an EBNF grammar, or any
 JSON object) is compiled by xgrammar against the model's vocabulary into a CompiledGrammar,
-cached by its spec, so that a thousand requests with one schema compile it once. Each
-Sequence gets a GrammarMatcher of its own: the state of its output in that grammar.
+in a thread of its own (compile_threads.py), within Config.grammar_compile_timeout_s, and
+kept within Config.grammar_cache_bytes (grammar_cache.py), so that a thousand requests with
+one schema compile it once. Each Sequence gets a GrammarMatcher of its own: the state of its
+output in that grammar.
 
-    make_sequence       StructuredOutputManager.add_matcher(seq) -> seq.extras.grammar_matcher
+    the core process    GrammarWaits.hold(seq): the request waits outside the scheduler
+                        while its grammar compiles (held_requests.py), then is queued with
+                        seq.extras.grammar_matcher set
+    make_sequence       (LLM, offline) add_matcher(seq): the same compile, waited for
     LogitsFeatures      fill_token_bitmask(seqs): one row of bits per sequence, bit t of a
                         row = token t may come next (the matcher's fill_next_token_bitmask;
                         rows without a grammar, or whose chunk does not sample, allow all)
@@ -24,8 +29,11 @@ a constrained row is read back before the next step is planned (EngineCore.step)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -34,62 +42,133 @@ import torch
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import tokenizer_if_any
 from myvllm.sampling_parameters import StructuredOutputsParams
+from myvllm.structured_output.compile_threads import CompileThreads, GrammarCompile
+from myvllm.structured_output.grammar_cache import GrammarCache, GrammarKey
+from myvllm.structured_output.held_requests import GrammarWaits
+from myvllm.structured_output.matchers import new_matcher, set_matcher
 
 # Free whitespace in JSON (json, json_object without disable_any_whitespace): at most this
 # many characters between two of its tokens. Pretty-printed JSON needs a newline and its
 # indent; a small model left free can fill max_tokens with newlines instead.
 MAX_JSON_WHITESPACE = 16
-# Compiled grammars kept (least recently used dropped first); one JSON schema's is a few
-# hundred KB at most.
-MAX_CACHED_GRAMMARS = 256
+# Threads that compile grammars: two, so that one abandoned compile (past its time limit, it
+# runs on to its end) leaves the other free for the next grammar.
+NUM_COMPILE_THREADS = 2
+# Grammars that ran past the time limit, remembered (by a hash of their spec) so that the
+# same one asked for again is refused at once instead of taking a thread again.
+MAX_SLOW_GRAMMARS_KEPT = 1024
+# How often a caller waiting for a compile (add_matcher) looks at the clock.
+WAIT_POLL_S = 0.05
 
 
 class StructuredOutputManager:
-    """The xgrammar compiler of one engine, made at the first constrained request (its
-    tokenizer info costs a pass over the vocabulary)."""
+    """The xgrammar compiler of one engine, its compile threads and its cache of compiled
+    grammars. Made at the first constrained request; the compiler itself (its tokenizer info
+    costs a pass over the vocabulary) is made by the first compile, in a compile thread."""
 
-    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int],
+                 cache_bytes: int = 256 * 2**20, compile_timeout_s: float = 5.0) -> None:
         """vocab_size: the logits' width (the LM head's rows), which may exceed the
-        tokenizer's vocabulary; stop_token_ids: the engine's eos ids."""
+        tokenizer's vocabulary; stop_token_ids: the engine's eos ids; cache_bytes and
+        compile_timeout_s: Config.grammar_cache_bytes and grammar_compile_timeout_s."""
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
+        self.compile_timeout_s = compile_timeout_s
         self._compiler: Any = None
-        self._grammars: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self._compiler_lock = threading.Lock()  # two compile threads, one compiler
+        self.cache = GrammarCache(cache_bytes)
+        # Compiles queued or running, by spec: a request for one of them waits for it.
+        self._compiling: dict[GrammarKey, GrammarCompile] = {}
+        self._too_slow: OrderedDict[bytes, None] = OrderedDict()
+        self._threads = CompileThreads(NUM_COMPILE_THREADS, self.compiler, self._compile)
+        self.num_compiles = 0  # compiles started (a repeated spec kept in the cache: none)
+        # The core process's requests waiting for their grammar.
+        self.waits = GrammarWaits(self)
 
     def compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+            return self._compiler
 
-            tokenizer = tokenizer_if_any(self.model_path)
-            if tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer, and "
-                                 f"{self.model_path} has none")
-            if not self.stop_token_ids:
-                raise ValueError("structured_outputs needs an eos token to end the output, "
-                                 "and this engine has none (eos=-1)")
-            info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-            # Our own cache below is keyed by the request's spec; xgrammar's would key by
-            # the grammar it builds from it.
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        return self._compiler
+    def _make_compiler(self) -> Any:
+        import xgrammar as xgr
+
+        tokenizer = tokenizer_if_any(self.model_path)
+        if tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer, and "
+                             f"{self.model_path} has none")
+        if not self.stop_token_ids:
+            raise ValueError("structured_outputs needs an eos token to end the output, "
+                             "and this engine has none (eos=-1)")
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        # Our own cache below is keyed by the request's spec; xgrammar's would key by the
+        # grammar it builds from it.
+        return xgr.GrammarCompiler(info, cache_enabled=False)
+
+    # ------------------------------------------------------------------ compiles
+    def request(self, params: StructuredOutputsParams) -> GrammarCompile:
+        """params' compile: done already when its grammar is kept, the one under way when
+        the same spec is being compiled, else a new one queued for a compile thread. A spec
+        that ran past the time limit before raises ValueError."""
+        key = params.key()
+        grammar = self.cache.get(key)
+        if grammar is not None:
+            return GrammarCompile.done_with(key[0], grammar)
+        if _digest(key) in self._too_slow:
+            raise ValueError(
+                f"StructuredOutputsParams.{key[0]} took more than grammar_compile_timeout_s="
+                f"{self.compile_timeout_s:g} s to compile when it was asked for before; "
+                f"allowed: one that compiles within {self.compile_timeout_s:g} s")
+        job = self._compiling.get(key)
+        if job is None:
+            job = self._compiling[key] = self._threads.submit(params)
+            self.num_compiles += 1
+        return job
+
+    def outcome(self, params: StructuredOutputsParams, job: GrammarCompile,
+                now: float) -> Any:
+        """The compiled grammar once job is done (kept in the cache), or None while it
+        compiles. Raises ValueError if the spec cannot be compiled, or if its compile has
+        run past grammar_compile_timeout_s (then it is abandoned and remembered as too
+        slow)."""
+        key = params.key()
+        running_s = job.running_for(now)
+        if running_s > self.compile_timeout_s:
+            if self._compiling.pop(key, None) is job:
+                self._too_slow[_digest(key)] = None
+                if len(self._too_slow) > MAX_SLOW_GRAMMARS_KEPT:
+                    self._too_slow.popitem(last=False)
+            raise ValueError(
+                f"StructuredOutputsParams.{key[0]} did not compile within "
+                f"grammar_compile_timeout_s={self.compile_timeout_s:g} s (abandoned after "
+                f"{running_s:.1f} s); allowed: one that compiles within "
+                f"{self.compile_timeout_s:g} s")
+        if not job.finished.is_set():
+            return None
+        if self._compiling.get(key) is job:
+            del self._compiling[key]
+            if job.error is None:
+                self.cache.put(key, job.grammar)
+        if job.error is not None:
+            raise job.error
+        return job.grammar
 
     def compiled_grammar(self, params: StructuredOutputsParams) -> Any:
-        """The CompiledGrammar of params, from the cache or compiled now. A bad schema,
-        regex or grammar raises ValueError naming the field."""
-        key = params.key()
-        grammar = self._grammars.get(key)
-        if grammar is None:
-            grammar = self._compile(params)
-            self._grammars[key] = grammar
-            if len(self._grammars) > MAX_CACHED_GRAMMARS:
-                self._grammars.popitem(last=False)
-        else:
-            self._grammars.move_to_end(key)
-        return grammar
+        """The CompiledGrammar of params, waited for (from the cache, or compiled now in a
+        compile thread). A bad schema, regex or grammar, or one past the time limit, raises
+        ValueError naming the field."""
+        job = self.request(params)
+        while True:
+            grammar = self.outcome(params, job, time.monotonic())
+            if grammar is not None:
+                return grammar
+            job.finished.wait(WAIT_POLL_S)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
+        """Compile params now (in a compile thread)."""
         compiler = self.compiler()
         whitespace: dict[str, Any] = (
             {"any_whitespace": False} if params.disable_any_whitespace
@@ -113,19 +192,21 @@ class StructuredOutputManager:
             raise ValueError(f"StructuredOutputsParams.{kind} cannot be compiled: {reason}"
                              ) from None
 
+    # ------------------------------------------------------------------ matchers
     def matcher_for(self, params: StructuredOutputsParams) -> Any:
         """A fresh GrammarMatcher (at the start of the output) for one sequence."""
-        import xgrammar as xgr
-
-        return xgr.GrammarMatcher(self.compiled_grammar(params))
+        return new_matcher(self.compiled_grammar(params))
 
     def add_matcher(self, seq: Sequence) -> None:
-        """seq's matcher, if its SamplingParams ask for structured outputs (a bad schema
-        raises here, before the request is queued)."""
+        """seq's matcher, if its SamplingParams ask for structured outputs, its grammar
+        waited for (a bad schema raises here, before the request is queued)."""
         params = seq.sampling_params.structured_outputs
         if params is not None:
-            assert seq.extras is not None, "a grammar is a feature: its Sequence has extras"
-            seq.extras.grammar_matcher = self.matcher_for(params)
+            set_matcher(seq, self.compiled_grammar(params))
+
+
+def _digest(key: GrammarKey) -> bytes:
+    return hashlib.sha256(json.dumps(key).encode()).digest()
 
 
 # Keys whose values are JSON data, not subschemas.
