@@ -51,7 +51,7 @@ def test_every_benchmark_under_benchmarks_imports_as_a_file_and_as_a_module(
     then each imports as `benchmarks.NAME`, as `python -m benchmarks.NAME` runs it (siblings
     imported as `benchmarks.NAME`, never as top-level modules). One interpreter for all."""
     scripts = sorted((REPO / "benchmarks").glob("benchmark_*.py"))
-    assert len(scripts) == 10, scripts
+    assert len(scripts) == 11, scripts
     check = (
         "import importlib, runpy, sys\n"
         "for path in sys.argv[1:]:\n"

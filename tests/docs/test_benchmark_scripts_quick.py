@@ -33,6 +33,8 @@ QUICK_RUNS = {
     "decoding": ["benchmark_decoding.py"],
     "moe": ["benchmarks/benchmark_moe.py"],
     "invariant-matmul": ["benchmarks/benchmark_invariant_matmul.py"],
+    # Both decode programs (dot, CUDA cores) over a 16-bit and an fp8 cache.
+    "decode-attention": ["benchmarks/benchmark_decode_attention.py"],
     "sampler": ["benchmarks/benchmark_sampler.py"],
     # Greedy tokens with n-gram speculation equal plain decoding's, copy-heavy and free.
     "spec-decode": ["benchmarks/benchmark_spec_decode.py"],
