@@ -46,6 +46,7 @@ from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.kernels import store_kvcache  # noqa: E402
 from myvllm.sampling_parameters import SamplingParams  # noqa: E402
+from myvllm.worker.pending_tokens import add_pending_token  # noqa: E402
 
 from exercise_questions import QUESTIONS  # noqa: E402
 from grading import collect, grade, how_to_answer  # noqa: E402
@@ -607,7 +608,7 @@ def speculation() -> Truths:
     sch.add_sequence(seq)
     # The prefill step, whose token the "model" says is "sat".
     batch, _ = sch.schedule()
-    seq.add_pending_token()  # as EngineCore.step does
+    add_pending_token(seq)  # as EngineCore.step does
     sch.postprocess(batch, [sat])
     print(f"Block size 4, k = 3, prompt lookup 1..3. The sequence so far ({len(seq)} tokens):")
     print(f"  {_words(seq.token_ids)}")
@@ -622,7 +623,7 @@ def speculation() -> Truths:
     emitted = accept_greedy(proposals, greedy)
     print(f"the target's greedy tokens at the 4 positions: {_words(greedy)!r}; "
           f"emitted: {_words(emitted)!r}")
-    seq.add_pending_token()
+    add_pending_token(seq)
     sch.postprocess(batch, [0], {0: emitted})
     print(f"after the rollback: {len(seq)} tokens, num_computed_tokens = "
           f"{seq.num_computed_tokens}, {len(seq.block_table)} blocks")

@@ -41,6 +41,7 @@ from myvllm.config import Config  # noqa: E402
 from myvllm.engine.scheduler import Scheduler  # noqa: E402
 from myvllm.engine.sequence import Sequence  # noqa: E402
 from myvllm.sampling_parameters import SamplingParams  # noqa: E402
+from myvllm.worker.pending_tokens import add_pending_token  # noqa: E402
 
 PREFIX = [10, 11, 12, 13, 14, 15, 16, 17]  # two full blocks of 4: shareable
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             # Queue this step, then read back the previous one: until then its tokens are
             # pending, counted in num_tokens (the plan above used them) but not yet known.
             for seq in seqs:
-                seq.add_pending_token()
+                add_pending_token(seq)
             if seqs:
                 pending = [names[s.seq_id] for s in seqs]
                 print(f"    queued; pending tokens for {pending} until the next step reads them")
