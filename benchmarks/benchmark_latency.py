@@ -97,7 +97,9 @@ def measure_stall(llm, num_decoding: int, decode_prompt_len: int, long_prompt_le
 
     rng_prompt = [[(7 * i + j + salt) % vocab for j in range(decode_prompt_len)]
                   for i in range(num_decoding)]
-    decode = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    # Decode until aborted: as many tokens as the context leaves (more would be refused).
+    decode = SamplingParams(temperature=0.0, max_tokens=llm.max_model_length - decode_prompt_len,
+                            ignore_eos=True)
     ids = [llm.add_request(p, decode) for p in rng_prompt]
     started: set[int] = set()
     while len(started) < len(ids):  # until every sequence has its first token
@@ -211,7 +213,7 @@ def main() -> None:
                             enable_chunked_prefill=chunked, **extra)
                 row = measure_stall(llm, **{**stall_kw, "long_prompt_len": min(
                     shapes["long_prompt_len"], llm.config.max_model_length - 1)}, vocab=vocab)
-                longest = min(shapes["ttft"][-1], llm.config.max_model_length)
+                longest = min(shapes["ttft"][-1], llm.config.max_model_length - 1)
                 row.update(budget=budget, cap=cap, chunked=chunked,
                            tok_s=throughput(llm, quick, vocab),
                            ttft_longest_ms=measure_ttft(llm, [longest], vocab)[longest])

@@ -99,7 +99,8 @@ def kernel_bench() -> None:
 
 
 def start_decoders(llm: LLM, salt: int) -> list[int]:
-    sp = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    # Decode until aborted: as many tokens as the context leaves (more would be refused).
+    sp = SamplingParams(temperature=0.0, max_tokens=llm.max_model_length - 128, ignore_eos=True)
     ids = [llm.add_request([(7 * i + j + salt) % VOCAB for j in range(128)], sp)
            for i in range(64)]
     started: set[int] = set()

@@ -58,8 +58,8 @@ class Config:
     number to measure peak memory before sizing the KV cache."""
 
     max_model_length: int | None = None
-    """Longest sequence (prompt + completion). A sequence reaching it finishes; a longer prompt
-    is rejected. Also sizes the block tables of the decode CUDA graphs. None = the checkpoint's
+    """Longest sequence (prompt + completion). A request whose prompt + max_tokens is longer
+    is refused, by LLM and the server alike. Also sizes the block tables of the decode CUDA graphs. None = the checkpoint's
     max_position_embeddings, lowered to what the KV cache can hold (a log line says so); a
     larger number is lowered to max_position_embeddings."""
 

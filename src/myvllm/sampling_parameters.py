@@ -124,7 +124,9 @@ class SamplingParams:
     1.0 = no limit."""
 
     max_tokens: int = 64
-    """Most completion tokens to generate."""
+    """Most completion tokens to generate. The prompt and max_tokens must fit in the
+    engine's max_model_length: a request asking for more is refused when it is added (the
+    server's 400 says the same), never cut short by the context unannounced."""
 
     ignore_eos: bool = False
     """Keep generating past the eos token (benchmarks use it to get fixed output lengths)."""

@@ -178,9 +178,12 @@ def test_max_model_length_defaults_to_the_checkpoint_capped_by_the_cache(
     assert LLM(path, block_size=4, num_kvcache_blocks=40, max_model_length=200
                ).max_model_length == 200
     prompt = random_prompts([150], seed=7)[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30,
+    # The lowered length is the one requests are checked against, as the server checks it.
+    with pytest.raises(ValueError, match="more than max_model_length=160: ask for at most 10"):
+        llm.generate([prompt], SamplingParams(max_tokens=30), use_tqdm=False)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10,
                                                 ignore_eos=True), use_tqdm=False)[0]
-    assert len(out["token_ids"]) == 10  # stopped at max_model_length = 160
+    assert len(out["token_ids"]) == 10
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from myvllm.engine.batch import RequestOutput
 from myvllm.engine.model_runner import samples_this_step
 from myvllm.engine.outputs import request_outputs
 from myvllm.engine.queued_steps import InFlight, QueuedStep, undo_step
-from myvllm.engine.request_checks import check_request
+from myvllm.engine.request_checks import check_fits_context, check_request
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.core_parts import start_core_parts, stop_core_parts
@@ -93,7 +93,10 @@ class EngineCore:
         process holds it until a compile thread has (structured_output/held_requests.py)."""
         seq = Sequence(check_request(token_ids, sampling_params, self.vocab_size),
                        self.config.block_size, sampling_params)
-        # An empty or too long prompt, one that can never fit the KV cache: refused here.
+        # A prompt too long, or max_tokens that does not fit beside it (the server's 400 says
+        # the same), an empty prompt, one that can never fit the KV cache: refused here.
+        check_fits_context(seq.num_prompt_tokens, sampling_params.max_tokens,
+                           self.max_model_length)
         self.scheduler.check_sequence(seq)
         if sampling_params.structured_outputs is not None and with_grammar:
             self.structured_outputs().add_matcher(seq)  # waits for the compile

@@ -70,6 +70,34 @@ def check_generate_args(prompts: Any, sampling_params: Any) -> list[SamplingPara
     return list(sampling_params)
 
 
+def check_prompt_length(num_prompt_tokens: int, max_model_length: int) -> None:
+    """The prompt and at least one completion token must fit (vLLM's rule): a prompt of
+    max_model_length tokens would have its first token past the limit."""
+    if num_prompt_tokens >= max_model_length:
+        what = "longer than" if num_prompt_tokens > max_model_length else "as long as"
+        raise ValueError(f"prompt of {num_prompt_tokens} tokens is {what} max_model_length="
+                         f"{max_model_length}; the prompt and at least one completion token "
+                         "must fit")
+
+
+def check_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_length: int) -> None:
+    """The prompt and max_tokens must fit in max_model_length (vLLM's server rule: a request
+    is never cut short by the context without having been told). One check, one message for
+    the library (LLM, AsyncLLM, the engine core) and the server's 400."""
+    if num_prompt_tokens + max_tokens > max_model_length:
+        raise ValueError(f"prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} is "
+                         f"{num_prompt_tokens + max_tokens} tokens, more than max_model_length="
+                         f"{max_model_length}: ask for at most "
+                         f"{max_model_length - num_prompt_tokens} completion tokens, or "
+                         "shorten the prompt")
+
+
+def check_fits_context(num_prompt_tokens: int, max_tokens: int, max_model_length: int) -> None:
+    """check_prompt_length, then check_max_tokens: what a request's lengths must satisfy."""
+    check_prompt_length(num_prompt_tokens, max_model_length)
+    check_max_tokens(num_prompt_tokens, max_tokens, max_model_length)
+
+
 def max_kv_tokens(seq: Sequence, max_model_length: int) -> int:
     """Most tokens seq can ever need in the KV cache (and in one prefill).
 
@@ -96,14 +124,7 @@ def check_schedulable(seq: Sequence, scheduler: SchedulerView) -> None:
                          f"{seq.block_size}, the KV cache uses {scheduler.block_size}")
     if seq.num_prompt_tokens == 0:
         raise ValueError("empty prompt: a prompt needs at least one token")
-    if seq.num_prompt_tokens >= scheduler.max_model_length:
-        # The prompt and at least one completion token must fit (vLLM's rule): a prompt
-        # of max_model_length tokens would have its first token past the limit.
-        what = ("longer than" if seq.num_prompt_tokens > scheduler.max_model_length
-                else "as long as")
-        raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is {what} "
-                         f"max_model_length={scheduler.max_model_length}; the prompt and at "
-                         "least one completion token must fit")
+    check_prompt_length(seq.num_prompt_tokens, scheduler.max_model_length)
     need_tokens = max_kv_tokens(seq, scheduler.max_model_length)
     need_blocks = (need_tokens + scheduler.block_size - 1) // scheduler.block_size
     total_blocks = len(scheduler.block_manager.blocks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 import threading
@@ -96,7 +97,11 @@ def run_chat(config: Config, args: argparse.Namespace) -> int:
                 print(f"(the conversation would be {len(prompt_ids)} tokens, the model takes "
                       f"{llm.max_model_length}: /reset to start over)")
                 continue
-            answer = loop.run_until_complete(answer_turn(llm, prompt_ids, params))
+            # --max-tokens, or what is left of the context when that is less (a request
+            # asking for more than fits is refused).
+            turn = dataclasses.replace(params, max_tokens=min(
+                params.max_tokens, llm.max_model_length - len(prompt_ids)))
+            answer = loop.run_until_complete(answer_turn(llm, prompt_ids, turn))
             messages.append({"role": "assistant", "content": answer})
     finally:
         llm.shutdown()

@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from myvllm.serving.async_llm import EngineDeadError, StreamOutput
 from myvllm.serving.engine_client import EngineClient
-from myvllm.engine.request_checks import check_token_ids
+from myvllm.engine.request_checks import (check_max_tokens, check_prompt_length,
+                                           check_token_ids)
 from myvllm.entrypoints.chat_output_parsing import ChatOutputParsing
 from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -59,26 +60,19 @@ def sse(data: dict[str, Any] | str) -> str:
 def check_prompt(token_ids: list[int], max_tokens: int | None, max_model_length: int,
                  vocab_size: int, where: str = "") -> int:
     """The max_tokens to run a prompt with, or a RequestError (where: "prompt[3]: " in a
-    batch). Given, max_tokens must fit beside the prompt (vLLM's rule: a request is never
-    cut short by the context without having been told); not given, the default is what
-    fits."""
+    batch). Given, max_tokens must fit beside the prompt (request_checks.check_max_tokens,
+    as the library checks it); not given, the default is what fits."""
     try:
         check_token_ids(token_ids, vocab_size)
+        check_prompt_length(len(token_ids), max_model_length)
     except (ValueError, TypeError) as e:
         raise RequestError(f"{where}{e}", param="prompt") from e
-    n = len(token_ids)
-    if n >= max_model_length:
-        what = "longer than" if n > max_model_length else "as long as"
-        raise RequestError(f"{where}prompt of {n} tokens is {what} max_model_length="
-                           f"{max_model_length}; the prompt and at least one completion token "
-                           "must fit", param="prompt")
     if max_tokens is None:
-        return max_model_length - n
-    if n + max_tokens > max_model_length:
-        raise RequestError(f"{where}prompt of {n} tokens + max_tokens={max_tokens} is "
-                           f"{n + max_tokens} tokens, more than max_model_length="
-                           f"{max_model_length}: ask for at most {max_model_length - n} "
-                           "completion tokens, or shorten the prompt", param="max_tokens")
+        return max_model_length - len(token_ids)
+    try:
+        check_max_tokens(len(token_ids), max_tokens, max_model_length)
+    except ValueError as e:
+        raise RequestError(f"{where}{e}", param="max_tokens") from e
     return max_tokens
 
 

@@ -60,7 +60,7 @@ from myvllm.serving.core_process import run_engine_core
 from myvllm.serving.detokenizer import IncrementalDetokenizer
 from myvllm.sample.extras import LogprobsLists
 from myvllm.executor.errors import EngineDeadError
-from myvllm.engine.request_checks import check_token_ids
+from myvllm.engine.request_checks import check_fits_context, check_token_ids
 from myvllm.sample.sampling_controls import check_sampling_token_ids
 from myvllm.engine.startup import ResolvedEngine, resolve_engine
 from myvllm.sampling_parameters import SamplingParams
@@ -88,7 +88,6 @@ HANG_CHECK_S = 1.0  # how often the front end looks
 # A step running this long is logged (and again every as long): the heartbeat goes on during a
 # step, so a kernel that never returns would otherwise show only as requests that never end.
 LONG_STEP_LOG_S = 60.0
-MAX_MESSAGE_INT = 2**64 - 1  # the largest int MessagePack encodes
 
 
 @dataclasses.dataclass
@@ -483,12 +482,9 @@ class AsyncLLM:
             detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, stop) for _ in range(n)]
         elif stop:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        if sampling_params.max_tokens > MAX_MESSAGE_INT:
-            # MessagePack has no larger int; any max_tokens beyond max_model_length ends the
-            # request at max_model_length all the same ("length"), as LLM.generate does.
-            raise ValueError(f"SamplingParams.max_tokens={sampling_params.max_tokens} is more "
-                             f"than the engine core's messages carry (2**64 - 1); a request "
-                             f"ends at max_model_length={self.max_model_length} anyway")
+        # As the core checks it, here before anything is sent (so no max_tokens larger than
+        # MessagePack's ints, 2**64 - 1, is ever encoded).
+        check_fits_context(len(token_ids), sampling_params.max_tokens, self.max_model_length)
         stream = _Stream(request_id, next(self._next_id), [_Completion() for _ in range(n)])
         self._streams[stream.core_id] = stream
         self._by_request_id[request_id] = stream
