@@ -174,8 +174,10 @@ def _target_programs(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Tiles of a "split" launch at most: the size of each device's counter buffer.
-MAX_SPLIT_TILES = 4096
+# Tiles of a "split" launch at most: the size of each device's counter buffer (64 KiB). The
+# engine's plans stay far under it; a forced split of the vocabulary's matmul (lm_head,
+# 151,936 columns) at 128 rows takes ~6,000 tiles.
+MAX_SPLIT_TILES = 16384
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
