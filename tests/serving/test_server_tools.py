@@ -229,6 +229,10 @@ def test_tools_and_chat_template_kwargs_reach_the_template(tools_client: Any) ->
     assert prompt_tokens(tools=TOOLS, tool_choice="required") == plain + len(shown)
     assert prompt_tokens(tools=TOOLS, tool_choice="none") == plain
     assert prompt_tokens(extra_body={"chat_template_kwargs": {"greeting": "Hi!"}}) == plain + 3
+    # /tokenize renders the tools as the chat route does (vLLM's field).
+    status, answer = fetch("POST", f"{str(tools_client.base_url).removesuffix('/v1/')}/tokenize",
+                           json.dumps({"messages": MESSAGES, "tools": TOOLS}).encode())
+    assert status == 200 and json.loads(answer)["count"] == plain + len(shown), answer
 
 
 # ------------------------------------------------------------ the bundled model, end to end

@@ -228,6 +228,16 @@ def test_reasoning_then_tool_calls_whole_and_streamed() -> None:
         assert stream.finish_reason("stop") == "tool_calls"
 
 
+def test_an_answer_cut_while_thinking_has_no_content() -> None:
+    parsing = output_parsing(chat_request(), ChatOutputSettings(reasoning_parser="qwen3"))
+    assert parsing is not None
+    assert parsing.message("<think>\nHmm, the user", "length") == (
+        {"role": "assistant", "content": None, "reasoning_content": "\nHmm, the user"},
+        "length")
+    assert parsing.message("Paris.", "stop") == (
+        {"role": "assistant", "content": "Paris.", "reasoning_content": None}, "stop")
+
+
 def test_how_each_tool_choice_is_read() -> None:
     settings = ChatOutputSettings(True, "hermes")
     assert output_parsing(chat_request(), settings) is None  # no tools: plain text

@@ -102,10 +102,13 @@ class ChatOutputParsing:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.reasoning is not None:
             split = self.reasoning().split(text, final=True)
-            message.update(content=split.content, reasoning_content=split.reasoning)
+            text = split.content
+            # Only thinking (cut short by max_tokens): no content, as vLLM answers it.
+            message.update(content=text if text or split.reasoning is None else None,
+                           reasoning_content=split.reasoning)
         if self.tools is None:
             return message, finish_reason
-        info = self.tools().extract_tool_calls(message["content"])
+        info = self.tools().extract_tool_calls(text)
         if not info.tools_called:
             return message, finish_reason
         message.update(content=info.content, tool_calls=info.tool_calls[:self.max_calls])

@@ -302,8 +302,7 @@ def apply_chat_template(llm: EngineClient, body: protocol.ChatCompletionRequest
                                add_generation_prompt=body.add_generation_prompt,
                                chat_template=chat_template,
                                template_kwargs=body.chat_template_kwargs,
-                               tools=(body.template_tools() if isinstance(
-                                   body, protocol.ChatCompletionRequest) else None))
+                               tools=body.template_tools())
     except NoChatTemplateError:
         raise RequestError("this model has no chat template: use /v1/completions") from None
     except (TemplateError, ValueError, TypeError) as e:  # e.g. roles out of order

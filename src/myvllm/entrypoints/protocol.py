@@ -488,9 +488,14 @@ class TokenizeCompletionRequest(_Strict):
 
 
 class TokenizeChatRequest(_ChatPrompt):
-    """POST /tokenize with messages: the prompt /v1/chat/completions would run."""
+    """POST /tokenize with messages: the prompt /v1/chat/completions would run (with tools:
+    as the template shows them to the model, vLLM's field)."""
 
     model: str | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Strict):
