@@ -37,6 +37,10 @@ timed after one warm-up run.
 
 Those two are the CPU modes: without a GPU, any other run stops at once with a hint naming them.
 
+--input-len N / --output-len N: every prompt N tokens, every request N output tokens, instead
+of the uniform ranges (the long-context workload: --num-seqs 64 --input-len 8000 --output-len
+512 --skip-hf). --num-kvcache-blocks N gives every engine the same cache, whatever its dtype.
+
 --kv-cache-dtype auto,fp8: the KV cache's dtype (Config.kv_cache_dtype); with two, the
 workload runs on an engine of each in turn, in this one process, and the second engine's
 throughput is printed beside the first's (its block count, each run, the ratio of medians).
@@ -88,6 +92,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--input-len", type=int, default=None, metavar="N",
+                        help="every prompt N tokens (default: uniform in 100..--max-input-len)")
+    parser.add_argument("--output-len", type=int, default=None, metavar="N",
+                        help="every request N output tokens (default: uniform in "
+                             "100..--max-output-len)")
+    parser.add_argument("--num-kvcache-blocks", type=int, default=None, metavar="N",
+                        help="Config.num_kvcache_blocks: N blocks for every engine, whatever "
+                             "its cache dtype (default: as many as fit the memory budget)")
     parser.add_argument("--hf-num-seqs", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true",
@@ -133,6 +145,15 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.bundled_max_tokens < 1:
         parser.error(f"--bundled-max-tokens must be >= 1, got {args.bundled_max_tokens}")
+    for flag in ("input_len", "output_len", "num_kvcache_blocks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    # Fixed lengths: the workload's range collapses to one value (and sizes max_model_length).
+    if args.input_len is not None:
+        args.max_input_len = args.input_len
+    if args.output_len is not None:
+        args.max_output_len = args.output_len
     if not 2 <= args.runs <= 15:
         # Each run XORs the prompts' token ids with its number, so the number stays small.
         parser.error(f"--runs must be between 2 and 15, got {args.runs}")
@@ -312,6 +333,8 @@ def main() -> None:
             async_scheduling=(False if args.no_async_scheduling else
                               True if args.async_scheduling else None),
             max_model_length=args.max_input_len + args.max_output_len,
+            **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks
+               else {}),
             max_num_sequences=256 if not args.quick else 8,
             enable_chunked_prefill=not args.no_chunked_prefill,
             **({"max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding}
@@ -349,8 +372,9 @@ def main() -> None:
         reported = correct is not False  # a failed comparison withholds the timings
 
         # 2. Throughput.
-        prompts, max_tokens = make_workload(args.num_seqs, min_len, args.max_input_len,
-                                            args.max_output_len, vocab)
+        prompts, max_tokens = make_workload(
+            args.num_seqs, args.input_len or min_len, args.max_input_len, args.max_output_len,
+            vocab, min_output=args.output_len or min_len)
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n)
                   for n in max_tokens]
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

@@ -68,13 +68,15 @@ def pick_model(args: argparse.Namespace, tmp: Path, device: str) -> tuple[Path, 
 
 
 def make_workload(num_seqs: int, min_len: int, max_input: int, max_output: int,
-                  vocab: int) -> tuple[list[list[int]], list[int]]:
+                  vocab: int, min_output: int | None = None) -> tuple[list[list[int]], list[int]]:
     """num_seqs prompts of random token ids, lengths uniform in min_len..max_input, and their
-    max_tokens uniform in min_len..max_output; Python's random seeded with 0."""
+    max_tokens uniform in min_output..max_output (min_output None: min_len); Python's random
+    seeded with 0. A range of one value (min = max) gives fixed lengths."""
     rng = random.Random(0)
     prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(min_len, max_input))]
                for _ in range(num_seqs)]
-    max_tokens = [rng.randint(min_len, max_output) for _ in range(num_seqs)]
+    low = min_len if min_output is None else min_output
+    max_tokens = [rng.randint(low, max_output) for _ in range(num_seqs)]
     return prompts, max_tokens
 
 
