@@ -1,10 +1,12 @@
 """Sequence: token bookkeeping, block layout, and the small pickle sent to TP workers."""
 
 import pickle
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 
 from myvllm.engine.sequence import Sequence, SequenceStatus
+from myvllm.executor import sequence_pickling
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.worker.pending_tokens import add_pending_token
 
@@ -39,6 +41,14 @@ def test_block_layout(n: int, block_size: int, num_blocks: int, last: int) -> No
         s.block(num_blocks)
 
 
+def worker_copy_of(seq: Sequence) -> Sequence:
+    """seq as a tensor-parallel worker receives it: pickled by multiprocessing's pickler,
+    with which the Executor registers the worker copy (executor/sequence_pickling.py)."""
+    sequence_pickling.register()
+    copy: Sequence = pickle.loads(ForkingPickler.dumps(seq))
+    return copy
+
+
 def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="block_size"):
         Sequence([1], 0)
@@ -51,7 +61,7 @@ def test_bad_inputs() -> None:
 def test_pickle_before_first_token_carries_all_tokens() -> None:
     s = Sequence(list(range(9)), 4, SamplingParams(temperature=0.5))
     s.block_table, s.num_cached_tokens = [3, 1, 2], 4
-    w = pickle.loads(pickle.dumps(s))
+    w = worker_copy_of(s)
     assert (w.seq_id, w.num_tokens, w.num_prompt_tokens, w.num_cached_tokens, w.block_table) == (
         s.seq_id, 9, 9, 4, [3, 1, 2])
     assert w.token_ids == s.token_ids and w.last_token == 8
@@ -63,10 +73,10 @@ def test_pickle_in_decode_is_small_and_carries_last_token_only() -> None:
     s = Sequence(list(range(2000)), 16)
     s.block_table = list(range(126))
     s.status = SequenceStatus.RUNNING  # scheduled: its prefill ran and sampled a token
-    full = len(pickle.dumps(s))
+    full = len(ForkingPickler.dumps(s))
     s.append_token(7)
-    w = pickle.loads(pickle.dumps(s))
-    assert len(pickle.dumps(s)) < full / 10
+    w = worker_copy_of(s)
+    assert len(ForkingPickler.dumps(s)) < full / 10
     assert w.last_token == 7 and len(w) == 2001 and w.num_prompt_tokens == 2000
     assert w.block_table == s.block_table and w.last_block_num_tokens == 1
     with pytest.raises(AttributeError):
@@ -81,7 +91,7 @@ def test_pickle_after_preemption_carries_all_tokens_again() -> None:
     s.append_token(5)
     assert not s.needs_prefill
     s.reset_for_recompute()  # what Scheduler.preempt does
-    w = pickle.loads(pickle.dumps(s))
+    w = worker_copy_of(s)
     assert w.token_ids == [1, 2, 3, 4, 5] and w.num_prompt_tokens == 3
 
 
@@ -93,11 +103,11 @@ def test_pickle_with_a_pending_token_carries_its_row_of_the_pool() -> None:
     s.append_token(4)
     s.sampled_row = 5
     add_pending_token(s)
-    w = pickle.loads(pickle.dumps(s))
+    w = worker_copy_of(s)
     assert (w.num_pending_tokens, w.sampled_row, len(w)) == (1, 5, 5)
     assert w.last_block_num_tokens == 1  # the pending token's slot: the next block's first
     s.append_token(9)  # read back: nothing pending, the next message carries the token
-    w = pickle.loads(pickle.dumps(s))
+    w = worker_copy_of(s)
     assert (w.num_pending_tokens, w.sampled_row, w.last_token, len(w)) == (0, None, 9, 5)
 
 
@@ -153,17 +163,17 @@ def test_the_grammar_matcher_sees_every_appended_token() -> None:
 
 
 def test_pickle_keeps_only_what_a_worker_reads_of_the_extras() -> None:
-    plain = pickle.loads(pickle.dumps(Sequence([1, 2, 3], 4)))
+    plain = worker_copy_of(Sequence([1, 2, 3], 4))
     assert plain.extras is None and plain.status == SequenceStatus.RUNNING
     s = Sequence([1, 2, 3], 4, SamplingParams(seed=1, n=2))  # nothing a worker reads
     assert s.extras is not None
-    assert pickle.loads(pickle.dumps(s)).extras is None
+    assert worker_copy_of(s).extras is None
     s.extras.spec_token_ids = [8, 9]
-    w = pickle.loads(pickle.dumps(s))
+    w = worker_copy_of(s)
     assert w.extras.spec_token_ids == [8, 9] and not w.extras.needs_prompt_logprobs
     assert w.extras.generator is None and w.extras.prompt_logprobs is None
     s = Sequence([1, 2, 3], 4, SamplingParams(prompt_logprobs=2))
-    w = pickle.loads(pickle.dumps(s))
+    w = worker_copy_of(s)
     assert w.extras.needs_prompt_logprobs and w.extras.prompt_logprobs is None
 
 

@@ -28,12 +28,14 @@ import os
 import pickle
 import struct
 import zlib
+from multiprocessing.reduction import ForkingPickler
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from helpers_blocks import used_block_ids
 from myvllm.config import Config
+from myvllm.executor import sequence_pickling
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sample.extras import proposals_of
@@ -78,7 +80,8 @@ class FakeVerifier:
         samplers: list[Sequence] = []
         tokens: list[int] = []
         verified: dict[int, list[int]] = {}
-        for seq, w in zip(batch, pickle.loads(pickle.dumps(batch)), strict=True):
+        sequence_pickling.register()  # as the Executor does: workers get worker copies
+        for seq, w in zip(batch, pickle.loads(ForkingPickler.dumps(batch)), strict=True):
             end = w.num_computed_tokens
             start = end - w.num_new_tokens
             if proposals_of(w):

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from myvllm.executor.sequence_pickling import restore_worker_copy, worker_state
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.value_checks import is_int, token_id_list
 
@@ -163,15 +162,6 @@ class Sequence:
         if not 0 <= i < self.num_blocks:
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
-
-    # Tensor parallelism: a worker gets a partial copy each step
-    # (executor/sequence_pickling.py).
-    def __getstate__(self) -> tuple[Any, ...]:
-        return worker_state(self)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        restore_worker_copy(self, state)
-        self.status = SequenceStatus.RUNNING
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "

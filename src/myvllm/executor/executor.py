@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from myvllm.config import Config
+from myvllm.executor import sequence_pickling
 from myvllm.executor.errors import EngineDeadError
 from myvllm.engine.model_runner import ModelRunner
 from myvllm.executor.tp_workers import (WorkerPool, init_distributed, nccl_abort,
@@ -72,6 +73,7 @@ class Executor:
         process already runs with it), None on GPUs."""
         assert config.tensor_parallel_size > 1, "one rank needs no Executor"
         self._dead_reason: str | None = None  # set when a tensor-parallel step fails
+        sequence_pickling.register()  # a step's sequences reach the workers as worker copies
         launch = torchrun_env()
         check_torchrun_world_size(launch, config.tensor_parallel_size)
         if launch is not None and launch.rank != 0:

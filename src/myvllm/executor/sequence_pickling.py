@@ -22,17 +22,43 @@ own sampled-token pool, where rank 0 broadcast it (ModelRunner.run).
 A worker-side copy is therefore partial: in a decode step it has no token_ids (reading them
 raises AttributeError instead of returning wrong data), its sampling_params is None, and its
 extras hold those two fields alone (None when neither is set).
+
+The Executor registers this way of pickling a Sequence (register) with the pickler of
+multiprocessing's connections, which carry its messages to the workers; the Sequence itself
+knows nothing of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-# The functions take the Sequence as Any: engine/sequence.py imports this module.
+from myvllm.engine.sequence import Sequence, SequenceStatus
 
 
-def worker_state(seq: Any) -> tuple[Any, ...]:
-    """Sequence.__getstate__: the partial copy a tensor-parallel worker needs (see above)."""
+def register() -> None:
+    """Pickle every Sequence sent through a multiprocessing connection (the workers' pipes
+    and sockets) as its worker copy (idempotent)."""
+    ForkingPickler.register(Sequence, reduce_to_worker_copy)
+
+
+def reduce_to_worker_copy(seq: Sequence) -> tuple[Callable[[tuple[Any, ...]], Sequence],
+                                                   tuple[tuple[Any, ...]]]:
+    """How a Sequence is pickled for a worker: worker_copy(worker_state(seq))."""
+    return worker_copy, (worker_state(seq),)
+
+
+def worker_copy(state: tuple[Any, ...]) -> Sequence:
+    """A worker's copy of a Sequence, from worker_state: status RUNNING (it is in a step)."""
+    seq = Sequence.__new__(Sequence)
+    restore_worker_copy(seq, state)
+    seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+def worker_state(seq: Sequence) -> tuple[Any, ...]:
+    """The partial copy a tensor-parallel worker needs (see above)."""
     tokens: list[int] | int | None = seq.token_ids if seq.needs_prefill else seq.last_token
     extras = seq.extras
     # Of the features' state only what the worker's forward reads (None when none is set).
@@ -46,8 +72,7 @@ def worker_state(seq: Any) -> tuple[Any, ...]:
 
 
 def restore_worker_copy(seq: Any, state: tuple[Any, ...]) -> None:
-    """Sequence.__setstate__: a worker's copy from worker_state (the Sequence sets its
-    status, RUNNING); rank 0's state is None."""
+    """Fill a bare Sequence (seq) from worker_state (worker_copy sets its status)."""
     (seq.seq_id, seq.block_size, seq.num_tokens, seq.num_prompt_tokens,
      seq.num_cached_tokens, seq.num_computed_tokens, seq.num_new_tokens,
      seq.block_table, seq.needs_prefill, tokens, seq.num_pending_tokens,
