@@ -70,7 +70,10 @@ def run_demo(default_model: str, argv: list[str] | None = None) -> None:
         raise SystemExit(refuse(parser.prog, e, parser)) from None
     from myvllm import LLM
 
-    llm = LLM(config)
+    try:
+        llm = LLM(config)
+    except ValueError as e:  # what the checkpoint refuses (its heads, its architecture),
+        raise SystemExit(refuse(parser.prog, e, parser)) from None  # before any weight
     prompts = args.prompts or DEFAULT_PROMPTS
     chats = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

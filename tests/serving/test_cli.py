@@ -77,6 +77,7 @@ def test_serve_passes_the_key_and_the_template_file(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages[0].content }}")
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint folder, as far as is checked
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(cli, "serve", lambda *a: calls.append(a) or 0)
     assert cli.main(["serve", str(tmp_path), "--port", str(free_port()), "--api-key", "k1",
@@ -92,6 +93,7 @@ def test_serve_passes_the_tool_and_reasoning_flags(tmp_path: Path,
 
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(cli, "serve", lambda *a: calls.append(a) or 0)
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint folder, as far as is checked
     model = [str(tmp_path), "--port", str(free_port())]
     assert cli.main(["serve", *model, "--enable-auto-tool-choice", "--tool-call-parser",
                      "hermes", "--reasoning-parser", "qwen3"]) == 0

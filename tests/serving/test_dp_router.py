@@ -204,6 +204,7 @@ def test_serve_with_more_replicas_than_gpus_is_one_line(monkeypatch: pytest.Monk
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # An existing model folder (no weights read: the GPUs are counted first).
+    (tmp_path / "config.json").write_text("{}")
     assert cli.main(["serve", str(tmp_path), "--data-parallel-size", "2",
                      "--port", str(port)]) == 2
     err = capsys.readouterr().err

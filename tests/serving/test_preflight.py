@@ -33,6 +33,13 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chat, "run_chat", loading)
 
 
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A checkpoint folder as far as the checks before loading look (its config.json)."""
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
 def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """cli.main(argv)'s one line on stderr, once it exited 2."""
     assert cli.main(argv) == 2
@@ -58,10 +65,10 @@ def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
       "checkpoint folder"]),
 ])
 def test_serve_refuses_a_bad_setting_before_loading(
-        flags: list[str], words: list[str], tmp_path: Path, no_loading: None,
+        flags: list[str], words: list[str], model_dir: Path, no_loading: None,
         capsys: pytest.CaptureFixture[str]) -> None:
     port = [] if "--port" in flags else ["--port", str(free_port())]
-    err = refusal(["serve", str(tmp_path), *port, *flags], capsys)
+    err = refusal(["serve", str(model_dir), *port, *flags], capsys)
     for word in words:
         assert word in err
 
@@ -75,6 +82,9 @@ def test_a_model_that_does_not_exist_is_one_line(command: str, tmp_path: Path,
     err = refusal([command, str(missing), *port], capsys)
     assert f"MODEL: model path '{missing}' does not exist" in err
     assert "allowed: a checkpoint folder (config.json + *.safetensors), a .gguf file" in err
+    missing.mkdir(parents=True)  # a folder, but no checkpoint
+    err = refusal([command, str(missing), *port], capsys)
+    assert f"MODEL: no config.json in checkpoint directory '{missing}'; allowed: " in err
 
 
 @pytest.fixture
@@ -85,31 +95,31 @@ def busy_port() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-def test_a_busy_port_is_one_line(busy_port: int, tmp_path: Path, no_loading: None,
+def test_a_busy_port_is_one_line(busy_port: int, model_dir: Path, no_loading: None,
                                  capsys: pytest.CaptureFixture[str]) -> None:
-    err = refusal(["serve", str(tmp_path), "--port", str(busy_port)], capsys)
+    err = refusal(["serve", str(model_dir), "--port", str(busy_port)], capsys)
     assert f"--port {busy_port}: already in use on 127.0.0.1" in err
     assert "allowed: a free port" in err
 
 
-def test_chat_refuses_its_sampling_flags_and_replicas(tmp_path: Path, no_loading: None,
+def test_chat_refuses_its_sampling_flags_and_replicas(model_dir: Path, no_loading: None,
                                                       capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
-    err = refusal(["chat", str(tmp_path), "--temperature", "-1"], capsys)
+    err = refusal(["chat", str(model_dir), "--temperature", "-1"], capsys)
     assert "--temperature must be a finite number >= 0" in err
-    err = refusal(["chat", str(tmp_path), "--max-tokens", "0"], capsys)
+    err = refusal(["chat", str(model_dir), "--max-tokens", "0"], capsys)
     assert "--max-tokens must be an int >= 1, got 0" in err
-    err = refusal(["chat", str(tmp_path), "--data-parallel-size", "2"], capsys)
+    err = refusal(["chat", str(model_dir), "--data-parallel-size", "2"], capsys)
     assert "--data-parallel-size 2 is for `myvllm serve`" in err and "allowed: 1" in err
 
 
-def test_device_cuda_without_a_gpu_is_one_line(tmp_path: Path, no_loading: None,
+def test_device_cuda_without_a_gpu_is_one_line(model_dir: Path, no_loading: None,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    err = refusal(["chat", str(tmp_path), "--device", "cuda"], capsys)
+    err = refusal(["chat", str(model_dir), "--device", "cuda"], capsys)
     assert "--device cuda: torch sees no CUDA device here; allowed: auto" in err
 
 
@@ -163,3 +173,15 @@ def test_main_py_suggests_the_closest_flag(capsys: pytest.CaptureFixture[str]) -
     assert exited.value.code == 2
     assert "unrecognized arguments: --promt hi (did you mean --prompt?)" in (
         capsys.readouterr().err)
+
+
+def test_main_py_refuses_what_the_checkpoint_refuses_in_one_line(tmp_path: Path) -> None:
+    """Once the checkpoint's config is read, still before any weight: heads that do not split
+    over --tensor-parallel-size."""
+    from helpers_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint("qwen3", tmp_path / "tiny")  # 4 heads, 2 kv heads
+    done = run_script("main.py", "--model", str(path), "--tensor-parallel-size", "3")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.splitlines()[-1:]
+    assert line.startswith("main.py: tensor_parallel_size=3 must divide both")

@@ -28,6 +28,7 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from myvllm.config import Config
@@ -155,7 +156,10 @@ def check_model(model: str | None, what: str, weights: bool = True) -> str:
     --model, --speculative-model). A hub id is fetched here if it is not cached yet, as the
     engine would fetch it first thing; weights=False: no weight files (load_format dummy)."""
     try:
-        return resolve_model_path(model, weights=weights)
+        path = resolve_model_path(model, weights=weights)
+        if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint directory {path!r}")
+        return path
     except (FileNotFoundError, ValueError) as e:  # ModelNotFoundError is a FileNotFoundError
         reason = " ".join(str(e).split())
         if len(reason) > MAX_REASON_CHARS:
