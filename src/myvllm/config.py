@@ -195,6 +195,13 @@ class Config:
     (a 400 through the server), and so is the same grammar asked for again. A JSON schema of
     a few dozen fields compiles in well under a second."""
 
+    grammar_step_budget_ms: float = 20.0
+    """Structured outputs: the most CPU time (milliseconds) one row's grammar matcher may take
+    in one step (its bitmask and its token). A matcher over it ends its request with
+    finish_reason "grammar_too_slow", so that no grammar holds every other row's step: an
+    ambiguous grammar (`s ::= s s | "a" | ""`) costs more with each token (75 ms a token
+    after 375 of them), where a JSON schema's matcher takes well under a millisecond."""
+
     grammar_cache_bytes: int = 256 * 2**20
     """Structured outputs: the memory the compiled grammars kept for reuse may take (xgrammar's
     own count of each one's bytes); the least recently used go first. A grammar asked for
@@ -260,6 +267,10 @@ class Config:
             raise ValueError(f"Config.grammar_compile_timeout_s must be a number of seconds "
                              f"> 0, got {t!r}")
         _check_int("grammar_cache_bytes", self.grammar_cache_bytes, minimum=0)
+        b = self.grammar_step_budget_ms
+        if not (is_real(b) and math.isfinite(b) and b > 0):
+            raise ValueError(f"Config.grammar_step_budget_ms must be a number of milliseconds "
+                             f"> 0, got {b!r}")
         self.eos = _normalize_eos(self.eos)
         _check_speculative(self)
 

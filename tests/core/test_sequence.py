@@ -146,6 +146,8 @@ def test_extras_of_makes_them_later() -> None:
 
 def test_the_grammar_matcher_sees_every_appended_token() -> None:
     class Matcher:
+        over_budget = False
+
         def __init__(self) -> None:
             self.seen: list[int] = []
 

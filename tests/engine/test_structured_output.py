@@ -271,3 +271,45 @@ def test_grammars_are_compiled_once_per_spec() -> None:
     other = manager.compiled_grammar(StructuredOutputsParams(json=schema,
                                                              disable_any_whitespace=True))
     assert other is not first
+
+
+def test_specs_past_the_size_limits_are_refused_before_any_compile() -> None:
+    """Each names its limit and the spec's own figure; a schema nested deeper than Python's
+    recursion limit is measured without recursing (it used to raise RecursionError)."""
+    deep = {"type": "string"}
+    for _ in range(2000):
+        deep = {"type": "array", "items": deep}
+    for make, message in [
+            (lambda: StructuredOutputsParams(json="[" * 5000 + "]" * 5000),
+             "json is nested 5,000 deep (objects and arrays); allowed: at most 64"),
+            (lambda: StructuredOutputsParams(json=deep), "json is nested 2,001 deep"),
+            (lambda: StructuredOutputsParams(grammar="root ::= a\n" + "a ::= \"x\"\n" * 1000),
+             'grammar has 1,001 rules ("::="); allowed: at most 1,000 (MAX_GRAMMAR_RULES)'),
+            (lambda: StructuredOutputsParams(choice=["x"] * 1025),
+             "choice has 1,025 strings; allowed: at most 1,024 (MAX_CHOICES)"),
+            (lambda: StructuredOutputsParams(regex="a" * 100_001),
+             "regex has 100,001 characters; allowed: at most 100,000 (MAX_GRAMMAR_CHARS)"),
+            (lambda: StructuredOutputsParams(json={"properties": {
+                f"p{i}": {"type": "string"} for i in range(1000)}}),
+             "json has 1,002 subschemas (objects); allowed: at most 1,000")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make()
+    # Strings holding brackets do not count as nesting.
+    StructuredOutputsParams(json=json.dumps({"enum": ["[" * 100, "{\\\"" * 100]}))
+
+
+def test_a_matcher_over_its_step_budget_ends_its_request() -> None:
+    """An ambiguous grammar costs its matcher more with every token; eos is banned by
+    min_tokens, so only the budget (0.5 ms of CPU time a step here) can end it."""
+    llm = engine(grammar_step_budget_ms=0.5)
+    llm.add_request([97], SamplingParams(
+        temperature=0.0, max_tokens=240, min_tokens=240,
+        structured_outputs=StructuredOutputsParams(
+            grammar='root ::= s\ns ::= s s | "a" | "b" | ""')))
+    tokens: list[int] = []
+    while llm.has_unfinished_requests():
+        for out in llm.step_outputs()[0]:
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+    assert reason == "grammar_too_slow"
+    assert 0 < len(tokens) < 240 and set(tokens) <= {ord("a"), ord("b")}

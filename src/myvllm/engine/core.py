@@ -107,7 +107,8 @@ class EngineCore:
         if self._structured_outputs is None:
             self._structured_outputs = StructuredOutputManager(
                 self.model_path, self.vocab_size, sorted(self.scheduler.eos_token_ids),
-                self.config.grammar_cache_bytes, self.config.grammar_compile_timeout_s)
+                self.config.grammar_cache_bytes, self.config.grammar_compile_timeout_s,
+                self.config.grammar_step_budget_ms / 1e3)
         return self._structured_outputs
 
     def add_sequence(self, seq: Sequence) -> int:

@@ -279,6 +279,8 @@ class Scheduler:
                     self.finish(seq, "stop")
                 elif self.reaches_stop_length(seq, len(seq.token_ids)):
                     self.finish(seq, "length")
+                elif seq.extras is not None and seq.extras.grammar_too_slow:
+                    self.finish(seq, "grammar_too_slow")  # structured_output/matchers.py
                 if seq.is_finished:
                     finished.append(seq)
                     break

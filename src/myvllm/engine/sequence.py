@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
 # Why a sequence finished: eos or a stop token, max_tokens or max_model_length, or aborted by
 # its caller.
-FinishReason = Literal["stop", "length", "abort"]
+# "grammar_too_slow": its grammar's matcher took more than Config.grammar_step_budget_ms in
+# a step (structured_output/matchers.py).
+FinishReason = Literal["stop", "length", "abort", "grammar_too_slow"]
 
 
 class SequenceStatus(Enum):

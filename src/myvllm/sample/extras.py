@@ -62,8 +62,10 @@ class SequenceExtras(Generic[SeqT]):
         self.generator: torch.Generator | None = None
         # The prompt's distinct ids for repetition_penalty (sample/sampling_controls.py).
         self.penalty_prompt_ids: torch.Tensor | None = None
-        # The grammar's matcher (structured_output/manager.py).
+        # The grammar's matcher (structured_output/matchers.py), and whether its last step
+        # took more than its budget (the scheduler then ends the request).
         self.grammar_matcher: Any = None
+        self.grammar_too_slow = False
         # SamplingParams.n > 1 (sample/forks.py): the request's other completions, held by
         # its first until the first's last prompt chunk is scheduled, and, for those, the
         # first.
@@ -79,6 +81,7 @@ class SequenceExtras(Generic[SeqT]):
             # The sampler only picks tokens the matcher's bitmask allowed, so this is a bug.
             raise RuntimeError(f"sequence {seq_id}: token {token_id} was sampled but its "
                                "grammar does not accept it")
+        self.grammar_too_slow = self.grammar_matcher.over_budget
 
 
 class HoldsExtras(Protocol):

@@ -22,6 +22,8 @@ from myvllm.structured_output.matchers import set_matcher
 class Compiles(Protocol):
     """What GrammarWaits asks of the StructuredOutputManager (manager.py, which makes it)."""
 
+    step_budget_s: float
+
     def request(self, params: StructuredOutputsParams) -> GrammarCompile: ...
 
     def outcome(self, params: StructuredOutputsParams, job: GrammarCompile,
@@ -70,7 +72,7 @@ class GrammarWaits:
                 del self._held[request_id]
                 continue
             if grammar is not None:
-                set_matcher(held.seq, grammar)
+                set_matcher(held.seq, grammar, self.manager.step_budget_s)
                 ready.append((request_id, held.seq))
                 del self._held[request_id]
         return ready

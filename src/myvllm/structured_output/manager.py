@@ -67,14 +67,17 @@ class StructuredOutputManager:
     costs a pass over the vocabulary) is made by the first compile, in a compile thread."""
 
     def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int],
-                 cache_bytes: int = 256 * 2**20, compile_timeout_s: float = 5.0) -> None:
+                 cache_bytes: int = 256 * 2**20, compile_timeout_s: float = 5.0,
+                 step_budget_s: float = 0.02) -> None:
         """vocab_size: the logits' width (the LM head's rows), which may exceed the
-        tokenizer's vocabulary; stop_token_ids: the engine's eos ids; cache_bytes and
-        compile_timeout_s: Config.grammar_cache_bytes and grammar_compile_timeout_s."""
+        tokenizer's vocabulary; stop_token_ids: the engine's eos ids; cache_bytes,
+        compile_timeout_s and step_budget_s: Config.grammar_cache_bytes,
+        grammar_compile_timeout_s and grammar_step_budget_ms (in seconds)."""
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.compile_timeout_s = compile_timeout_s
+        self.step_budget_s = step_budget_s  # a matcher's CPU time in one step (matchers.py)
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()  # two compile threads, one compiler
         self.cache = GrammarCache(cache_bytes)
@@ -202,7 +205,7 @@ class StructuredOutputManager:
         waited for (a bad schema raises here, before the request is queued)."""
         params = seq.sampling_params.structured_outputs
         if params is not None:
-            set_matcher(seq, self.compiled_grammar(params))
+            set_matcher(seq, self.compiled_grammar(params), self.step_budget_s)
 
 
 def _digest(key: GrammarKey) -> bytes:
