@@ -5,7 +5,8 @@
   cuda_cores   decode_cuda_cores.py's program: the scores as products summed on the CUDA cores
                over the real heads only (DECODE_SCORES = "cuda_cores")
 
-each at a few tiles (BLOCK_N / num_warps / num_stages; "default" is decode_config's choice),
+each at a few tiles (BLOCK_N / num_warps / num_stages[/ keys_per_row]; "default" is
+decode_config's choice),
 on Qwen3-0.6B's attention (16 query heads, 8 kv heads: 2 query heads a kv head, head_dim 128,
 16-token blocks in shuffled order) at two shapes:
 
@@ -57,9 +58,14 @@ from benchmarks.kernel_timing import bench_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 K_SCALE, V_SCALE = 0.37, 1.9  # not 1.0, so that a dropped scale shows as an error
-# Tiles timed besides the default: (BLOCK_N, num_warps, num_stages).
+# Tiles timed besides the default: (BLOCK_N, num_warps, num_stages[, keys_per_row]); the
+# CUDA-core program's state rows are BLOCK_N / keys_per_row, best a multiple of 4 x warps
+# (its layout: 4 rows a warp).
 DOT_TILES = [(64, 4, 3), (64, 2, 4), (32, 4, 3), (32, 2, 4), (128, 4, 3)]
-CUDA_CORE_TILES = [(n, w, s) for n in (16, 32) for w in (2, 4, 8) for s in (2, 3, 4)]
+CUDA_CORE_TILES = [(16, 4, 2, 1), (16, 4, 3, 1), (16, 4, 4, 1), (16, 2, 3, 1), (32, 8, 3, 1),
+                   (32, 4, 3, 1), (64, 8, 3, 1),
+                   (32, 4, 2, 2), (32, 4, 3, 2), (32, 4, 4, 2), (16, 2, 3, 2), (32, 2, 3, 2),
+                   (64, 8, 2, 2), (64, 8, 3, 2), (64, 4, 3, 2), (64, 8, 4, 2)]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}  # max abs error, outputs of size ~0.1-1
 
 
@@ -118,7 +124,7 @@ def main() -> None:
           f"{head_dim} | block {args.block_size} | DECODE_SCORES={decode_attention.DECODE_SCORES}")
     if not gpu:
         print("# CPU interpreter: the us column measures Python, not a GPU")
-    print(f"{'shape':<6} {'cache':<5} {'program':<10} {'tile':<9} {'splits':>6} {'correct':<7} "
+    print(f"{'shape':<6} {'cache':<5} {'program':<10} {'tile':<10} {'splits':>6} {'correct':<7} "
           f"{'max_err':>8} {'us':>9} {'GB/s':>7} {'x_bf16_dot':>10}  timed")
     cases = shapes(args.quick)
     all_ok = True
@@ -138,8 +144,12 @@ def main() -> None:
             group = heads // kv_heads
             for program in ("auto", "dot", "cuda_cores"):
                 cuda_cores = decode_attention.uses_cuda_cores(program, group, cache_dtype)
-                tiles = [None] if program == "auto" or args.quick else \
-                    [None, *(CUDA_CORE_TILES if cuda_cores else DOT_TILES)]
+                if program == "auto":
+                    tiles = [None]
+                elif args.quick:  # the default, and two keys a row for the CUDA cores
+                    tiles = [None, (32, 4, 1, 2)] if cuda_cores else [None]
+                else:
+                    tiles = [None, *(CUDA_CORE_TILES if cuda_cores else DOT_TILES)]
                 fastest: tuple[float, str] | None = None
                 for tile in tiles:
                     cfg = None if tile is None else DecodeConfig(*tile)
@@ -159,13 +169,13 @@ def main() -> None:
                     try:
                         out = call()
                     except Exception as error:  # a tile Triton cannot compile: say so, go on
-                        print(f"{shape:<6} {cache_name:<5} {program:<10} {label:<9} {splits:>6} "
+                        print(f"{shape:<6} {cache_name:<5} {program:<10} {label:<10} {splits:>6} "
                               f"{'-':<7} ({type(error).__name__}: {str(error)[:80]})")
                         continue
                     err = (out.float() - ref.float()).abs().max().item()
                     ok = err <= TOL[dtype] and not torch.isnan(out).any().item()
                     all_ok &= ok
-                    head = (f"{shape:<6} {cache_name:<5} {program:<10} {label:<9} {splits:>6} "
+                    head = (f"{shape:<6} {cache_name:<5} {program:<10} {label:<10} {splits:>6} "
                             f"{'OK' if ok else 'NO':<7} {err:>8.1e}")
                     if not ok:
                         print(f"{head}  (wrong: not timed)")
@@ -175,15 +185,15 @@ def main() -> None:
                     if cache_name == sixteen and program == "dot" and tile is None:
                         baseline_us = us
                     ratio = f"{us / baseline_us:>10.3f}" if baseline_us else f"{'-':>10}"
-                    tile_used = label if tile else "/".join(
-                        map(str, (shown.block_n, shown.num_warps, shown.num_stages)))
+                    tile_used = label if tile else "/".join(map(str, (
+                        shown.block_n, shown.num_warps, shown.num_stages, shown.keys_per_row)))
                     print(f"{head} {us:>9.1f} {kv_bytes / ms / 1e6:>7.0f} {ratio}  {mode}"
                           + ("" if tile else f" (tile {tile_used})"), flush=True)
                     if program != "auto" and (fastest is None or us < fastest[0]):
                         fastest = (us, tile_used)
                 if fastest is not None:
                     best.append(f"# fastest {shape:<6} {cache_name:<5} {program:<10} tile "
-                                f"{fastest[1]:<9} {fastest[0]:9.1f} us")
+                                f"{fastest[1]:<10} {fastest[0]:9.1f} us")
             del q, k_cache, v_cache, tables, ref
             if gpu:
                 torch.cuda.empty_cache()

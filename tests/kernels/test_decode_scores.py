@@ -36,7 +36,7 @@ def device() -> torch.device:
 
 
 def check(decode, scores: str, group: int, head_dim: int, cache_dtype: torch.dtype | None,
-          dtype: torch.dtype, num_splits: int) -> None:
+          dtype: torch.dtype, num_splits: int, config: object = None) -> None:
     """One call against the reference on the same cache (cache_dtype None: the query dtype)."""
     torch.manual_seed(group * head_dim + num_splits)
     dev = device()
@@ -50,7 +50,7 @@ def check(decode, scores: str, group: int, head_dim: int, cache_dtype: torch.dty
     scale = head_dim**-0.5
     out = decode.paged_attention_decode_triton(q, k_cache, v_cache, tables, ctx, scale,
                                                num_splits=num_splits, k_scale=scales[0],
-                                               v_scale=scales[1], scores=scores)
+                                               v_scale=scales[1], scores=scores, config=config)
     ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, ctx, scale, *scales)
     assert not torch.isnan(out).any()
     err = (out.float() - ref.float()).abs().max().item()
@@ -71,6 +71,15 @@ def test_both_programs_match_the_reference(decode, scores, group, cache_dtype) -
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_dim_128_in_every_dtype(decode, scores, cache_dtype, dtype) -> None:
     check(decode, scores, 2, 128, cache_dtype, dtype, 1)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("cache_dtype", [None, FP8_DTYPE], ids=["16-bit", "fp8"])
+def test_cuda_cores_with_two_keys_a_row(decode, group, cache_dtype) -> None:
+    """keys_per_row 2: each state row meets two keys an iteration (two 16-key tiles)."""
+    config = decode.DecodeConfig(block_n=32, num_warps=4, num_stages=1, keys_per_row=2)
+    for num_splits in (1, 3):
+        check(decode, "cuda_cores", group, 64, cache_dtype, torch.float16, num_splits, config)
 
 
 def test_the_switch_picks_the_program(decode, monkeypatch) -> None:

@@ -190,9 +190,10 @@ def _paged_decode_reduce_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int
+    block_n: int  # keys a loop iteration reads
     num_warps: int
     num_stages: int
+    keys_per_row: int = 1  # the CUDA-core program's keys per state row an iteration (1, 2)
 
 
 # Split-K knobs: aim for this many programs per SM, and never cut a split shorter than
@@ -256,15 +257,18 @@ def decode_config(device: torch.device, head_dim: int,
     An fp8 cache gets 2 warps and a deeper pipeline: on the H200 at full-batch shapes that
     took its kernel from ~2.0 to ~2.4 TB/s (docs/diagnostics/decode_tile_sweep.py), while the
     bf16 cache's kernel reads at 90-96% of the copy bandwidth with any of the fast tiles.
-    The CUDA-core program holds a [BLOCK_N, D] float32 accumulator per query head (16
-    registers a thread and head at 16 keys, 4 warps, D = 128; sm_90 compiles of 2 heads take
-    96 registers, of 4 heads 230 with 4 warps), so larger groups get 8 warps; num_stages is
-    its loop's load pipeline (tl.range).
+    The CUDA-core program holds a [rows, D] float32 accumulator per query head; with 2 heads,
+    16 rows meeting 2 keys each an iteration (32 keys, 4 warps) compile for sm_90 to 96
+    registers and ~60 instructions a key per warp, against ~65 with one key a row; 4 heads
+    take 230 registers at 16 keys. num_stages is its loop's load pipeline (tl.range). Not
+    yet chosen from GPU timings: benchmarks/benchmark_decode_attention.py sweeps them.
     """
     if device.type != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    if cuda_cores and group <= 2:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=3, keys_per_row=2)
     if cuda_cores:
-        return DecodeConfig(block_n=16, num_warps=4 if group <= 2 else 8, num_stages=3)
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=3)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     if cache_dtype is not None and cache_dtype.itemsize == 1:
@@ -341,7 +345,8 @@ def paged_attention_decode_triton(
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (batch, num_kv_heads, num_splits)
     if cuda_cores:
-        paged_decode_cuda_cores_kernel[grid](*args, LOAD_STAGES=cfg.num_stages, **shape)
+        paged_decode_cuda_cores_kernel[grid](*args, LOAD_STAGES=cfg.num_stages,
+                                             KEYS_PER_ROW=cfg.keys_per_row, **shape)
     else:
         _paged_decode_split_kernel[grid](
             *args, G_PAD=max(16, triton.next_power_of_2(group)),

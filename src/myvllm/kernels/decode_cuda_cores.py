@@ -50,6 +50,17 @@ def tile_rows(bt_row_ptr, kv_base, start, hi, offs_n, stride_cb, stride_cs, PAGE
 
 
 @triton.jit
+def _load_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_base, start, hi, offs_n, offs_d, d_mask,
+               stride_cb, stride_cs, PAGE: tl.constexpr):
+    """K and V of keys start .. start + len(offs_n), float32 (zeros past hi), and their mask."""
+    rows, mask = tile_rows(bt_row_ptr, kv_base, start, hi, offs_n, stride_cb, stride_cs, PAGE)
+    kv_mask = mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k.to(tl.float32), v.to(tl.float32), mask
+
+
+@triton.jit
 def _head_update(q, k, v, n_mask, m, l, acc):
     """One query head's per-row online softmax over one tile: q [D] (scaled), k and v
     [BLOCK_N, D] float32, state m, l [BLOCK_N] and acc [BLOCK_N, D]."""
@@ -63,6 +74,21 @@ def _head_update(q, k, v, n_mask, m, l, acc):
     alpha = tl.where(grew, e, 1.0)
     p = tl.where(grew, 1.0, e)
     return top, l * alpha + p, acc * alpha[:, None] + p[:, None] * v
+
+
+@triton.jit
+def _head_update_pair(q, k_a, v_a, mask_a, k_b, v_b, mask_b, m, l, acc):
+    """_head_update over two tiles at once, each row meeting two keys (KEYS_PER_ROW = 2): the
+    state is rescaled once for both, and its rows are half the keys of an iteration."""
+    s_a = tl.where(mask_a, tl.sum(q[None, :] * k_a, 1), float("-inf"))
+    s_b = tl.where(mask_b, tl.sum(q[None, :] * k_b, 1), float("-inf"))
+    top = tl.maximum(m, tl.maximum(s_a, s_b))
+    ref = tl.where(top == float("-inf"), 0.0, top)  # no key yet: 0, not inf - inf
+    alpha = tl.math.exp2(m - ref)
+    p_a = tl.math.exp2(s_a - ref)
+    p_b = tl.math.exp2(s_b - ref)
+    acc = acc * alpha[:, None] + p_a[:, None] * v_a + p_b[:, None] * v_b
+    return top, l * alpha + p_a + p_b, acc
 
 
 @triton.jit
@@ -105,6 +131,7 @@ def paged_decode_cuda_cores_kernel(
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     LOAD_STAGES: tl.constexpr,
+    KEYS_PER_ROW: tl.constexpr,  # 1 or 2: keys each state row meets per iteration
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(USE_PDL)
@@ -120,7 +147,8 @@ def paged_decode_cuda_cores_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, context_len)
 
-    offs_n = tl.arange(0, BLOCK_N)
+    ROWS: tl.constexpr = BLOCK_N // KEYS_PER_ROW  # state rows; BLOCK_N keys an iteration
+    offs_n = tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     head0 = kv_head * GROUP
@@ -139,9 +167,9 @@ def paged_decode_cuda_cores_kernel(
         q2 = _load_query(q_row_ptr, head0 + 2, stride_qh, offs_d, d_mask, fold)
     if GROUP > 3:
         q3 = _load_query(q_row_ptr, head0 + 3, stride_qh, offs_d, d_mask, fold)
-    m0 = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    l0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    m0 = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l0 = tl.zeros([ROWS], dtype=tl.float32)
+    acc0 = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     m1, l1, acc1 = m0, l0, acc0
     m2, l2, acc2 = m0, l0, acc0
     m3, l3, acc3 = m0, l0, acc0
@@ -149,20 +177,27 @@ def paged_decode_cuda_cores_kernel(
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_base = kv_head * stride_ch
     for start in tl.range(lo, hi, BLOCK_N, num_stages=LOAD_STAGES):
-        rows, mask = tile_rows(bt_row_ptr, kv_base, start, hi, offs_n, stride_cb, stride_cs,
-                               PAGE)
-        kv_mask = mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        m0, l0, acc0 = _head_update(q0, k, v, mask, m0, l0, acc0)
-        if GROUP > 1:
-            m1, l1, acc1 = _head_update(q1, k, v, mask, m1, l1, acc1)
-        if GROUP > 2:
-            m2, l2, acc2 = _head_update(q2, k, v, mask, m2, l2, acc2)
-        if GROUP > 3:
-            m3, l3, acc3 = _head_update(q3, k, v, mask, m3, l3, acc3)
+        k, v, mask = _load_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_base, start, hi,
+                                offs_n, offs_d, d_mask, stride_cb, stride_cs, PAGE)
+        if KEYS_PER_ROW == 1:
+            m0, l0, acc0 = _head_update(q0, k, v, mask, m0, l0, acc0)
+            if GROUP > 1:
+                m1, l1, acc1 = _head_update(q1, k, v, mask, m1, l1, acc1)
+            if GROUP > 2:
+                m2, l2, acc2 = _head_update(q2, k, v, mask, m2, l2, acc2)
+            if GROUP > 3:
+                m3, l3, acc3 = _head_update(q3, k, v, mask, m3, l3, acc3)
+        else:
+            k_b, v_b, mask_b = _load_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_base,
+                                          start + ROWS, hi, offs_n, offs_d, d_mask, stride_cb,
+                                          stride_cs, PAGE)
+            m0, l0, acc0 = _head_update_pair(q0, k, v, mask, k_b, v_b, mask_b, m0, l0, acc0)
+            if GROUP > 1:
+                m1, l1, acc1 = _head_update_pair(q1, k, v, mask, k_b, v_b, mask_b, m1, l1, acc1)
+            if GROUP > 2:
+                m2, l2, acc2 = _head_update_pair(q2, k, v, mask, k_b, v_b, mask_b, m2, l2, acc2)
+            if GROUP > 3:
+                m3, l3, acc3 = _head_update_pair(q3, k, v, mask, k_b, v_b, mask_b, m3, l3, acc3)
 
     _store_head(m0, l0, acc0, v_factor, seq, head0, split, o_ptr, m_part_ptr, l_part_ptr,
                 acc_part_ptr, stride_ob, stride_oh, num_heads, offs_d, d_mask, HEAD_DIM,
