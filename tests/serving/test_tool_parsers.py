@@ -1,7 +1,8 @@
 """The tool-call and reasoning parsers on outputs in each model's format, whole and streamed.
 
-The outputs are written as the models write them (Qwen3's <think> and <tool_call>, Llama 3's
-JSON with and without <|python_tag|>), with their spacing and newlines. Streamed, each output
+The outputs are written in each model's format (Qwen3's <think> and <tool_call>, Llama 3's
+JSON with and without <|python_tag|>), with their spacing and newlines; the bundled SmolLM2's
+are recorded from it. Streamed, each output
 is cut into pieces of every size from 1 character up (so every tag is split at every place),
 and the deltas must add up to the non-streamed answer: the same content, reasoning, names and
 arguments, each call's id and name sent once, in its first delta.
@@ -34,6 +35,19 @@ QWEN3_UNCLOSED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa
 QWEN3_CUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
 QWEN3_THINKING = ("<think>\nThe user asks for the weather in Paris; I have a tool for it.\n"
                   "</think>\n\n" + QWEN3_ONE_CALL)
+# Recorded: the bundled SmolLM2-135M's greedy answers (80 tokens) to two questions with
+# get_weather shown by examples/tool_chat_template_chatml.jinja; a 135M model calls no tool
+# by itself (hence tool_choice "required" or named for it): content, all of it.
+SMOLLM2_ANSWERS = [
+    "The weather in Paris is described as a mix of warm and cool. Paris is known for its "
+    "beautiful Parisian nightlife, with a wide range of attractions, from the iconic Eiffel "
+    "Tower to the world-famous Louvre Museum. The city is also famous for its art and culture, "
+    "with numerous museums and galleries dedicated to the arts and culture.\n\nThe weather "
+    "in Paris is also known for",
+    "```javascript\nfunction get_weather(city) {\n  return {\n    type: \"function\",\n    "
+    "name: \"get_weather\",\n    description: \"The weather in London.\",\n    parameters: "
+    "{\n      city: {\n        type: \"string\",\n        required: [\"city\"]\n      },\n"
+    "    },\n    required: [\"city\"]\n  };\n}\n```\n\nThis function"]
 LLAMA3_ONE_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LLAMA3_TAGGED = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                  '{"name": "get_time", "parameters": {}}')
@@ -91,9 +105,12 @@ def test_hermes_reads_qwen3_calls() -> None:
     assert whole("hermes", QWEN3_UNCLOSED) == (None, [("get_weather", '{"city": "Paris"}')])
 
 
-@pytest.mark.parametrize("text", [QWEN3_NO_CALL, QWEN3_BAD_JSON, QWEN3_CUT, ""])
+@pytest.mark.parametrize("text", [QWEN3_NO_CALL, QWEN3_BAD_JSON, QWEN3_CUT, "",
+                                  *SMOLLM2_ANSWERS])
 def test_hermes_without_a_valid_call_is_all_content(text: str) -> None:
     assert whole("hermes", text) == (text, [])
+    assert streamed_tool_calls("hermes", text, 3)["content"] == (
+        text if "<tool_call>" not in text else text[:text.index("<tool_call>")])
 
 
 @pytest.mark.parametrize("parser, text", [
