@@ -8,14 +8,14 @@ in run_graph_or_eager.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from myvllm.config import Config, stop_token_ids
 from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.sequence import Sequence
-from myvllm.kernels import set_batch_invariant
+from myvllm.kernels import batch_invariant, set_batch_invariant
 from myvllm.sample.logprobs import StepLogprobs
 from myvllm.sample.sampling_controls import ToDevice, prepare_min_ps, seeded_generators
 from myvllm.spec_decode.verification import Verifier
@@ -36,8 +36,6 @@ from myvllm.utils.hf_config import load_hf_config
 
 
 class ModelRunner:
-    # Whether a runner of this process ever turned batch-invariant mode on (see run).
-    batch_invariant_used: ClassVar[bool] = False
     # The KV cache of every layer, [layers, blocks, ...]: allocated by initialize_cache.
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -49,8 +47,6 @@ class ModelRunner:
         self.device = rank_device(config, rank)
         self.dtype = resolve_dtype(config, self.device)
         # Before the model is built: the CUDA graphs captured below bake in what kernels read.
-        if config.batch_invariant:
-            ModelRunner.batch_invariant_used = True
         set_batch_invariant(config.batch_invariant)
         on_gpu = self.device.type == "cuda"
         # CUDA graphs only exist on a GPU; on a CPU the eager path is the only path.
@@ -126,8 +122,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
         """Queue one step that computes a token for every sequence; rank 0 returns them as
         SampledTokens, other ranks None. Nothing here waits for the device."""
-        if ModelRunner.batch_invariant_used:
-            # Again at every step: another engine in this process may have set its own mode.
+        if batch_invariant.enabled != self.config.batch_invariant:
+            # Another engine in this process set its own mode: this one's again.
             set_batch_invariant(self.config.batch_invariant)
         if any(seq.extras is not None for seq in seqs):  # some row asks for a feature
             return run_feature_step(self, seqs, is_prefill,
