@@ -88,6 +88,9 @@ HANG_CHECK_S = 1.0  # how often the front end looks
 # A step running this long is logged (and again every as long): the heartbeat goes on during a
 # step, so a kernel that never returns would otherwise show only as requests that never end.
 LONG_STEP_LOG_S = 60.0
+# The most messages of the core the reader takes before the streams' turn: a few steps'
+# (each step sends one or two), so that a reader behind the core catches up in a turn or two.
+MAX_MESSAGES_PER_TURN = 16
 
 
 @dataclasses.dataclass
@@ -616,18 +619,39 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ core -> streams
     async def _read_outputs(self) -> None:
-        """On the event loop, for the core's lifetime: route each message to its streams."""
+        """On the event loop, for the core's lifetime: route each message to its streams.
+
+        The messages queued are taken together (up to MAX_MESSAGES_PER_TURN), then the
+        streams run: each finds every step's tokens taken meanwhile and sends them as one
+        output. Awaiting a message that is queued already does not give the loop to anyone
+        else, so without the turn a reader slower than the core's steps (a loaded machine)
+        would starve the streams for as long as the messages keep coming."""
+        frame = await self._output.recv(copy=False)
         while True:
-            frame = await self._output.recv(copy=False)
-            self._last_heard = time.monotonic()
-            message = self._decoder.decode(frame.buffer)
-            if isinstance(message, CoreDead):
-                self._fail(EngineDeadError(message.message))
-                return
-            if isinstance(message, Heartbeat):
-                self._log_long_step(message.step_s)
-                continue
+            for _ in range(MAX_MESSAGES_PER_TURN):
+                if not self._handle(frame):
+                    return
+                # A message queued already comes as a finished future (pyzmq's asyncio
+                # sockets return asyncio futures).
+                next_frame = cast("asyncio.Future[Any]", self._output.recv(copy=False))
+                if not next_frame.done():
+                    break
+                frame = next_frame.result()
+            await asyncio.sleep(0)  # the streams' turn
+            frame = await next_frame  # waits while nothing is queued
+
+    def _handle(self, frame: Any) -> bool:
+        """One message of the core; False once it says it died."""
+        self._last_heard = time.monotonic()
+        message = self._decoder.decode(frame.buffer)
+        if isinstance(message, CoreDead):
+            self._fail(EngineDeadError(message.message))
+            return False
+        if isinstance(message, Heartbeat):
+            self._log_long_step(message.step_s)
+        else:
             self._deliver(message)
+        return True
 
     def _deliver(self, message: CoreOutputs) -> None:
         for refusal in message.refused:
@@ -640,7 +664,7 @@ class AsyncLLM:
             if stream is None:
                 continue  # aborted meanwhile
             stream.push(out)
-            if stream.done:
+            if out.finish_reason is not None and stream.done:  # (only a finish ends it)
                 del self._streams[out.request_id]
         stats = message.stats
         self.stat_logger.record_scheduler(stats.num_running, stats.num_waiting,
