@@ -14,16 +14,27 @@ import pytest
 from helpers_models import tiny_checkpoint
 
 from myvllm import LLM, SamplingParams
+from myvllm.utils import gc_freeze
 from myvllm.utils.gc_freeze import frozen_heap
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True)
-def nothing_frozen():
+def nothing_frozen(monkeypatch: pytest.MonkeyPatch):
+    """Each test starts with no block open and nothing frozen. A served app of an earlier
+    test module may still run in this process inside its own frozen_heap (the server keeps
+    its start-up heap frozen for its life): its block is set aside for the test and put back
+    after it, frozen again, so the order of the test modules changes nothing."""
+    outer_blocks = gc_freeze._depth
+    monkeypatch.setattr(gc_freeze, "_depth", 0)
     gc.unfreeze()
     yield
     gc.unfreeze()
+    monkeypatch.undo()
+    assert gc_freeze._depth == outer_blocks
+    if outer_blocks:
+        gc.freeze()
 
 
 def test_frozen_heap_freezes_what_exists_and_restores_it() -> None:
