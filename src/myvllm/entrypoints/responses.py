@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 
@@ -32,6 +34,26 @@ def completion_response(request_id: str, model: str, choices: list[Choice],
             "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs,
                          "finish_reason": c.finish_reason} for c in choices],
             "usage": usage_}
+
+
+class CompletionEvents:
+    """The server-sent events of one streamed completion's choices, built from parts encoded
+    once per request: per event only the time, the choice's index, text, logprobs and finish
+    reason are encoded. Each event's bytes are those of
+    sse(completion_response(request_id, model, [choice], None)), json.dumps's spacing and
+    escapes included (a str is encoded by the function json.dumps uses for it)."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self._head = (f'data: {{"id": {json.dumps(request_id)}, "object": "text_completion", '
+                      '"created": ')
+        self._model = f', "model": {json.dumps(model)}, "choices": [{{"index": '
+
+    def event(self, choice: Choice) -> str:
+        logprobs = "null" if choice.logprobs is None else json.dumps(choice.logprobs)
+        reason = "null" if choice.finish_reason is None else json.dumps(choice.finish_reason)
+        return (f'{self._head}{int(time.time())}{self._model}{choice.index}, "text": '
+                f'{encode_basestring_ascii(choice.text)}, "logprobs": {logprobs}, '
+                f'"finish_reason": {reason}}}], "usage": null}}\n\n')
 
 
 def chat_response(request_id: str, model: str, choices: list[Choice],

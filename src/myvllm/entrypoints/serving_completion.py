@@ -41,7 +41,7 @@ from myvllm.entrypoints.logprobs import ChoiceLogprobs
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                          RequestError, error_body)
 from myvllm.entrypoints.request_log import request_log
-from myvllm.entrypoints.responses import (Choice, chat_chunk, chat_response,
+from myvllm.entrypoints.responses import (Choice, CompletionEvents, chat_chunk, chat_response,
                                           completion_response, usage)
 from myvllm.sampling_parameters import SamplingParams
 
@@ -290,6 +290,7 @@ class Generation:
                                 include_usage: bool) -> AsyncIterator[str]:
         n = len(answers) // len(started)
         last: list[StreamOutput | None] = [None] * len(answers)
+        events = CompletionEvents(request_id, self.model_name)  # sse(completion_response(..))
         try:
             async with contextlib.aclosing(self._outputs(request, started)) as outputs:
                 async for prompt_index, out in outputs:
@@ -298,9 +299,8 @@ class Generation:
                     answer = answers[index]
                     # echo: the prompt's text leads the choice's first event.
                     text, answer.echo = answer.echo + (out.text or ""), ""
-                    yield sse(completion_response(request_id, self.model_name, [
-                        Choice(index, text, out.finish_reason, answer.logprobs_of(out))],
-                        None))
+                    yield events.event(Choice(index, text, out.finish_reason,
+                                              answer.logprobs_of(out)))
         except EngineDeadError as e:
             request_log(request).reason = str(e)
             yield sse(error_body(str(e), 503))
