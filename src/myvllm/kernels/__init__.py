@@ -36,7 +36,7 @@ dispatch in kernels/fused_ops.py.
 
 Dispatch: the public functions below (linear aside: it chooses by device and shape) run the
 Triton kernel when the tensors are on CUDA (and Triton is installed), otherwise the PyTorch
-reference (kernels/triton_dispatch.py). The environment variable
+reference (kernels/triton_dispatch.py chooses; kernels/triton_calls.py calls the Triton side). The environment variable
 MYVLLM_FORCE_TRITON overrides that choice at call time:
 
     MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,
@@ -61,10 +61,10 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from .tile_map import TileMap
 
-from . import batch_invariant
+from . import batch_invariant, triton_calls
 from .batch_invariant import is_batch_invariant, set_batch_invariant
 from .fused_reference import matmul_batch_invariant_ref, skinny_gemm_ref
-from .linear_kernels import (linear_on_gpu, matmul_batch_invariant, prefers_skinny_gemm,
+from .linear_kernels import (linear_by_kernel, matmul_batch_invariant, prefers_skinny_gemm,
                              skinny_gemm, uses_skinny_gemm)
 from .reference import (
     flash_attention_varlen_ref,
@@ -116,12 +116,9 @@ def store_kvcache(
     slot_mapping [N] (slot = block_id * block_size + offset; -1 = padding, skipped). In place.
     An fp8 cache stores key / k_scale and value / v_scale (fp8_kv_reference.quantize_kv)."""
     if use_triton(key):
-        from . import store_kvcache_kernel as triton_impl
-
-        triton_impl.store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping,
-                                         k_scale, v_scale)
-    else:
-        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return triton_calls.store_kvcache(key, value, k_cache, v_cache, slot_mapping,
+                                          k_scale, v_scale)
+    store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def flash_attention_varlen(
@@ -160,11 +157,7 @@ def flash_attention_varlen(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
             block_tables, k_cache, v_cache)  # fmt: skip
     if use_triton(q):
-        from . import prefill_attention as triton_impl
-
-        return triton_impl.flash_attention_varlen_triton(*args, tile_map, out,
-                                                         batch_invariant=batch_invariant.enabled,
-                                                         k_scale=k_scale, v_scale=v_scale)
+        return triton_calls.flash_attention_varlen(*args, tile_map, out, k_scale, v_scale)
     o = flash_attention_varlen_ref(*args, k_scale, v_scale)
     return o if out is None else out.copy_(o)
 
@@ -186,18 +179,9 @@ def paged_attention_decode(
     shape from tensor shapes only. Rows with context_lens 0 return zeros. An fp8 cache is
     dequantized with k_scale/v_scale as it is read.
     """
-    if use_triton(q) and batch_invariant.enabled:
-        from . import prefill_attention
-
-        return prefill_attention.decode_with_prefill_kernel(
-            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if use_triton(q):
-        from . import decode_attention as triton_impl
-
-        return triton_impl.paged_attention_decode_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale,
-            k_scale=k_scale, v_scale=v_scale,
-        )
+        return triton_calls.paged_attention_decode(q, k_cache, v_cache, block_tables,
+                                                   context_lens, scale, k_scale, v_scale)
     return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       k_scale, v_scale)
 
@@ -215,9 +199,7 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last axis; with residual, (rmsnorm(x + residual), x + residual)."""
     if use_triton(x):
-        from . import layer_ops_triton as triton_impl
-
-        return triton_impl.rms_norm_triton(x, weight, eps, residual)
+        return triton_calls.rms_norm(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -236,10 +218,8 @@ def norm_rope(
     cos_sin_cache [max_position, D] float32 (cos | sin); token i rotates by row positions[i].
     """
     if use_triton(q):
-        from . import layer_ops_triton as triton_impl
-
-        return triton_impl.norm_rope_triton(q, k, positions, cos_sin_cache, q_norm_weight,
-                                            k_norm_weight, eps)
+        return triton_calls.norm_rope(q, k, positions, cos_sin_cache, q_norm_weight,
+                                      k_norm_weight, eps)
     return (norm_rope_ref(q, positions, cos_sin_cache, q_norm_weight, eps),
             norm_rope_ref(k, positions, cos_sin_cache, k_norm_weight, eps))
 
@@ -247,9 +227,7 @@ def norm_rope(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     if use_triton(x):
-        from . import layer_ops_triton as triton_impl
-
-        return triton_impl.silu_and_mul_triton(x)
+        return triton_calls.silu_and_mul(x)
     return silu_and_mul_ref(x)
 
 
@@ -269,12 +247,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     Batch-invariant mode (kernels/batch_invariant.py): matmul_batch_invariant for every row
     count, so that no choice above depends on the batch.
     """
-    if batch_invariant.enabled:
-        rows = x.reshape(-1, x.size(-1))
-        return matmul_batch_invariant(rows.contiguous(), weight, bias).view(
-            *x.shape[:-1], weight.size(0))
-    if x.is_cuda:
-        return linear_on_gpu(x, weight, bias)
+    if batch_invariant.enabled or x.is_cuda:
+        return linear_by_kernel(x, weight, bias)  # kernels/linear_kernels.py
     if x.dim() != 2 or not 2 <= x.size(0) <= CPU_WXT_MAX_ROWS:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()

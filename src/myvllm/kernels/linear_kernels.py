@@ -13,10 +13,14 @@ from .fused_reference import matmul_batch_invariant_ref, skinny_gemm_ref
 from .triton_dispatch import use_triton
 
 
-def linear_on_gpu(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """kernels.linear on CUDA tensors outside batch-invariant mode: skinny_gemm where
-    uses_skinny_gemm says so, else F.linear (cuBLAS)."""
+def linear_by_kernel(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """kernels.linear in batch-invariant mode (matmul_batch_invariant for every row count) or
+    on CUDA tensors: skinny_gemm where uses_skinny_gemm says so, else F.linear (cuBLAS)."""
+    if batch_invariant.enabled:
+        rows = x.reshape(-1, x.size(-1))
+        return matmul_batch_invariant(rows.contiguous(), weight, bias).view(
+            *x.shape[:-1], weight.size(0))
     if uses_skinny_gemm(x, weight, bias):
         return skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
