@@ -79,7 +79,7 @@ def test_serve_passes_the_key_and_the_template_file(tmp_path: Path,
     template.write_text("{{ messages[0].content }}")
     (tmp_path / "config.json").write_text("{}")  # a checkpoint folder, as far as is checked
     calls: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(cli, "serve", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(cli, "serve", lambda *a, **_: calls.append(a) or 0)
     assert cli.main(["serve", str(tmp_path), "--port", str(free_port()), "--api-key", "k1",
                      "--chat-template", str(template)]) == 0
     (args,) = calls

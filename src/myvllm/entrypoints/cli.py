@@ -36,9 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 from myvllm.config import Config
 from myvllm.entrypoints.preflight import FlagParser
+from myvllm.entrypoints.server_limits import add_server_limit_flags, server_limits
 
 if TYPE_CHECKING:
     from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings
+    from myvllm.entrypoints.server_limits import ServerLimits
     from myvllm.utils.distributed import TorchrunEnv
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template used for chat requests instead of the "
                             "tokenizer's own")
     add_chat_output_flags(serve)
+    add_server_limit_flags(serve)
     add_config_flags(serve)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal",
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config(args)
         chat_template = read_chat_template(getattr(args, "chat_template", None))
         chat_outputs = chat_output_settings(args) if args.command == "serve" else None
+        limits = server_limits(args) if args.command == "serve" else None
         launch = torchrun_env()
         check_torchrun_world_size(launch, config.tensor_parallel_size)
         loads_here = args.command != "export-tokenizer" and (launch is None or launch.rank == 0)
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve(config, args.served_model_name or name, args.host, args.port,
                          args.log_level, args.data_parallel_routing, args.api_key or None,
-                         chat_template, chat_outputs)
+                         chat_template, chat_outputs, limits=limits)
         from myvllm.entrypoints.chat import run_chat
 
         return run_chat(config, args)
@@ -337,9 +341,10 @@ def export_tokenizer(model: str | None, out_dir: str) -> int:
 def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
           data_parallel_routing: str = "prefix", api_key: str | None = None,
           chat_template: str | None = None,
-          chat_outputs: ChatOutputSettings | None = None) -> int:
+          chat_outputs: ChatOutputSettings | None = None,
+          limits: ServerLimits | None = None) -> int:
     """Run the server until a signal (exit 0) or an engine core's death (exit 1). api_key,
-    chat_template, chat_outputs: as openai_server.build_app."""
+    chat_template, chat_outputs, limits: as openai_server.build_app."""
     from myvllm.serving.async_llm import AsyncLLM
     from myvllm.serving.dp_async_llm import DPAsyncLLM
     from myvllm.serving.engine_client import EngineClient
@@ -359,7 +364,8 @@ def serve(config: Config, model_name: str, host: str, port: int, log_level: str,
         print(f"myvllm serve: {e}", file=sys.stderr)
         return 1
     server = make_server(llm, model_name, host, port, log_level, api_key=api_key,
-                         chat_template=chat_template, chat_outputs=chat_outputs)
+                         chat_template=chat_template, chat_outputs=chat_outputs,
+                         limits=limits)
     try:
         server.run()
     finally:

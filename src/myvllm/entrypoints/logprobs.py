@@ -12,7 +12,8 @@ has no logprob: null):
     {"content": [{"token": "Hi", "logprob": -0.3, "bytes": [72, 105],
                   "top_logprobs": [{"token": "Hi", "logprob": -0.3, "bytes": [72, 105]}, ...]}]}
 
-Tokens are named by their own text (detokenizer.token_texts); text_offset counts those texts'
+Tokens are named by their own text (detokenizer.token_texts, each decoded once: TokenTexts
+caches them); text_offset counts those texts'
 lengths from the start of the choice's text, on across a stream's events (vLLM's way). JSON
 has no -inf: a logprob below -9999 is sent as -9999.0, as vLLM does.
 """
@@ -31,12 +32,30 @@ def _finite(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+class TokenTexts:
+    """Each token's own text, decoded by the tokenizer once per token id and kept (at most
+    one entry per id of the vocabulary): a token decoded alone has always the same text, and
+    decoding them one by one cost about 17 microseconds a token, most of the time spent on an
+    answer with echo and 20 logprobs (21 tokens named per prompt token)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_ids: list[int]) -> list[str]:
+        texts = self._texts
+        new = [t for t in dict.fromkeys(token_ids) if t not in texts]
+        if new:  # (threads may race here: both decode, both store the same text)
+            texts.update(zip(new, token_texts(self.tokenizer, new)))
+        return [texts[t] for t in token_ids]
+
+
 class CompletionLogprobs:
     """One choice's completions `logprobs`, output by output: each call gives the part of
     that output's tokens (a stream's event), text_offset going on from the last part."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, texts: TokenTexts) -> None:
+        self.texts = texts
         self.offset = 0
 
     def part(self, token_ids: list[int], lists: LogprobsLists | None,
@@ -48,7 +67,7 @@ class CompletionLogprobs:
         if not token_ids or lists is None:
             return part
         alternatives = [i for row in lists.top_token_ids for i in row]
-        texts = token_texts(self.tokenizer, token_ids + alternatives)
+        texts = self.texts(token_ids + alternatives)
         own, others = texts[:len(token_ids)], iter(texts[len(token_ids):])
         if first_has_none:
             self._add(part, own[0], None, None)
@@ -79,11 +98,11 @@ def merge_parts(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
     return merged
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], lists: LogprobsLists
+def chat_logprobs(token_texts: TokenTexts, token_ids: list[int], lists: LogprobsLists
                   ) -> list[dict[str, Any]]:
     """The chat `logprobs.content` entries of token_ids: each its own and its k best."""
     alternatives = [i for row in lists.top_token_ids for i in row]
-    texts = token_texts(tokenizer, token_ids + alternatives)
+    texts = token_texts(token_ids + alternatives)
     others = iter(texts[len(token_ids):])
     return [{**_chat_entry(text, logprob),
              "top_logprobs": [_chat_entry(next(others), lp) for lp in top]}
@@ -100,13 +119,13 @@ class ChoiceLogprobs:
     throughout when the request did not ask; with echo (completions), the prompt's
     entries lead the first part."""
 
-    def __init__(self, tokenizer: Any, asked: bool, chat: bool,
+    def __init__(self, texts: TokenTexts, asked: bool, chat: bool,
                  echo_prompt_ids: list[int] | None = None) -> None:
-        self.tokenizer = tokenizer
+        self.texts = texts
         self.asked = asked
         self.chat = chat
         self.echo_prompt_ids = echo_prompt_ids
-        self.completion = CompletionLogprobs(tokenizer)
+        self.completion = CompletionLogprobs(texts)
 
     def part(self, token_ids: list[int], lists: LogprobsLists | None,
              prompt_lists: LogprobsLists | None) -> dict[str, Any] | None:
@@ -115,7 +134,7 @@ class ChoiceLogprobs:
             return None
         if self.chat:
             return {"content": [] if lists is None
-                    else chat_logprobs(self.tokenizer, token_ids, lists)}
+                    else chat_logprobs(self.texts, token_ids, lists)}
         parts = []
         if self.echo_prompt_ids is not None and prompt_lists is not None:
             parts.append(self.completion.part(self.echo_prompt_ids, prompt_lists,

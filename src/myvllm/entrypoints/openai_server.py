@@ -60,6 +60,7 @@ from myvllm.entrypoints.protocol import RequestError, error_body
 from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log
 from myvllm.entrypoints.request_log import logger as request_logger
 from myvllm.entrypoints.responses import model_card
+from myvllm.entrypoints.server_limits import ServerLimits
 from myvllm.entrypoints.serving_completion import Generation
 from myvllm.utils.chat_template import NoChatTemplateError, chat_prompt_ids
 from myvllm.utils.gc_freeze import frozen_heap
@@ -136,11 +137,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLogger,
               max_body_bytes: int | None = None, api_key: str | None = None,
               chat_template: str | None = None,
-              chat_outputs: ChatOutputSettings | None = None) -> FastAPI:
+              chat_outputs: ChatOutputSettings | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """api_key: the bearer token every route but the open ones asks for (None: none asked).
     chat_template: a Jinja template for chat requests instead of the tokenizer's (None: the
     tokenizer's). chat_outputs: how chat answers are read (reasoning, tool calls: the
-    --reasoning-parser, --enable-auto-tool-choice and --tool-call-parser flags)."""
+    --reasoning-parser, --enable-auto-tool-choice and --tool-call-parser flags). limits:
+    what one request or client may take (None: the defaults)."""
+    limits = limits or ServerLimits()
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         llm.start()  # read the core's outputs and watch its process from now on
@@ -157,7 +161,7 @@ def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLog
     body_limit = (max_body_bytes if max_body_bytes is not None
                   else default_body_limit(max_model_length))
     created = int(time.time())
-    generation = Generation(llm, model_name)
+    generation = Generation(llm, model_name, limits.max_response_bytes)
 
     def refused(request: Request, message: str, status: int,
                 param: str | None = None) -> JSONResponse:
@@ -353,19 +357,20 @@ def make_server(llm: EngineClient, model_name: str, host: str, port: int,
                 exit_on_core_death: bool = True,
                 timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
                 api_key: str | None = None, chat_template: str | None = None,
-                chat_outputs: ChatOutputSettings | None = None) -> Server:
+                chat_outputs: ChatOutputSettings | None = None,
+                limits: ServerLimits | None = None) -> Server:
     """max_body_bytes: the largest request body taken (None: default_body_limit).
     exit_on_core_death False: the server keeps answering (503s) after the engine core
     died, instead of stopping (a server embedded in a process that decides for itself).
     log_level: uvicorn's, and the request log's (one INFO line per request).
     timeout_request_head: seconds a connection has to send a whole request head
-    (h11_deadlines.py). api_key, chat_template, chat_outputs: as build_app."""
+    (h11_deadlines.py). api_key, chat_template, chat_outputs, limits: as build_app."""
     stat_logger = PrometheusStatLogger(model_name)
     llm.stat_logger = stat_logger
     if chat_outputs is not None:
         chat_outputs.check()
     app = build_app(llm, model_name, stat_logger, max_body_bytes, api_key, chat_template,
-                    chat_outputs)
+                    chat_outputs, limits)
     request_logger.setLevel(log_level.upper())
     return Server(uvicorn_config(app, host, port, log_level, timeout_request_head), llm,
                   exit_on_core_death)

@@ -48,8 +48,11 @@ class CompletionEvents:
                       '"created": ')
         self._model = f', "model": {json.dumps(model)}, "choices": [{{"index": '
 
-    def event(self, choice: Choice) -> str:
-        logprobs = "null" if choice.logprobs is None else json.dumps(choice.logprobs)
+    def event(self, choice: Choice, logprobs_json: str | None = None) -> str:
+        """logprobs_json: choice.logprobs already encoded (a large part is encoded in pieces,
+        json_chunks.py, in its own spacing)."""
+        logprobs = (logprobs_json if logprobs_json is not None
+                    else "null" if choice.logprobs is None else json.dumps(choice.logprobs))
         reason = "null" if choice.finish_reason is None else json.dumps(choice.finish_reason)
         return (f'{self._head}{int(time.time())}{self._model}{choice.index}, "text": '
                 f'{encode_basestring_ascii(choice.text)}, "logprobs": {logprobs}, '

@@ -12,6 +12,11 @@ A choice's text starts with its prompt's under completions' echo (in a stream's 
 of that choice), and its logprobs, when asked, come in each event for that event's tokens
 (entrypoints/logprobs.py), the echoed prompt's first.
 
+An answer may not grow past the server's bound (response_bounds.py: estimated from n, the
+prompts, max_tokens, echo and logprobs, a 400 before anything is queued), and a non-streamed
+answer is built and encoded in a worker thread, in pieces (json_chunks.py), as is a streamed
+event with logprobs: the event loop keeps answering other clients (/health too) meanwhile.
+
 A batch's prompts are separate requests to the engine (they share its batches like any
 others); `n` completions of a prompt are one request, whose prompt is prefilled once and
 shared (SamplingParams.n). The answer numbers the choices as OpenAI does: index = prompt
@@ -30,17 +35,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from myvllm.serving.async_llm import EngineDeadError, StreamOutput
 from myvllm.serving.engine_client import EngineClient
 from myvllm.engine.request_checks import (check_max_tokens, check_prompt_length,
                                            check_token_ids)
 from myvllm.entrypoints.chat_output_parsing import ChatOutputParsing
-from myvllm.entrypoints.logprobs import ChoiceLogprobs
+from myvllm.entrypoints.json_chunks import answer_bytes, answer_chunks, value_chunks
+from myvllm.entrypoints.logprobs import ChoiceLogprobs, TokenTexts
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                          RequestError, error_body)
 from myvllm.entrypoints.request_log import request_log
+from myvllm.entrypoints.response_bounds import check_response_size
+from myvllm.entrypoints.server_limits import DEFAULT_MAX_RESPONSE_BYTES
 from myvllm.entrypoints.responses import (Choice, CompletionEvents, chat_chunk, chat_response,
                                           completion_response, usage)
 from myvllm.sampling_parameters import SamplingParams
@@ -55,6 +63,11 @@ Started = tuple[StreamOutput, AsyncGenerator[StreamOutput, None]]  # a request's
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def large_sse(data: dict[str, Any]) -> str:
+    """One server-sent event that may be large (logprobs), encoded in pieces (compact)."""
+    return f"data: {''.join(answer_chunks(data))}\n\n"
 
 
 def check_prompt(token_ids: list[int], max_tokens: int | None, max_model_length: int,
@@ -130,15 +143,6 @@ async def _merge(started: list[Started]) -> AsyncGenerator[tuple[int, StreamOutp
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _last_outputs(last: list[StreamOutput | None]) -> list[StreamOutput]:
-    """Each choice's last output; every choice has one once its request's outputs ended (a
-    completion ends with a finished output, aborted ones too)."""
-    missing = [i for i, out in enumerate(last) if out is None]
-    if missing:
-        raise RuntimeError(f"choice {missing[0]} got no output from the engine")
-    return [out for out in last if out is not None]
-
-
 @dataclass
 class Answer:
     """What one choice adds to its outputs: the echoed prompt (completions' echo; "" once
@@ -153,11 +157,15 @@ class Answer:
 
 class Generation:
     """The routes that generate text, over one engine (an AsyncLLM, or a DPAsyncLLM's
-    replicas) serving one model name."""
+    replicas) serving one model name; max_response_bytes bounds an answer's estimated size
+    (response_bounds.py)."""
 
-    def __init__(self, llm: EngineClient, model_name: str) -> None:
+    def __init__(self, llm: EngineClient, model_name: str,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.max_response_bytes = max_response_bytes
+        self.token_texts = TokenTexts(llm.tokenizer)  # shared by every request's logprobs
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         batch = body.is_batch
@@ -202,10 +210,12 @@ class Generation:
             params = [body.sampling_params(m) for m in max_tokens]
         except (ValueError, TypeError) as e:
             raise RequestError(str(e)) from e
+        check_response_size([len(ids) for ids in prompts], params, chat, echo is not None,
+                            self.max_response_bytes)
         # One per choice: completion i of prompt k is choice k * n + i.
         n = body.num_completions
         answers = [Answer(echo[k] if echo else "",
-                          ChoiceLogprobs(self.llm.tokenizer, p.logprobs is not None, chat,
+                          ChoiceLogprobs(self.token_texts, p.logprobs is not None, chat,
                                          ids if echo else None))
                    for k, (ids, p) in enumerate(zip(prompts, params)) for _ in range(n)]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -220,7 +230,7 @@ class Generation:
             return StreamingResponse(events, media_type="text/event-stream")
         # Not streamed: the answer is one body; watch the connection while it is computed.
         collect = asyncio.ensure_future(
-            self.collect(prompts, params, body.stop_strings, request_id, answers))
+            self.collect(prompts, params, body.stop_strings, request_id, len(answers)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():  # the client left: cancelling aborts the requests
@@ -228,20 +238,33 @@ class Generation:
             log.reason = "the client went away before the answer was complete"
             return Response(status_code=499)  # nobody reads it
         gone.cancel()
-        choices, num_completion_tokens = collect.result()
-        log.completion_tokens = num_completion_tokens
+        outputs = collect.result()
+        ends = [choice_outputs[-1] for choice_outputs in outputs]
+        log.completion_tokens = sum(out.num_completion_tokens for out in ends)
+        if any(out.finish_reason == "abort" for out in ends):
+            # Not the client's doing (its leaving cancels the task above): the server is
+            # shutting down. A partial answer with a 200 would pass for a complete one.
+            raise EngineDeadError("the server shut down before the answer was complete")
+        usage_ = usage(log.prompt_tokens, log.completion_tokens)
+        # Off the event loop: logprobs and echo may make this many megabytes.
+        content = await asyncio.to_thread(self.answer, request_id, chat, answers, outputs,
+                                          usage_, parsing)
+        return Response(content, media_type="application/json")
+
+    def answer(self, request_id: str, chat: bool, answers: list[Answer],
+               outputs: list[list[StreamOutput]], usage_: dict[str, int],
+               parsing: ChatOutputParsing | None) -> bytes:
+        """A non-streamed answer's JSON, from each choice's outputs (in a worker thread)."""
+        choices = [Choice(i, a.echo + "".join(out.text or "" for out in outs),
+                          outs[-1].finish_reason,
+                          a.logprobs.merge([a.logprobs_of(out) for out in outs]))
+                   for i, (a, outs) in enumerate(zip(answers, outputs))]
         if parsing is not None:
             for choice in choices:
                 choice.message, choice.finish_reason = parsing.message(choice.text,
                                                                        choice.finish_reason)
-        if any(c.finish_reason == "abort" for c in choices):
-            # Not the client's doing (its leaving cancels the task above): the server is
-            # shutting down. A partial answer with a 200 would pass for a complete one.
-            raise EngineDeadError("the server shut down before the answer was complete")
-        usage_ = usage(log.prompt_tokens, num_completion_tokens)
-        if chat:
-            return JSONResponse(chat_response(request_id, self.model_name, choices, usage_))
-        return JSONResponse(completion_response(request_id, self.model_name, choices, usage_))
+        build = chat_response if chat else completion_response
+        return answer_bytes(build(request_id, self.model_name, choices, usage_))
 
     async def start(self, prompts: list[list[int]], params: list[SamplingParams],
                     stop: list[str], request_id: str, streamed: bool) -> list[Started]:
@@ -265,25 +288,21 @@ class Generation:
                 if isinstance(first, StreamOutput)]
 
     async def collect(self, prompts: list[list[int]], params: list[SamplingParams],
-                      stop: list[str], request_id: str, answers: list[Answer]
-                      ) -> tuple[list[Choice], int]:
-        """Every choice's whole answer, in choice order, and the completion tokens in all."""
+                      stop: list[str], request_id: str, num_choices: int
+                      ) -> list[list[StreamOutput]]:
+        """Every choice's outputs, in choice order (each ends with a finished one)."""
         started = await self.start(prompts, params, stop, request_id, streamed=False)
-        n = len(answers) // len(prompts)
-        parts: list[list[str]] = [[a.echo] for a in answers]
-        logprob_parts: list[list[dict[str, Any] | None]] = [[] for _ in answers]
-        last: list[StreamOutput | None] = [None] * len(answers)
-        async with contextlib.aclosing(_merge(started)) as outputs:
-            async for prompt_index, out in outputs:
-                index = prompt_index * n + out.index
-                parts[index].append(out.text or "")
-                logprob_parts[index].append(answers[index].logprobs_of(out))
-                last[index] = out
-        ends = _last_outputs(last)
-        choices = [Choice(i, "".join(p), out.finish_reason, a.logprobs.merge(lp))
-                   for i, (p, out, a, lp) in enumerate(zip(parts, ends, answers,
-                                                           logprob_parts))]
-        return choices, sum(out.num_completion_tokens for out in ends)
+        n = num_choices // len(prompts)
+        outputs: list[list[StreamOutput]] = [[] for _ in range(num_choices)]
+        async with contextlib.aclosing(_merge(started)) as merged:
+            async for prompt_index, out in merged:
+                outputs[prompt_index * n + out.index].append(out)
+        # Every choice has an output once its request's outputs ended (a completion ends
+        # with a finished output, aborted ones too).
+        missing = [i for i, outs in enumerate(outputs) if not outs]
+        if missing:
+            raise RuntimeError(f"choice {missing[0]} got no output from the engine")
+        return outputs
 
     async def stream_completion(self, request: Request, request_id: str,
                                 started: list[Started], answers: list[Answer],
@@ -299,8 +318,11 @@ class Generation:
                     answer = answers[index]
                     # echo: the prompt's text leads the choice's first event.
                     text, answer.echo = answer.echo + (out.text or ""), ""
-                    yield events.event(Choice(index, text, out.finish_reason,
-                                              answer.logprobs_of(out)))
+                    if answer.logprobs.asked:  # maybe large (an echoed prompt's): off the loop
+                        yield await asyncio.to_thread(self.completion_event, events, index,
+                                                      text, out, answer)
+                    else:
+                        yield events.event(Choice(index, text, out.finish_reason))
         except EngineDeadError as e:
             request_log(request).reason = str(e)
             yield sse(error_body(str(e), 503))
@@ -329,9 +351,12 @@ class Generation:
                         stream = streams[out.index]
                         delta = stream.delta(out.text or "", out.finished)
                         finish_reason = stream.finish_reason(finish_reason)
-                    yield sse(chat_chunk(request_id, self.model_name, delta, finish_reason,
-                                         logprobs=answers[out.index].logprobs_of(out),
-                                         index=out.index))
+                    answer = answers[out.index]
+                    if answer.logprobs.asked:  # maybe large: off the loop
+                        yield await asyncio.to_thread(self.chat_event, request_id, out,
+                                                      answer, delta, finish_reason)
+                    else:
+                        yield self.chat_event(request_id, out, answer, delta, finish_reason)
         except EngineDeadError as e:
             request_log(request).reason = str(e)
             yield sse(error_body(str(e), 503))
@@ -340,6 +365,20 @@ class Generation:
             yield sse(chat_chunk(request_id, self.model_name, None, None, usage(
                 started[0][0].num_prompt_tokens, num_completion_tokens)))
         yield sse("[DONE]")
+
+    @staticmethod
+    def completion_event(events: CompletionEvents, index: int, text: str, out: StreamOutput,
+                         answer: Answer) -> str:
+        """An event with logprobs (in a worker thread): they are encoded in pieces."""
+        logprobs = answer.logprobs_of(out)
+        return events.event(Choice(index, text, out.finish_reason, logprobs),
+                            logprobs_json="".join(value_chunks(logprobs)))
+
+    def chat_event(self, request_id: str, out: StreamOutput, answer: Answer,
+                   delta: dict[str, Any], finish_reason: str | None) -> str:
+        body = chat_chunk(request_id, self.model_name, delta, finish_reason,
+                          logprobs=answer.logprobs_of(out), index=out.index)
+        return large_sse(body) if answer.logprobs.asked else sse(body)
 
     async def _outputs(self, request: Request, started: list[Started]
                        ) -> AsyncGenerator[tuple[int, StreamOutput], None]:

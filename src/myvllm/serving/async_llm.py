@@ -176,8 +176,9 @@ class _Stream:
                 completion.logprobs = out.logprobs
             else:
                 completion.logprobs.extend(out.logprobs)
-        if out.prompt_logprobs is not None:
-            completion.prompt_logprobs = out.prompt_logprobs
+        if out.prompt_logprobs is not None:  # sent once, with the first completion's output
+            for each in self.completions:
+                each.prompt_logprobs = out.prompt_logprobs
         completion.finish_reason = out.finish_reason
         completion.done = out.finish_reason is not None
         self.num_prompt_tokens = out.num_prompt_tokens
@@ -558,12 +559,12 @@ class AsyncLLM:
                      stop_token_ids: set[int]) -> StreamOutput | None:
         """A completion's news since its last output (num_tokens yielded so far), or None
         when there is none; a stop string finishes it."""
+        core_finished = completion.finish_reason is not None
+        if not completion.new_token_ids and not core_finished:
+            return None  # (prompt logprobs wait for the completion's first tokens)
         new_ids, completion.new_token_ids = completion.new_token_ids, []
         logprobs, completion.logprobs = completion.logprobs, None
         prompt_logprobs, completion.prompt_logprobs = completion.prompt_logprobs, None
-        core_finished = completion.finish_reason is not None
-        if not new_ids and not core_finished:
-            return None
         text: str | None = None
         if detok is not None:
             # A stop token ends the request but not the text (vLLM): it stays in the token

@@ -57,7 +57,8 @@ class CoreOutput(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
     # Only for a request that asked (SamplingParams.logprobs / prompt_logprobs), else None
-    # (one byte each on the wire): as RequestOutput's.
+    # (one byte each on the wire): as RequestOutput's, but prompt_logprobs only with the
+    # first completion's (index 0) first output, once for all n completions.
     logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
     index: int = 0  # which completion of the request (SamplingParams.n > 1)

@@ -274,9 +274,13 @@ class EngineCoreProc:
         if out.request_finished:
             del self._front_ids[out.request_id]
             del self._core_ids[front_id]
+        # A fork's prompt logprobs are those of its request's first completion (the same
+        # lists, sent with its first output): sent once, AsyncLLM gives them to every
+        # completion. n=128 with echo sent 128 copies, decoded on the front end's event loop.
+        prompt_logprobs = out.prompt_logprobs if out.index == 0 else None
         return CoreOutput(front_id, out.new_token_ids, out.finish_reason,
                           out.num_prompt_tokens, out.num_cached_tokens, out.logprobs,
-                          out.prompt_logprobs, out.index)
+                          prompt_logprobs, out.index)
 
     def _send(self, outputs: list[CoreOutput]) -> None:
         """One message for the step, unless it has nothing new to say."""
