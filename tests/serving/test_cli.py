@@ -86,13 +86,29 @@ def test_serve_passes_the_key_and_the_template_file(tmp_path: Path,
     assert args[-3:-1] == ("k1", "{{ messages[0].content }}")
 
 
+def test_serve_passes_the_server_limits(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from myvllm.entrypoints.server_limits import ServerLimits
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(cli, "serve", lambda *a, **k: calls.append(k) or 0)
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint folder, as far as is checked
+    model = [str(tmp_path), "--port", str(free_port())]
+    assert cli.main(["serve", *model, "--max-response-bytes", "1000"]) == 0
+    assert calls[0]["limits"] == ServerLimits(max_response_bytes=1000)
+    assert cli.main(["serve", *model]) == 0
+    assert calls[1]["limits"] == ServerLimits()
+    assert cli.main(["serve", *model, "--max-response-bytes", "0"]) == 2  # before loading
+    assert len(calls) == 2
+
+
 def test_serve_passes_the_tool_and_reasoning_flags(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings
 
     calls: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(cli, "serve", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(cli, "serve", lambda *a, **_: calls.append(a) or 0)
     (tmp_path / "config.json").write_text("{}")  # a checkpoint folder, as far as is checked
     model = [str(tmp_path), "--port", str(free_port())]
     assert cli.main(["serve", *model, "--enable-auto-tool-choice", "--tool-call-parser",
