@@ -1,6 +1,7 @@
 """One `myvllm serve` process for a long run, then its end (slow: a server subprocess).
 
-    soak      hundreds of requests (whole answers, streams, streams left in the middle) against
+    soak      hundreds of requests (whole answers, streams, streams left in the middle,
+              structured outputs: JSON schemas, choices, and specs refused with a 400) against
               one server: after a warm-up, neither the front end's nor the engine core's
               resident memory grows past a bound, every request ends as it should, and
               /metrics counts exactly the requests sent, by how they ended
@@ -54,6 +55,18 @@ SHUTDOWN_LIMIT_S = 8.0
 CHILDREN_EXIT_LIMIT_S = 5.0  # tensor-parallel workers see their core gone within a second
 
 
+# Structured outputs: a few grammars, each compiled once (before the warm-up ends) and then
+# served from the cache, so they add no memory over the measured requests.
+SCHEMAS = [{"type": "object", "required": ["ok"], "additionalProperties": False,
+            "properties": {"ok": {"type": "boolean"}}},
+           {"type": "object", "required": ["kind"], "additionalProperties": False,
+            "properties": {"kind": {"enum": ["cat", "dog", "fish"]}}}]
+CHOICES = [["yes", "no"], [f"option {i}" for i in range(50)]]
+REFUSED = [{"guided_regex": "(unclosed"}, {"guided_json": "[" * 1000 + "]" * 1000},
+           {"guided_choice": [str(i) for i in range(2000)]}]
+KINDS = ["whole", "chat", "stream", "leave", "json", "choice", "refused"]
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -74,13 +87,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
 
 
 # ---------------------------------------------------------------------------- soak
-def one_request(port: int, rng: random.Random, kind: str) -> str:
-    """One request of kind "whole", "chat", "stream" or "leave"; returns how it ended as
-    the server counts it (its finish_reason; "abort" for a stream left in the middle)."""
+def one_request(port: int, rng: random.Random, kind: str) -> str | None:
+    """One request of a kind of KINDS; returns how it ended as the server counts it (its
+    finish_reason; "abort" for a stream left in the middle; None for a 400, not counted)."""
     max_tokens = rng.randint(1, 12)
     body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True,
                             "temperature": rng.choice([0.0, 0.8]), "seed": rng.randrange(99)}
     prompt = f"Soak request {rng.randrange(10**6)} " * rng.randint(1, 20)
+    if kind in ("json", "choice", "refused"):
+        spec = ({"guided_json": rng.choice(SCHEMAS)} if kind == "json" else
+                {"guided_choice": rng.choice(CHOICES)} if kind == "choice" else
+                rng.choice(REFUSED))
+        return structured_request(port, {**body, "prompt": prompt}, spec)
     route = "/v1/completions"
     if kind == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -114,14 +132,55 @@ def one_request(port: int, rng: random.Random, kind: str) -> str:
         connection.close()
 
 
+def structured_request(port: int, body: dict[str, Any], spec: dict[str, Any]) -> str | None:
+    """A whole answer under spec, a JSON schema or a choice (it ends with "stop" once
+    complete, or "length"), or a spec of REFUSED, which the server refuses with a 400 before
+    the engine sees it."""
+    refused = spec in REFUSED
+    # No ignore_eos (refused beside a constraint: the grammar ends with eos).
+    body = {**{k: v for k, v in body.items() if k != "ignore_eos"}, **spec, "max_tokens": 40}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        assert refused and e.code == 400, (e.code, e.read())
+        return None
+    assert not refused, answer
+    choice = answer["choices"][0]
+    if choice["finish_reason"] == "stop":  # complete: valid
+        if "guided_json" in spec:
+            assert isinstance(json.loads(choice["text"]), dict), choice
+        else:
+            assert choice["text"] in spec["guided_choice"], choice
+    return str(choice["finish_reason"])
+
+
 def run_requests(port: int, num: int, seed: int) -> Counter[str]:
-    """num requests of random kinds, CONCURRENCY at a time; how many ended each way."""
+    """num requests of random kinds, CONCURRENCY at a time; how many ended each way (the
+    refused ones, which the server does not count, left out)."""
     rng = random.Random(seed)
-    kinds = [rng.choice(["whole", "chat", "stream", "leave"]) for _ in range(num)]
+    kinds = [rng.choice(KINDS) for _ in range(num)]
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         ends = pool.map(lambda i: one_request(port, random.Random(seed * 10**6 + i), kinds[i]),
                         range(num))
-        return Counter(ends)
+        return Counter(end for end in ends if end is not None)
+
+
+def compile_every_grammar(port: int) -> Counter[str]:
+    """One request of each schema and choice list: each grammar is compiled and cached (with
+    the compiler itself) before memory is measured."""
+    ends: Counter[str] = Counter()
+    specs = ([{"guided_json": schema} for schema in SCHEMAS]
+             + [{"guided_choice": choices} for choices in CHOICES])
+    for spec in specs:
+        end = structured_request(port, {"model": MODEL, "prompt": "Warm up",
+                                        "temperature": 0.0}, spec)
+        assert end is not None
+        ends[end] += 1
+    return ends
 
 
 def test_soak_memory_stays_bounded_and_metrics_count_every_request(
@@ -135,7 +194,7 @@ def test_soak_memory_stays_bounded_and_metrics_count_every_request(
         return (m["myvllm:num_requests_running"] == 0 and m["myvllm:num_requests_waiting"] == 0
                 and m["myvllm:kv_cache_usage_perc"] == 0.0)
 
-    ended = run_requests(port, WARM_UP_REQUESTS, seed=1)
+    ended = compile_every_grammar(port) + run_requests(port, WARM_UP_REQUESTS, seed=1)
     wait_for(idle, "the warm-up's requests to end")
     before = {"front end": rss_mib(proc.pid), "engine core": rss_mib(core)}
     started = time.monotonic()
@@ -149,7 +208,8 @@ def test_soak_memory_stays_bounded_and_metrics_count_every_request(
     for name, mib in growth.items():
         assert mib < RSS_GROWTH_LIMIT_MIB, f"the {name}'s RSS grew by {mib:.1f} MiB: {growth}"
 
-    # Every request counted once, by how it ended ("length": ignore_eos; "abort": left).
+    # Every request counted once, by how it ended ("length": ignore_eos or max_tokens;
+    # "stop": a structured output complete; "abort": left; a 400 is not a request).
     wait_for(lambda: finished_by_reason(base_url) == {r: float(n) for r, n in ended.items()},
              f"/metrics to count {dict(ended)}", timeout_s=10)
     assert health(port) == 200

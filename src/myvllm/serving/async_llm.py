@@ -101,7 +101,9 @@ class StreamOutput:
     text: str | None  # new text (None for a model without a tokenizer)
     token_ids: list[int]  # new token ids
     finished: bool
-    finish_reason: str | None  # "stop" (eos or a stop string), "length", "abort"
+    # "stop" (eos or a stop string), "length", "abort", "grammar_too_slow" (its grammar's
+    # matcher past Config.grammar_step_budget_ms in a step)
+    finish_reason: str | None
     num_prompt_tokens: int
     num_completion_tokens: int  # so far; tokens after a stop string are not counted
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache

@@ -4,7 +4,10 @@
       spawn ---------------------------------------> run_engine_core(): EngineCore(...)
       wait for "ready" on a pipe <------------------ ("ready", settings) or ("error", traceback)
       input socket  -- AddRequest / AbortRequests -> busy loop:
-                                                       take every waiting message
+                                                       take every waiting message (one
+                                                       with a grammar waits outside the
+                                                       scheduler while a thread compiles it)
+                                                       queue those whose grammar is ready
                                                        step() if there is work
       output socket <- CoreOutputs, one per step ---   send the step's tokens (and, as a
                                                        step starts, the queues it runs with)
