@@ -17,7 +17,7 @@ from myvllm.engine.batch import SamplingArgs, StepInputs
 from myvllm.engine.sequence import Sequence
 from myvllm.kernels import batch_invariant, set_batch_invariant
 from myvllm.sample.logprobs import StepLogprobs
-from myvllm.sample.sampling_controls import ToDevice, prepare_min_ps, seeded_generators
+from myvllm.sample.sampling_controls import ToDevice
 from myvllm.spec_decode.verification import Verifier
 from myvllm.worker import warmup
 from myvllm.worker.cuda_graphs import GraphCache, GraphKey, decode_sampling_in_graph
@@ -189,7 +189,8 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
     """Each sequence's SamplingParams as the Sampler's per-row arguments, on the device, plus
     host-side hints for the fast paths (rank 0).
 
-    Seeds and min-p ask for extras (engine/sequence.py): a plain step has neither.
+    Seeds and min-p ask for extras (engine/sequence.py): a plain step has neither, and a
+    step with features adds them (worker/feature_step.py).
     """
     params = [seq.sampling_params for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
@@ -201,8 +202,4 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
         generators=None, min_ps=None,
         all_greedy=all(p.temperature == 0 for p in params),
     )
-    if any(seq.extras is not None for seq in seqs):  # seeds and min-p: sampling controls
-        args.generators = seeded_generators(seqs, [samples_this_step(seq) for seq in seqs],
-                                            device)
-        args.min_ps = prepare_min_ps(seqs, to_device)
     return args

@@ -6,8 +6,9 @@
 Sampling is the exponential ("Gumbel-max") trick, argmax(p / E) with E ~ Exponential(1): no
 host sync; a seeded row draws E from its own generator. Logit bias, min_tokens and penalties
 were applied before (layers/logits_processors.py), and so was a structured output's token
-bitmask (layers/token_bitmask.py). On the GPU a batch with no filters, min-p or seeds is
-sampled by kernels/sample_kernel.py.
+bitmask (layers/token_bitmask.py). The draw of a batch that is not all greedy is
+layers/sampler_ops.py's; on the GPU a batch with no filters, min-p or seeds is sampled by
+kernels/sample_kernel.py.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from myvllm.kernels import use_triton
-from myvllm.layers.logits_processors import apply_min_p
-from myvllm.layers.sampler_ops import exponential_noise, gumbel_sample_gpu, top_k_top_p
+from myvllm.layers.sampler_ops import sample_with_temperature
 
 
 class Sampler(nn.Module):
@@ -41,21 +40,5 @@ class Sampler(nn.Module):
         if all_greedy:
             return logits.argmax(dim=-1)
 
-        if (top_ks is None and top_ps is None and min_ps is None and generators is None
-                and use_triton(logits)):
-            return gumbel_sample_gpu(logits, temperatures)  # kernels/sample_kernel.py
-
-        greedy = logits.argmax(dim=-1)
-        logits = logits.float()
-        is_greedy = temperatures == 0
-        # Greedy rows are replaced by `greedy` at the end; dividing them by 1 keeps them finite.
-        temps = torch.where(is_greedy, torch.ones_like(temperatures), temperatures).float()
-        logits = logits / temps.unsqueeze(-1)
-        if min_ps is not None:
-            logits = apply_min_p(logits, min_ps.float())
-        if top_ks is not None or top_ps is not None:
-            logits = top_k_top_p(logits, top_ks, top_ps)
-        probs = torch.softmax(logits, dim=-1)
-        sampled = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
-
+        # Temperature, min-p, top-k / top-p and seeds: the draw (layers/sampler_ops.py).
+        return sample_with_temperature(logits, temperatures, top_ks, top_ps, generators, min_ps)

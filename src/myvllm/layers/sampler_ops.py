@@ -1,6 +1,7 @@
-"""The Sampler's filters and noise (layers/sampler.py): the top-k / top-p filter, also used by
-speculative decoding's rejection sampler, the Exponential(1) noise of the Gumbel-max draw,
-per-row seeded, and the GPU's draw in Triton for a batch that needs neither.
+"""The Sampler's draw for rows that are not all greedy (layers/sampler.py): temperature,
+min-p, top-k / top-p and the Gumbel-max draw; the top-k / top-p filter, also used by
+speculative decoding's rejection sampler, the Exponential(1) noise of the draw, per-row
+seeded, and the GPU's draw in Triton for a batch that needs neither filters nor seeds.
 """
 
 from __future__ import annotations
@@ -8,6 +9,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from myvllm.kernels import use_triton
+from myvllm.layers.logits_processors import apply_min_p
+
+
+def sample_with_temperature(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None,
+    top_ps: torch.Tensor | None, generators: Sequence[torch.Generator | None] | None,
+    min_ps: torch.Tensor | None,
+) -> torch.Tensor:
+    """Sampler.forward of a batch that is not all greedy (its arguments as there): greedy rows
+    (temperature 0) take their argmax, the others logits / temperature -> min-p -> top-k ->
+    top-p -> argmax(p / E)."""
+    if (top_ks is None and top_ps is None and min_ps is None and generators is None
+            and use_triton(logits)):
+        return gumbel_sample_gpu(logits, temperatures)  # kernels/sample_kernel.py
+
+    greedy = logits.argmax(dim=-1)
+    logits = logits.float()
+    is_greedy = temperatures == 0
+    # Greedy rows are replaced by `greedy` at the end; dividing them by 1 keeps them finite.
+    temps = torch.where(is_greedy, torch.ones_like(temperatures), temperatures).float()
+    logits = logits / temps.unsqueeze(-1)
+    if min_ps is not None:
+        logits = apply_min_p(logits, min_ps.float())
+    if top_ks is not None or top_ps is not None:
+        logits = top_k_top_p(logits, top_ks, top_ps)
+    probs = torch.softmax(logits, dim=-1)
+    sampled = (probs / exponential_noise(probs, generators)).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)
 
 
 def top_k_top_p(

@@ -17,6 +17,7 @@ from myvllm.engine.sequence import Sequence
 from myvllm.layers.sampler import Sampler
 from myvllm.sample.logits_features import LogitsFeatures
 from myvllm.sample.logprobs import StepLogprobs
+from myvllm.sample.sampling_controls import prepare_min_ps, seeded_generators
 from myvllm.utils.context import forward_context
 from myvllm.worker.input_builder import InputBuilder
 from myvllm.worker.model_loading import CausalLM
@@ -43,6 +44,7 @@ class FeatureRunner(Protocol):
 
     config: Config
     rank: int
+    device: torch.device
     inputs: InputBuilder
     model: CausalLM
     sampler: Sampler
@@ -104,6 +106,9 @@ def sample_with_features(runner: FeatureRunner, seqs: list[Sequence],
     tokens = None
     if runner.rank == 0 and logits is not None:
         args = runner.sampling_args(seqs)
+        # Seeds and min-p: sampling controls, asked for only by a row with extras.
+        args.generators = seeded_generators(seqs, features.samples, runner.device)
+        args.min_ps = prepare_min_ps(seqs, runner.inputs.fresh.tensor)
         if verification is not None:  # rejection sampling, then each row's last logits
             logits = verification.verify(logits, args, runner.inputs.fresh.tensor)
         tokens = features.sample(runner.sampler, logits[:len(seqs)], args,
