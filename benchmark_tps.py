@@ -332,7 +332,8 @@ def main() -> None:
             tensor_parallel_size=args.tensor_parallel_size,
             async_scheduling=(False if args.no_async_scheduling else
                               True if args.async_scheduling else None),
-            max_model_length=args.max_input_len + args.max_output_len,
+            # The batch-1 measurement asks for 129 tokens after a prompt of up to 128.
+            max_model_length=max(args.max_input_len + args.max_output_len, 128 + 129),
             **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks
                else {}),
             max_num_sequences=256 if not args.quick else 8,
