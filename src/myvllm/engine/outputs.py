@@ -26,6 +26,7 @@ from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
 from myvllm.sample.logprobs import take_prompt_logprobs
 from myvllm.sample.extras import LogprobsLists
+from myvllm.sample.sampling_controls import text_token_ids
 
 
 def request_outputs(seqs: list[Sequence], num_known: list[int],
@@ -96,7 +97,9 @@ def generate_result(out: dict[str, Any], stop_token_ids: list[int] | None,
     text, token_ids, finish_reason and logprobs ("text" and "token_ids" above them are
     completion 0's)."""
     def text(token_ids: list[int], finish_reason: str | None) -> str | None:
-        return decode(text_token_ids(token_ids, finish_reason, stop_token_ids))
+        # A request's own stop token ends its tokens, not its text (sample/sampling_controls.py).
+        return decode(token_ids if stop_token_ids is None
+                      else text_token_ids(token_ids, finish_reason, stop_token_ids))
 
     result = {
         "text": text(out["token_ids"], out["finish_reason"]),
@@ -113,12 +116,3 @@ def generate_result(out: dict[str, Any], stop_token_ids: list[int] | None,
             for c in out["outputs"]]
     return result
 
-
-def text_token_ids(token_ids: list[int], finish_reason: str | None,
-                   stop_token_ids: list[int] | None) -> list[int]:
-    """The completion tokens its text is decoded from: all but a stop token that ended it
-    (SamplingParams.stop_token_ids: in token_ids, not in the text, as vLLM)."""
-    stops = stop_token_ids
-    if finish_reason == "stop" and stops and token_ids and token_ids[-1] in stops:
-        return token_ids[:-1]
-    return token_ids

@@ -110,6 +110,15 @@ def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -
     return params.stop_token_ids is not None and token_id in params.stop_token_ids
 
 
+def text_token_ids(token_ids: list[int], finish_reason: str | None,
+                   stop_token_ids: list[int]) -> list[int]:
+    """The completion tokens its text is decoded from: all but a stop token that ended it
+    (SamplingParams.stop_token_ids: in token_ids, not in the text, as vLLM)."""
+    if finish_reason == "stop" and token_ids and token_ids[-1] in stop_token_ids:
+        return token_ids[:-1]
+    return token_ids
+
+
 def processes_logits(seq: Sequence) -> bool:
     """A control of process_logits acts on this row's logits this step."""
     return uses_penalties(seq) or bool(seq.sampling_params.logit_bias) or short_of_min_tokens(seq)
