@@ -98,8 +98,13 @@ def test_serve_passes_the_server_limits(tmp_path: Path,
     assert calls[0]["limits"] == ServerLimits(max_response_bytes=1000)
     assert cli.main(["serve", *model]) == 0
     assert calls[1]["limits"] == ServerLimits()
-    assert cli.main(["serve", *model, "--max-response-bytes", "0"]) == 2  # before loading
-    assert len(calls) == 2
+    assert cli.main(["serve", *model, "--max-connections", "100",
+                     "--timeout-request-body", "5"]) == 0
+    assert calls[2]["limits"] == ServerLimits(max_connections=100, timeout_request_body_s=5.0)
+    for bad in (["--max-response-bytes", "0"], ["--max-connections", "0"],
+                ["--timeout-request-body", "0"]):
+        assert cli.main(["serve", *model, *bad]) == 2  # before loading
+    assert len(calls) == 3
 
 
 def test_serve_passes_the_tool_and_reasoning_flags(tmp_path: Path,

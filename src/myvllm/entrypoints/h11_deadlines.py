@@ -8,6 +8,9 @@ connections (and their file descriptors) for free. Here a request's head must be
 within timeout_request_head seconds, counted from the connection's start and again from the
 end of each answer; otherwise the connection is closed. h11_max_incomplete_event_size (set
 in make_server) bounds what such a half-sent head may hold in memory meanwhile.
+
+The same protocol refuses a connection past max_connections with a quick 503
+(connection_limits.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from myvllm.entrypoints.connection_limits import refuse_connection
+
 DEFAULT_TIMEOUT_REQUEST_HEAD_S = 20.0
 
 
@@ -26,9 +31,10 @@ class DeadlineConfig(uvicorn.Config):
     """uvicorn's Config, serving HTTP with H11WithHeadDeadline."""
 
     def __init__(self, app: Any, timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
-                 **kwargs: Any) -> None:
+                 max_connections: int | None = None, **kwargs: Any) -> None:
         super().__init__(app, http=H11WithHeadDeadline, **kwargs)
         self.timeout_request_head = timeout_request_head
+        self.max_connections = max_connections  # None: no limit
 
 
 class H11WithHeadDeadline(H11Protocol):
@@ -40,13 +46,22 @@ class H11WithHeadDeadline(H11Protocol):
         self.timeout_request_head = getattr(config, "timeout_request_head",
                                             DEFAULT_TIMEOUT_REQUEST_HEAD_S)
         self._head_timer: asyncio.TimerHandle | None = None
+        self.max_connections: int | None = getattr(config, "max_connections", None)
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # (The base class narrows asyncio.Protocol's BaseTransport parameter the same way.)
+        if (self.max_connections is not None
+                and len(self.connections) >= self.max_connections):
+            self._refused = True  # never one of the server's connections
+            refuse_connection(transport, self.loop, self.max_connections)
+            return
         super().connection_made(transport)
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # dropped: the 503 is sent
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # a whole head arrived: a request runs
             self._cancel_head_timer()
@@ -57,6 +72,8 @@ class H11WithHeadDeadline(H11Protocol):
             self._arm_head_timer()  # the next request's head, on a kept-alive connection
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
         self._cancel_head_timer()
         super().connection_lost(exc)
 

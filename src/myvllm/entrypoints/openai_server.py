@@ -60,7 +60,11 @@ from myvllm.entrypoints.protocol import RequestError, error_body
 from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log
 from myvllm.entrypoints.request_log import logger as request_logger
 from myvllm.entrypoints.responses import model_card
-from myvllm.entrypoints.server_limits import ServerLimits
+from myvllm.entrypoints.connection_limits import (check_max_connections,
+                                                  default_max_connections,
+                                                  raise_open_file_limit)
+from myvllm.entrypoints.log_rate_limit import rate_limit_server_logs
+from myvllm.entrypoints.server_limits import DEFAULT_TIMEOUT_REQUEST_BODY_S, ServerLimits
 from myvllm.entrypoints.serving_completion import Generation
 from myvllm.utils.chat_template import NoChatTemplateError, chat_prompt_ids
 from myvllm.utils.gc_freeze import frozen_heap
@@ -101,10 +105,13 @@ def default_body_limit(max_model_length: int) -> int:
     return max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * max_model_length)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int,
+                    timeout_s: float = DEFAULT_TIMEOUT_REQUEST_BODY_S) -> bytes:
     """The request body, or a 413 if it is larger than limit bytes. A too-large body is read
     to its end and dropped (up to DRAIN_LIMIT bytes), not kept: a client that sends its
-    whole body before it reads the answer then gets the 413 rather than a broken pipe."""
+    whole body before it reads the answer then gets the 413 rather than a broken pipe.
+    The whole body must come within timeout_s (a byte now and then does not keep the
+    connection), and no silence may last BODY_IDLE_TIMEOUT_S: else a 408."""
     too_large = RequestError(f"the request body is larger than this server's limit of "
                              f"{limit} bytes", 413)
     length = request.headers.get("content-length", "")
@@ -112,10 +119,13 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large  # not worth reading; the connection is closed after the answer
     chunks, size = [], 0
     stream = request.stream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     try:
         while True:
+            wait_s = min(BODY_IDLE_TIMEOUT_S, deadline - loop.time())
             try:
-                chunk = await asyncio.wait_for(anext(stream), BODY_IDLE_TIMEOUT_S)
+                chunk = await asyncio.wait_for(anext(stream), max(wait_s, 0.0))
             except StopAsyncIteration:
                 break
             size += len(chunk)
@@ -127,6 +137,9 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise RequestError("the client closed the connection before the request body "
                            "was complete") from None
     except asyncio.TimeoutError:
+        if loop.time() >= deadline:
+            raise RequestError(f"the request body did not arrive within {timeout_s:g} s "
+                               f"({size} bytes came; --timeout-request-body)", 408) from None
         raise RequestError(f"the request body stalled: nothing came for "
                            f"{BODY_IDLE_TIMEOUT_S:g} s", 408) from None
     if size > limit:
@@ -162,6 +175,7 @@ def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLog
                   else default_body_limit(max_model_length))
     created = int(time.time())
     generation = Generation(llm, model_name, limits.max_response_bytes)
+    body_timeout_s = limits.timeout_request_body_s
 
     def refused(request: Request, message: str, status: int,
                 param: str | None = None) -> JSONResponse:
@@ -223,7 +237,8 @@ def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLog
                                f"`{model_name}`.", 404, "model")
 
     async def parse(request: Request, model: type[protocol.RequestBody]) -> Any:
-        body = protocol.parse_request(model, await read_body(request, body_limit))
+        body = protocol.parse_request(model, await read_body(request, body_limit,
+                                                             body_timeout_s))
         check_model(body.model)
         return body
 
@@ -241,7 +256,8 @@ def build_app(llm: EngineClient, model_name: str, stat_logger: PrometheusStatLog
 
     @app.post("/tokenize", openapi_extra=_body_schema("/tokenize"))
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = protocol.parse_tokenize_request(await read_body(request, body_limit))
+        body = protocol.parse_tokenize_request(await read_body(request, body_limit,
+                                                               body_timeout_s))
         check_model(body.model)
         if isinstance(body, protocol.TokenizeChatRequest):
             tokens = apply_chat_template(llm, body, chat_template)
@@ -369,20 +385,27 @@ def make_server(llm: EngineClient, model_name: str, host: str, port: int,
     llm.stat_logger = stat_logger
     if chat_outputs is not None:
         chat_outputs.check()
+    limits = limits or ServerLimits()
+    # Connections are bounded below the open-file limit (connection_limits.py).
+    open_file_limit = raise_open_file_limit()
+    max_connections = limits.max_connections or default_max_connections(open_file_limit)
+    check_max_connections(max_connections, open_file_limit)
     app = build_app(llm, model_name, stat_logger, max_body_bytes, api_key, chat_template,
                     chat_outputs, limits)
     request_logger.setLevel(log_level.upper())
-    return Server(uvicorn_config(app, host, port, log_level, timeout_request_head), llm,
-                  exit_on_core_death)
+    rate_limit_server_logs()
+    return Server(uvicorn_config(app, host, port, log_level, timeout_request_head,
+                                 max_connections), llm, exit_on_core_death)
 
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str,
-                   timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S
-                   ) -> DeadlineConfig:
+                   timeout_request_head: float = DEFAULT_TIMEOUT_REQUEST_HEAD_S,
+                   max_connections: int | None = None) -> DeadlineConfig:
     """How make_server runs uvicorn. timeout_graceful_shutdown: a connection that still
     hangs after the aborts is cut. access_log off: the request log (request_log.py) writes
-    the line, with more in it."""
-    return DeadlineConfig(app, timeout_request_head=timeout_request_head, host=host,
+    the line, with more in it. max_connections: past it a connection gets a quick 503."""
+    return DeadlineConfig(app, timeout_request_head=timeout_request_head,
+                          max_connections=max_connections, host=host,
                           port=port, log_level=log_level, timeout_graceful_shutdown=3,
                           access_log=False, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
                           h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES)

@@ -20,9 +20,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from myvllm.entrypoints.log_rate_limit import LogRateLimiter, with_count
+
 logger = logging.getLogger("myvllm.requests")
 
 SCOPE_KEY = "myvllm.request_log"
+# Refusals (4xx, 5xx) of one status: at most this many lines per 10 s, then one with a
+# count (log_rate_limit.py): a flood of bad requests writes a few lines, not one each.
+REFUSAL_LINES_PER_INTERVAL = 100
 
 
 @dataclass
@@ -47,6 +52,7 @@ class RequestLogMiddleware:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self.refusals = LogRateLimiter(burst=REFUSAL_LINES_PER_INTERVAL)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,7 +76,10 @@ class RequestLogMiddleware:
             raise
         finally:
             if logger.isEnabledFor(logging.INFO):
-                logger.info(log_line(scope, status, entry, time.monotonic() - start))
+                left_out = self.refusals.admit(status) if status >= 400 else 0
+                if left_out is not None:
+                    logger.info(with_count(log_line(scope, status, entry,
+                                                    time.monotonic() - start), left_out))
 
 
 def log_line(scope: Scope, status: int, entry: RequestLog, seconds: float) -> str:
