@@ -229,12 +229,10 @@ class BlockManager:
     # Called after the new token is counted in seq.num_tokens, before its K/V is written: it
     # needs a block exactly when the table is one short (the guide's "Growing by one token").
     # num_lookahead (speculative decoding): blocks for that many proposed tokens too, those
-    # past seq.num_blocks that num_tokens + num_lookahead positions reach into.
-    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
-        needed = seq.num_blocks - len(seq.block_table)  # 0 or 1 in decode
-        if num_lookahead:
-            needed += -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
-        return len(self.free_block_ids) >= needed
+    # past seq.num_blocks that num_tokens + num_lookahead positions reach into
+    # (spec_decode/scheduling.py checks that they fit).
+    def can_append(self, seq: Sequence) -> bool:
+        return len(self.free_block_ids) >= seq.num_blocks - len(seq.block_table)  # 0 or 1
 
     def append(self, seq: Sequence, num_lookahead: int = 0) -> None:
         missing = seq.num_blocks - len(seq.block_table)
