@@ -22,15 +22,13 @@ from myvllm.config import Config
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.model_runner import samples_this_step
 from myvllm.engine.outputs import request_outputs
-from myvllm.engine.queued_steps import InFlight, QueuedStep, undo_step
+from myvllm.engine.queued_steps import InFlight, QueuedStep, read_features, undo_step
 from myvllm.engine.request_checks import check_fits_context, check_request
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.core_parts import start_core_parts, stop_core_parts
-from myvllm.sample.logprobs import read_step_logprobs
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.spec_decode.scheduling import make_speculator
-from myvllm.spec_decode.verification import verified_token_lists
 from myvllm.structured_output.manager import StructuredOutputManager
 
 
@@ -187,10 +185,9 @@ class EngineCore:
         rows = [step.seqs[i] for i in sampling]
         known = [len(seq.token_ids) for seq in rows]
         # Logprobs came with the tokens if a row asked; speculative decoding: several
-        # tokens a row.
-        logprobs = (None if step.sampled.logprobs is None
-                    else read_step_logprobs(step.seqs, step.sampled.logprobs, sampling))
-        verified = (None if step.sampled.verified is None
-                    else verified_token_lists(step.sampled.verified, sampling))
+        # tokens a row (queued_steps.read_features reads both).
+        logprobs, verified = ((None, None) if step.sampled.logprobs is None
+                              and step.sampled.verified is None
+                              else read_features(step, sampling))
         self.scheduler.postprocess(rows, [token_ids[i] for i in sampling], verified)
         return request_outputs(rows, known, logprobs, self.requests)

@@ -1,6 +1,7 @@
 """A step the runner has queued and nobody has waited for yet (QueuedStep, any step); with
 async_scheduling, the one EngineCore.step keeps in flight and its pending tokens (the guide's
-Features, "Async scheduling"); and the undo of a step that failed before it ran (any step).
+Features, "Async scheduling"); the undo of a step that failed before it ran (any step); and
+what a step's features hand back beside its tokens (read_features: logprobs, verified tokens).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from myvllm.engine.batch import RequestOutput
 from myvllm.engine.sequence import Sequence
+from myvllm.sample.extras import LogprobsLists
+from myvllm.sample.logprobs import read_step_logprobs
+from myvllm.spec_decode.verification import verified_token_lists
 from myvllm.worker.pending_tokens import add_pending_token, drop_pending_tokens
 from myvllm.worker.staging import SampledTokens
 
@@ -29,6 +33,18 @@ class QueuedStep:
     sampled: SampledTokens  # rank 0's run() result
     samples: list[bool]  # which of seqs get their token (not a chunk short of its prompt's end)
     constrained: bool = False  # the next step must wait for these tokens on the host
+
+
+def read_features(step: QueuedStep, sampling: list[int]
+                  ) -> tuple[list[LogprobsLists | None] | None, dict[int, list[int]] | None]:
+    """A read-back step's logprobs, one entry per index of sampling (the rows that sampled:
+    sample/logprobs.py), and speculative decoding's tokens of its verification rows
+    (spec_decode/verification.py); each None when no row has them."""
+    logprobs = (None if step.sampled.logprobs is None
+                else read_step_logprobs(step.seqs, step.sampled.logprobs, sampling))
+    verified = (None if step.sampled.verified is None
+                else verified_token_lists(step.sampled.verified, sampling))
+    return logprobs, verified
 
 
 class CoreSteps(Protocol):
