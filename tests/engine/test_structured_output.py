@@ -26,6 +26,7 @@ from helpers_overlap import record_overlap
 
 from myvllm import LLM, SamplingParams
 from myvllm.sampling_parameters import StructuredOutputsParams
+from myvllm.structured_output.manager import manager_for
 
 MAX_TOKENS = 200
 ENGINE_KW = dict(block_size=4, max_model_length=256, max_num_sequences=16)
@@ -203,7 +204,7 @@ def test_the_grammar_follows_the_sampled_tokens_exactly() -> None:
         disable_any_whitespace=True)
     out = llm.generate([[3, 4]], SamplingParams(temperature=1.0, seed=7, max_tokens=50,
                                                 structured_outputs=so), use_tqdm=False)[0]
-    matcher = llm.engine_core.structured_outputs().matcher_for(so)
+    matcher = manager_for(llm.engine_core).matcher_for(so)
     bitmask = xgr.allocate_token_bitmask(1, 256)
     for token in out["token_ids"]:
         matcher.fill_next_token_bitmask(bitmask)
@@ -261,7 +262,7 @@ def test_a_checkpoint_without_a_tokenizer_refuses_a_constraint(tmp_path: Any) ->
 
 def test_grammars_are_compiled_once_per_spec() -> None:
     llm = engine()
-    manager = llm.engine_core.structured_outputs()
+    manager = manager_for(llm.engine_core)
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
     first = manager.compiled_grammar(StructuredOutputsParams(json=schema))
     # The same schema as text: the same grammar.

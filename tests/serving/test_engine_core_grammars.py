@@ -21,7 +21,7 @@ from myvllm.engine.core import EngineCore
 from myvllm.sampling_parameters import StructuredOutputsParams
 from myvllm.serving.core_messages import AbortRequests, AddRequest, CoreOutputs
 from myvllm.structured_output.grammar_cache import GrammarCache
-from myvllm.structured_output.manager import StructuredOutputManager
+from myvllm.structured_output.manager import StructuredOutputManager, manager_for
 
 PLAIN = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def held_compiles(core: EngineCore, monkeypatch: pytest.MonkeyPatch
         return compile_now(self, params)
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", held)
-    monkeypatch.setattr(core, "_structured_outputs", None)
+    monkeypatch.setattr(core, "structured_outputs", None)
     yield may_compile
     may_compile.set()
 
@@ -99,7 +99,7 @@ def test_a_request_waits_for_its_grammar_outside_the_scheduler_while_others_step
 
 def test_a_grammar_past_its_time_limit_is_refused_and_remembered(
         core: EngineCore, front: Front, held_compiles: threading.Event) -> None:
-    core._structured_outputs = StructuredOutputManager(
+    core.structured_outputs = StructuredOutputManager(
         core.model_path, core.vocab_size, [0], compile_timeout_s=0.2)
     _, thread = run_loop(core, front)
     front.send(AddRequest(1, [5, 6, 7], constrained(), True))
@@ -116,7 +116,7 @@ def test_a_grammar_past_its_time_limit_is_refused_and_remembered(
     seen = messages_until(front, lambda seen: any(m.refused for m in seen))
     [again] = [r for m in seen for r in m.refused]
     assert again.request_id == 3 and "when it was asked for before" in again.message
-    assert core.structured_outputs().num_compiles == 1
+    assert manager_for(core).num_compiles == 1
     stop(front, thread)
     assert not core.requests
 
@@ -134,7 +134,7 @@ def test_a_repeated_spec_compiles_once(core: EngineCore, front: Front,
     front.send(AddRequest(6, [5, 7], constrained("a{2}b"), True))  # kept in the cache
     seen += messages_until(front, lambda seen: finished(seen, 6))
     stop(front, thread)
-    assert core.structured_outputs().num_compiles == 1
+    assert manager_for(core).num_compiles == 1
     assert all(text_of(seen, i) == "aab" for i in (*ids, 6))
 
 

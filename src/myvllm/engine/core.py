@@ -29,7 +29,7 @@ from myvllm.engine.sequence import Sequence
 from myvllm.engine.core_parts import start_core_parts, stop_core_parts
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.spec_decode.scheduling import make_speculator
-from myvllm.structured_output.manager import StructuredOutputManager
+from myvllm.structured_output.manager import StructuredOutputManager, manager_for
 
 
 class EngineCore:
@@ -53,9 +53,9 @@ class EngineCore:
         # (None when off; the runner's verifier is made with the runner).
         self.scheduler = Scheduler(self.config, make_speculator(self.config))
         self.model_path = model_path
-        # Made at the first request that asks for structured outputs (its compiler reads
-        # the tokenizer), then shared by all of them.
-        self._structured_outputs: StructuredOutputManager | None = None
+        # The grammar compiler and cache: None until the first request that asks for
+        # structured outputs (structured_output/manager.py's manager_for makes it).
+        self.structured_outputs: StructuredOutputManager | None = None
         self.async_scheduling = bool(config.async_scheduling)
         # async_scheduling: the step queued and not read yet (None without it; after an error
         # or Ctrl-C, queued_steps.drop_in_flight forgets it).
@@ -87,7 +87,8 @@ class EngineCore:
     def make_sequence(self, token_ids: Any, sampling_params: SamplingParams, *,
                       with_grammar: bool = True) -> Sequence:
         """A request checked and made a Sequence, not queued (bad input raises here).
-        with_grammar=False: its grammar (structured outputs) is not compiled here; the core
+        A request for structured outputs makes the engine's manager (self.structured_outputs)
+        if it is the first; with_grammar=False: its grammar is not compiled here, the core
         process holds it until a compile thread has (structured_output/held_requests.py)."""
         seq = Sequence(check_request(token_ids, sampling_params, self.vocab_size),
                        self.config.block_size, sampling_params)
@@ -96,18 +97,11 @@ class EngineCore:
         check_fits_context(seq.num_prompt_tokens, sampling_params.max_tokens,
                            self.max_model_length)
         self.scheduler.check_sequence(seq)
-        if sampling_params.structured_outputs is not None and with_grammar:
-            self.structured_outputs().add_matcher(seq)  # waits for the compile
+        if sampling_params.structured_outputs is not None:
+            manager = manager_for(self)
+            if with_grammar:
+                manager.add_matcher(seq)  # waits for the compile
         return seq
-
-    def structured_outputs(self) -> StructuredOutputManager:
-        """The engine's grammar compiler and cache, made at the first call."""
-        if self._structured_outputs is None:
-            self._structured_outputs = StructuredOutputManager(
-                self.model_path, self.vocab_size, sorted(self.scheduler.eos_token_ids),
-                self.config.grammar_cache_bytes, self.config.grammar_compile_timeout_s,
-                self.config.grammar_step_budget_ms / 1e3)
-        return self._structured_outputs
 
     def add_sequence(self, seq: Sequence) -> int:
         """Queue a sequence made by make_sequence (and its other completions, n > 1);

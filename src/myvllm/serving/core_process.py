@@ -242,7 +242,8 @@ class EngineCoreProc:
                                       with_grammar=False)
         seq.streamed = message.streamed
         if self._grammar_waits is None:
-            self._grammar_waits = self.core.structured_outputs().waits
+            assert self.core.structured_outputs is not None  # made by make_sequence
+            self._grammar_waits = self.core.structured_outputs.waits
         self._grammar_waits.hold(message.request_id, seq)
 
     def _admit_compiled(self) -> None:

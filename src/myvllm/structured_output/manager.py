@@ -35,10 +35,11 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from myvllm.config import Config
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.startup import tokenizer_if_any
 from myvllm.sampling_parameters import StructuredOutputsParams
@@ -206,6 +207,28 @@ class StructuredOutputManager:
         params = seq.sampling_params.structured_outputs
         if params is not None:
             set_matcher(seq, self.compiled_grammar(params), self.step_budget_s)
+
+
+class GrammarEngine(Protocol):
+    """What manager_for reads of an EngineCore (engine/core.py, which imports this module)."""
+
+    structured_outputs: StructuredOutputManager | None
+    model_path: str
+    vocab_size: int
+    config: Config
+    scheduler: Any  # its eos_token_ids: the engine's stop ids
+
+
+def manager_for(core: GrammarEngine) -> StructuredOutputManager:
+    """The engine's grammar compiler and cache (core.structured_outputs), made at the first
+    request that asks for structured outputs (its compiler reads the tokenizer), then shared
+    by all of them."""
+    if core.structured_outputs is None:
+        core.structured_outputs = StructuredOutputManager(
+            core.model_path, core.vocab_size, sorted(core.scheduler.eos_token_ids),
+            core.config.grammar_cache_bytes, core.config.grammar_compile_timeout_s,
+            core.config.grammar_step_budget_ms / 1e3)
+    return core.structured_outputs
 
 
 def _digest(key: GrammarKey) -> bytes:
