@@ -162,12 +162,12 @@ def test_keyboard_interrupt_single_process_engine_stays_usable(path: str,
 # ================================================================== the parent dies
 CHILD = textwrap.dedent("""
     import sys, time
-    from myvllm import LLM
+    from myvllm import LLM, SamplingParams
 
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=4, max_model_length=32,
                   max_num_batched_tokens=64)
-        llm.generate([[1, 2, 3]], use_tqdm=False)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
         print(" ".join(str(p.pid) for p in llm.engine_core.workers.worker_processes), flush=True)
         time.sleep(600)
 """)
