@@ -23,14 +23,15 @@ NAN_BYTE = 0x7F  # e4m3fn's NaN: unused cache slots hold it, so a read of one sh
 
 
 def paged_caches(k: torch.Tensor, v: torch.Tensor, lengths: list[int], block_size: int,
-                 cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 cache_dtype: torch.dtype, spare_blocks: int = 3
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K/V [sum(lengths), Hkv, D] stored by store_kvcache_ref (fp8: with K_SCALE, V_SCALE) into
     a cache of shuffled blocks; unused slots hold NaN. -> (k_cache, v_cache, block_tables)."""
     gen = torch.Generator().manual_seed(1234)
     per_seq = [math.ceil(n / block_size) for n in lengths]
-    num_blocks = sum(per_seq) + 3
+    num_blocks = sum(per_seq) + spare_blocks
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.full((len(lengths), max(per_seq) + 1), -1, dtype=torch.int32)
+    tables = torch.full((len(lengths), max(max(per_seq), 1) + 1), -1, dtype=torch.int32)
     slots = []
     for b, n in enumerate(lengths):
         blocks = [order.pop() for _ in range(per_seq[b])]

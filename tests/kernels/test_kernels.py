@@ -23,7 +23,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from helpers_kernels import DTYPES, HAS_CUDA, TOL
+from helpers_kernels import DTYPES, HAS_CUDA, TOL, paged_caches
 
 import myvllm.kernels as kernels
 import myvllm.kernels.fused_ops as fused_ops
@@ -75,24 +75,10 @@ def cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
 def make_paged(
     k: torch.Tensor, v: torch.Tensor, lengths: list[int], block_size: int, spare_blocks: int = 3
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scatter contiguous per-sequence K/V [sum(lengths), Hkv, D] into a paged cache with a
-    shuffled block order. Unused slots hold NaN so any read of them shows up in the output."""
-    gen = torch.Generator().manual_seed(1234)
-    per_seq = [math.ceil(n / block_size) for n in lengths]
-    num_blocks = sum(per_seq) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.full((len(lengths), max(max(per_seq), 1) + 1), -1, dtype=torch.int32)
-    slots = []
-    for b, n in enumerate(lengths):
-        blocks = [order.pop() for _ in range(per_seq[b])]
-        tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
-    shape = (num_blocks, block_size, k.shape[1], k.shape[2])
-    k_cache = torch.full(shape, float("nan"), dtype=k.dtype, device=k.device)
-    v_cache = torch.full(shape, float("nan"), dtype=v.dtype, device=v.device)
-    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=k.device)
-    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
-    return k_cache, v_cache, tables.to(k.device)
+    """Scatter contiguous per-sequence K/V [sum(lengths), Hkv, D] into a paged cache of k's
+    dtype with a shuffled block order (helpers_kernels.paged_caches). Unused slots hold NaN
+    so any read of them shows up in the output."""
+    return paged_caches(k, v, lengths, block_size, k.dtype, spare_blocks)
 
 
 def dumb_causal_attention(
