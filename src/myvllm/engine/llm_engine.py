@@ -5,8 +5,8 @@
       -> while not is_finished(): step()            one EngineCore.step()
       -> outputs in input order (engine/outputs.py says what each dict holds)
 
-chat(messages) renders each conversation with the chat template (utils/chat_template.py) and
-runs generate() on the token ids.
+chat(messages) renders each conversation with the chat template (utils/chat_template.py, the
+server's reading too) and runs generate() on the token ids.
 
 It holds the tokenizer and an EngineCore (core.py), whose in-process client it is; the server
 and the chat shell use the other client, AsyncLLM (async_llm.py).
@@ -175,14 +175,27 @@ class LLMEngine:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """generate() of one conversation (a list of {"role", "content"} dicts) or a list of
-        them, each through the tokenizer's chat template with the assistant's turn opened;
-        chat_template_kwargs reach the template (e.g. {"enable_thinking": False}). A model
-        with no tokenizer or chat template raises ValueError."""
+        them, each through the chat template as the server's /v1/chat/completions renders it
+        (utils/chat_template.py): chat_template a Jinja template instead of the tokenizer's,
+        add_generation_prompt=False leaves the assistant's turn unopened, tools (OpenAI's
+        {"type": "function", "function": {...}} dicts) are shown to the model by templates
+        that know them, chat_template_kwargs reach the template (e.g. {"enable_thinking":
+        False}). Messages may carry tool calls (arguments as JSON text or a dict) and tool
+        results ({"role": "tool", "tool_call_id", "content"}); the answer is text, as vLLM's
+        LLM.chat gives it (the server's tool parsers read calls from it). A model with no
+        tokenizer or chat template raises ValueError."""
         prompts: list[Prompt] = [
-            chat_prompt_ids(self.tokenizer, conversation, template_kwargs=chat_template_kwargs)
+            chat_prompt_ids(self.tokenizer, conversation,
+                            add_generation_prompt=add_generation_prompt,
+                            chat_template=chat_template, template_kwargs=chat_template_kwargs,
+                            tools=tools)
             for conversation in conversations(messages)]
         return self.generate(prompts, sampling_params, use_tqdm)
 

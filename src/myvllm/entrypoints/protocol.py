@@ -335,8 +335,8 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: a call's arguments as a dict (templates
-        write them with tojson; vLLM hands them over so)."""
+        """The message as a dict for chat_prompt_ids, which gives the template each call's
+        arguments as a dict (utils/chat_template.py: one reading for the server and LLM.chat)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
@@ -344,7 +344,7 @@ class ChatMessage(_Strict):
             message["tool_calls"] = [
                 {"id": call.id, "type": call.type,
                  "function": {"name": call.function.name,
-                              "arguments": json.loads(call.function.arguments or "{}")}}
+                              "arguments": call.function.arguments}}
                 for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id

@@ -5,6 +5,7 @@ the prompt's token ids for LLM.chat, `myvllm chat` and the server's /v1/chat/com
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 Message = dict[str, Any]
@@ -22,7 +23,9 @@ def chat_prompt_ids(tokenizer: Any, messages: list[Message], *,
     with the assistant's turn opened. chat_template: a Jinja template used instead of the
     tokenizer's own. template_kwargs reach the template (e.g. enable_thinking); tools (OpenAI's
     {"type": "function", "function": {...}} dicts) too, as `tools`, for templates that show
-    the model what it may call (None: no tools, as a template without them reads). Tokenized
+    the model what it may call (None: no tools, as a template without them reads). An
+    assistant message's tool calls may carry their arguments as JSON text (OpenAI's shape):
+    the template reads them as a dict (template_messages). Tokenized
     without adding special tokens: the template writes them. A template that refuses the
     messages raises jinja2's TemplateError (or ValueError/TypeError)."""
     if tokenizer is None:
@@ -32,10 +35,11 @@ def chat_prompt_ids(tokenizer: Any, messages: list[Message], *,
         raise NoChatTemplateError("this model has no chat template")
     kwargs = dict(template_kwargs or {})
     if tools is not None:
+        check_tools(tools)
         if "tools" in kwargs:
             raise ValueError("tools given twice: as tools and in chat_template_kwargs")
         kwargs["tools"] = tools
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
+    text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          chat_template=chat_template, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -56,3 +60,54 @@ def conversations(messages: Any) -> list[list[Message]]:
             raise TypeError(f"conversation {i} must be a non-empty list of "
                             "{'role', 'content'} dicts")
     return [list(c) for c in batch]
+
+
+def template_messages(messages: list[Message]) -> list[Message]:
+    """messages as chat templates read them: each tool call's arguments a dict, parsed from
+    the JSON text OpenAI's shape carries (vLLM's rule: templates write them with tojson). The
+    caller's dicts are not changed; arguments that are not a JSON object raise ValueError."""
+    read = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and any(_text_arguments(call) for call in calls):
+            message = {**message, "tool_calls": [
+                _with_dict_arguments(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(calls)]}
+        read.append(message)
+    return read
+
+
+def _text_arguments(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("arguments"), str)
+
+
+def _with_dict_arguments(call: Any, where: str) -> Any:
+    if not _text_arguments(call):
+        return call
+    function = call["function"]
+    text = function["arguments"]
+    try:
+        arguments = json.loads(text or "{}")  # "" is no arguments, as the server takes it
+    except ValueError:
+        raise ValueError(f"{where}.function.arguments is not JSON: {text[:80]!r}; allowed: "
+                         "a JSON object, as text or as a dict") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments is not a JSON object: {text[:80]!r}; "
+                         "allowed: a JSON object, as text or as a dict")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def check_tools(tools: Any) -> None:
+    """tools as chat templates read them: a list of OpenAI's function tools, each
+    {"type": "function", "function": {"name": ..., "parameters": ...}}."""
+    if not isinstance(tools, (list, tuple)):
+        raise TypeError(f"tools is a {type(tools).__name__}; allowed: a list of "
+                        '{"type": "function", "function": {"name": ...}} dicts, or None')
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and tool.get("type", "function") == "function"):
+            raise TypeError(f"tools[{i}] is not a function tool: {str(tool)[:80]}; allowed: "
+                            '{"type": "function", "function": {"name": ..., "description": '
+                            '..., "parameters": {a JSON schema}}}')
