@@ -359,3 +359,23 @@ def stop_token_ids(eos: int | tuple[int, ...] | None) -> frozenset[int]:
     if eos is None or eos == -1:
         return frozenset()
     return frozenset((eos,)) if isinstance(eos, int) else frozenset(eos)
+
+
+def resolved_max_model_length(config: Config, part: str) -> int:
+    """config.max_model_length, for a part of the engine that needs it (the Scheduler, the
+    InputBuilder): the engine sets it from the checkpoint when it is None, before it builds
+    its parts."""
+    if config.max_model_length is None:
+        raise ValueError(f"{part} needs config.max_model_length: the engine sets it from the "
+                         "checkpoint when it is None")
+    return config.max_model_length
+
+
+def sized_num_kvcache_blocks(config: Config, part: str) -> int:
+    """config.num_kvcache_blocks, for a part of the engine built after the KV cache is sized
+    (the Scheduler): -1 asks the ModelRunner to size it from memory, which it does first."""
+    if config.num_kvcache_blocks < 1:
+        raise ValueError(f"{part} needs config.num_kvcache_blocks >= 1, got "
+                         f"{config.num_kvcache_blocks}: the ModelRunner sizes the KV cache "
+                         f"(-1 = from memory) before {part} is built")
+    return config.num_kvcache_blocks

@@ -451,8 +451,7 @@ def test_a_plain_request_runs_no_feature_code(monkeypatch: pytest.MonkeyPatch) -
     def feature(*args: object, **kwargs: object) -> object:
         raise AssertionError("a plain request ran feature code")
 
-    for name in ("admit", "can_admit", "make_forks", "release_forks", "is_stop_token",
-                 "propose_for_row", "roll_back", "take_proposals", "verified_tokens"):
+    for name in ("admit", "can_admit", "release_forks", "is_stop_token", "propose_for_row"):
         monkeypatch.setattr(scheduler, name, feature)
     sch = make(eos=7, enable_chunked_prefill=True)
     assert sch.speculator is None

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from myvllm.config import Config
-from myvllm.sample.forks import can_fork, fork_source, num_shared_prompt_blocks
+from myvllm.sample.forks import can_fork, fork_source, make_forks, num_shared_prompt_blocks
 from myvllm.engine.block_manager import compute_hash
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence, SequenceStatus
@@ -333,6 +333,8 @@ def drive(config_kw: dict, requests: list[Request], overlapped: bool = False,
                     and (chunked or fp <= config.max_num_batched_tokens))
             try:
                 sch.add_sequence(seq)
+                if r.params.n > 1:
+                    make_forks(seq)  # as EngineCore.add_sequence does
             except ValueError:
                 assert not fits, f"rejected a sequence that fits: {seq}"
                 event("a request was rejected up front")

@@ -27,6 +27,7 @@ from myvllm.engine.request_checks import check_fits_context, check_request
 from myvllm.engine.scheduler import Scheduler
 from myvllm.engine.sequence import Sequence
 from myvllm.engine.core_parts import start_core_parts, stop_core_parts
+from myvllm.sample.forks import make_forks
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.spec_decode.scheduling import make_speculator
 from myvllm.structured_output.manager import StructuredOutputManager, manager_for
@@ -104,10 +105,11 @@ class EngineCore:
         return seq
 
     def add_sequence(self, seq: Sequence) -> int:
-        """Queue a sequence made by make_sequence (and its other completions, n > 1);
-        returns its request id."""
+        """Queue a sequence made by make_sequence; returns its request id. With
+        SamplingParams.n > 1 the request's other completions are made here, outside the
+        scheduler, as vLLM fans a request out (sample/forks.py)."""
         self.scheduler.add_sequence(seq)
-        forks = seq.extras.forks if seq.extras is not None else []
+        forks = make_forks(seq) if seq.sampling_params.n > 1 else []
         self.requests[seq.seq_id] = [seq, *forks]
         return seq.seq_id
 

@@ -18,16 +18,16 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from myvllm.config import Config, stop_token_ids
+from myvllm.config import (Config, resolved_max_model_length, sized_num_kvcache_blocks,
+                            stop_token_ids)
 from myvllm.engine.block_manager import BlockManager
 from myvllm.engine.capped_chunks import capped_chunk_size
 from myvllm.engine.request_checks import check_schedulable, no_progress_error
 from myvllm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from myvllm.sample.forks import admit, can_admit, make_forks, release_forks
+from myvllm.sample.forks import admit, can_admit, release_forks
 from myvllm.sample.sampling_controls import is_stop_token
 from myvllm.worker.pending_tokens import drop_pending_tokens
-from myvllm.spec_decode.scheduling import (Speculator, make_speculator, propose_for_row,
-                                           roll_back, take_proposals, verified_tokens)
+from myvllm.spec_decode.scheduling import Speculator, make_speculator, propose_for_row
 
 
 @dataclass
@@ -78,22 +78,17 @@ class StepBudget:
 
 class Scheduler:
     def __init__(self, config: Config, speculator: Speculator | None = None) -> None:
-        if config.num_kvcache_blocks < 1:
-            raise ValueError(f"Scheduler needs config.num_kvcache_blocks >= 1, got "
-                             f"{config.num_kvcache_blocks}: the ModelRunner sizes the KV cache "
-                             "(-1 = from memory) before the scheduler is built")
+        # Built once the KV cache is sized and max_model_length known (config.py checks both).
+        self.block_manager: BlockManager = BlockManager(
+            sized_num_kvcache_blocks(config, "Scheduler"), config.block_size,
+            config.enable_prefix_caching)
         self.max_num_sequences: int = config.max_num_sequences
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
-        if config.max_model_length is None:
-            raise ValueError("Scheduler needs config.max_model_length: the engine sets it from "
-                             "the checkpoint when it is None")
-        self.max_model_length: int = config.max_model_length
+        self.max_model_length: int = resolved_max_model_length(config, "Scheduler")
         self.enable_chunked_prefill: bool = config.enable_chunked_prefill
         self.block_size: int = config.block_size
         self.eos_token_ids: frozenset[int] = stop_token_ids(config.eos)
-        self.block_manager: BlockManager = BlockManager(
-            config.num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         # Speculative decoding: proposals for decode rows (None: off). The EngineCore hands
@@ -107,11 +102,10 @@ class Scheduler:
         check_schedulable(seq, self)
 
     def add_sequence(self, seq: Sequence) -> None:
-        """Queue a request; with SamplingParams.n > 1, seq is its first completion and the
-        others wait in seq.extras.forks (sample/forks.py)."""
+        """Queue a request. With SamplingParams.n > 1, seq is its first completion and its
+        caller (EngineCore.add_sequence) makes the others, which wait in seq.extras.forks
+        until seq's prompt is scheduled (sample/forks.py)."""
         self.check_sequence(seq)
-        if seq.sampling_params.n > 1:
-            make_forks(seq)
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -262,37 +256,37 @@ class Scheduler:
                     verified: dict[int, list[int]] | None = None) -> list[Sequence]:
         """Append each sequence's new token, finish the ones that stop; returns those. One
         already finished (overlapped scheduling) drops its surplus token. verified
-        (speculative decoding): per row index, the tokens a verification row emitted."""
+        (speculative decoding): per row index, the tokens a verification row emitted, which
+        the speculator appends (Speculator.postprocess_row)."""
         if len(seqs) != len(token_ids):
             raise ValueError(f"postprocess got {len(token_ids)} tokens for {len(seqs)} sequences")
         finished: list[Sequence] = []
         for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             if seq.is_finished:
                 continue
-            proposals = take_proposals(seq) if self.speculator is not None else []
-            # A verification row: its accepted proposals, then one token.
-            new_tokens = (verified_tokens(self.speculator, seq, proposals, verified, i)
-                          if proposals else [token_id])
-            for token in new_tokens:
-                seq.append_token(token)
-                if self.is_stop_token(seq, token):
-                    self.finish(seq, "stop")
-                elif self.reaches_stop_length(seq, len(seq.token_ids)):
-                    self.finish(seq, "length")
-                elif seq.extras is not None and seq.extras.grammar_too_slow:
-                    self.finish(seq, "grammar_too_slow")  # structured_output/matchers.py
-                if seq.is_finished:
-                    finished.append(seq)
-                    break
+            if self.speculator is not None and self.speculator.carried_proposals(seq):
+                self.speculator.postprocess_row(seq, verified, i, self.append_and_check_stop,
+                                                self.block_manager)
             else:
-                if proposals:  # back to what holds (spec_decode/scheduling.py draws it)
-                    roll_back(self.block_manager, seq)
-                if seq.block_table:
-                    # The token just read may complete a block whose last slot a step
-                    # already queued is writing (overlapped scheduling); the newest position
-                    # is written by the next step, so it does not count yet.
-                    self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
+                self.append_and_check_stop(seq, token_id)
+            if seq.is_finished:
+                finished.append(seq)
+            elif seq.block_table:
+                # The token just read may complete a block whose last slot a step already
+                # queued is writing (overlapped scheduling); the newest position is written
+                # by the next step, so it does not count yet.
+                self.block_manager.register_full_blocks(seq, num_written=seq.num_tokens - 1)
         return finished
+
+    def append_and_check_stop(self, seq: Sequence, token_id: int) -> None:
+        """Append seq's next token, and finish seq if it stops there."""
+        seq.append_token(token_id)
+        if self.is_stop_token(seq, token_id):
+            self.finish(seq, "stop")
+        elif self.reaches_stop_length(seq, len(seq.token_ids)):
+            self.finish(seq, "length")
+        elif seq.extras is not None and seq.extras.grammar_too_slow:
+            self.finish(seq, "grammar_too_slow")  # structured_output/matchers.py
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -7,13 +7,13 @@ turns them into slot numbers (the guide's Step 3 draws the layout).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from enum import Enum, auto
 from itertools import count
 from typing import TYPE_CHECKING, Literal
 
 from myvllm.sampling_parameters import SamplingParams
-from myvllm.value_checks import is_int, token_id_list
 
 if TYPE_CHECKING:
     from myvllm.sample.extras import SequenceExtras
@@ -46,6 +46,20 @@ def asks_for_extras(params: SamplingParams) -> bool:
             or params.stop_token_ids is not None)
 
 
+def token_id_list(token_ids: Iterable[int]) -> list[int]:
+    """A new list of the token ids, each an int >= 0 (a numpy integer becomes one): a
+    Sequence's own check, for one made alone (the engine's requests were checked against the
+    vocabulary before, engine/request_checks.py)."""
+    # A copy: the caller may reuse or mutate its list. operator.index accepts numpy integers
+    # but rejects floats and strings (plain ints skip it: prompts can be long).
+    tokens = list(token_ids)
+    if set(map(type, tokens)) - {int}:
+        tokens = [operator.index(t) for t in tokens]
+    if tokens and min(tokens) < 0:
+        raise ValueError(f"token ids must be >= 0, got {min(tokens)}")
+    return tokens
+
+
 class Sequence:
     # One counter for the process: seq_id is the request's id (EngineCore), orders the
     # outputs, and names the sequence in the steps sent to tensor-parallel workers.
@@ -53,7 +67,8 @@ class Sequence:
 
     def __init__(self, token_ids: Iterable[int], block_size: int,
                  sampling_params: SamplingParams | None = None) -> None:
-        if not (is_int(block_size) and block_size >= 1):
+        # An int, not a bool (True as a block size is a bug, not a 1).
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         tokens = token_id_list(token_ids)  # a copy: the caller may reuse its list
         self.seq_id: int = next(Sequence._ids)

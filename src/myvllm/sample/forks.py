@@ -1,8 +1,9 @@
 """SamplingParams.n > 1: the other completions of a request, forked from its first.
 
-The first completion is prefilled as any prompt; the others wait in its `extras.forks` until
-its last prompt chunk is scheduled, then join the front of waiting with `extras.fork_source`
-naming it.
+The EngineCore makes them as it queues the first completion (make_forks), outside the
+scheduler, as vLLM fans a request out. The first is prefilled as any prompt; the others wait
+in its `extras.forks` until its last prompt chunk is scheduled, then join the front of
+waiting with `extras.fork_source` naming it (release_forks).
 At their first admission `fork` gives each the first's full prompt blocks (one
 more reference each) and fresh blocks from the one holding the last prompt token, which
 every completion recomputes in a block of its own, since each writes its own tokens after
@@ -23,13 +24,15 @@ if TYPE_CHECKING:
     from myvllm.engine.block_manager import BlockManager
 
 
-def make_forks(seq: Sequence) -> None:
-    """Make seq's request's other completions, into seq.extras.forks. Each has the same
-    prompt and its own sampling stream (SamplingParams.for_completion); the prompt's
-    logprobs, if asked, are computed by seq alone and handed to them (take_prompt_logprobs)."""
+def make_forks(seq: Sequence) -> list[Sequence]:
+    """Make seq's request's other completions, into seq.extras.forks, and return them. Each
+    has the same prompt and its own sampling stream (SamplingParams.for_completion); the
+    prompt's logprobs, if asked, are computed by seq alone and handed to them
+    (take_prompt_logprobs). The EngineCore calls it as it queues seq (after
+    Scheduler.add_sequence, before any step)."""
     extras = extras_of(seq)
     if extras.forks:
-        return  # made already
+        return extras.forks  # made already
     for index in range(1, seq.sampling_params.n):
         fork = Sequence(seq.prompt_token_ids, seq.block_size,
                         seq.sampling_params.for_completion(index))
@@ -41,6 +44,7 @@ def make_forks(seq: Sequence) -> None:
         if extras.grammar_matcher is not None:  # its own matcher, at the grammar's start
             fork_extras.grammar_matcher = extras.grammar_matcher.fork()
         extras.forks.append(fork)
+    return extras.forks
 
 
 def fork_source(seq: Sequence) -> Sequence | None:

@@ -8,7 +8,7 @@ Scheduling a decode row with proposals d_1..d_k (n = the sequence's tokens, t_n 
     num_computed_tokens = n + k                 K/V written up to position n + k - 1
     blocks              for n + k positions     BlockManager.append(seq, num_lookahead=k)
 
-After the step (Scheduler.postprocess) the row emits a accepted proposals and one token of
+After the step (Scheduler.postprocess hands the row to Speculator.postprocess_row) the row emits a accepted proposals and one token of
 the target's (1 <= a + 1 <= k + 1); each is appended and checked for a stop as if decoded
 one by one (tokens after a stop are dropped). Then the sequence rolls back to what holds:
 
@@ -42,6 +42,7 @@ verify. The back-off is prompt lookup's: a draft model proposes at every decode 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -151,6 +152,24 @@ class Speculator:
             state.misses = 0
 
     @staticmethod
+    def carried_proposals(seq: Sequence) -> bool:
+        """Did seq's row carry proposals in the step just read back (a verification row)?"""
+        return seq.extras is not None and bool(seq.extras.spec_token_ids)
+
+    def postprocess_row(self, seq: Sequence, verified: dict[int, list[int]] | None, row: int,
+                        append_and_check_stop: Callable[[Sequence, int], None],
+                        block_manager: BlockManager) -> None:
+        """seq's verification row read back (the step's row-th sampled row): the tokens it
+        emitted appended one by one, each checked for a stop as if decoded alone
+        (append_and_check_stop, the Scheduler's; tokens after a stop are dropped), then,
+        unless it finished, seq rolled back to what holds."""
+        for token in verified_tokens(self, seq, take_proposals(seq), verified, row):
+            append_and_check_stop(seq, token)
+            if seq.is_finished:
+                return
+        roll_back(block_manager, seq)
+
+    @staticmethod
     def _missed(state: SequenceSpecState) -> None:
         state.misses = min(state.misses + 1, MAX_MISSES)
         state.steps_to_skip = 2**state.misses
@@ -197,15 +216,14 @@ def take_proposals(seq: Sequence) -> list[int]:
     return proposals
 
 
-def verified_tokens(speculator: Speculator | None, seq: Sequence, proposals: list[int],
+def verified_tokens(speculator: Speculator, seq: Sequence, proposals: list[int],
                     verified: dict[int, list[int]] | None, row: int) -> list[int]:
     """The tokens seq's verification row (the step's row-th sampled row) emitted: its
     accepted proposals, then one of the target's; counted for /metrics and the back-off."""
     if verified is None or row not in verified:
         raise ValueError(f"sequence {seq.seq_id} verified proposals but "
                          "postprocess got no tokens for them")
-    if speculator is not None:
-        speculator.observe(seq, len(proposals), len(verified[row]) - 1)
+    speculator.observe(seq, len(proposals), len(verified[row]) - 1)
     return verified[row]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from myvllm.config import Config
+from myvllm.config import Config, resolved_max_model_length
 from myvllm.engine.batch import StepInputs
 from myvllm.worker import pending_tokens
 from myvllm.worker.padded_steps import PaddedSteps
@@ -35,10 +35,8 @@ class InputBuilder:
         self.rank = rank
         self.block_size = config.block_size
         self.device = device if device is not None else resolve_device(config)
-        if config.max_model_length is None:
-            raise ValueError("InputBuilder needs config.max_model_length (the engine resolves "
-                             "None from the checkpoint)")
-        self.max_blocks_per_seq = -(-config.max_model_length // self.block_size)
+        max_model_length = resolved_max_model_length(config, "InputBuilder")
+        self.max_blocks_per_seq = -(-max_model_length // self.block_size)
         self.fresh = FreshTensors(self.device)
         # Where each step's sampled tokens land, and a pending token is read.
         self.pool = TokenPool(torch.zeros(config.max_num_sequences, dtype=torch.int64,
