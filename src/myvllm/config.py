@@ -189,18 +189,28 @@ class Config:
     with a KV cache of its own, a block for each of the target's."""
 
     grammar_compile_timeout_s: float = 5.0
-    """Structured outputs: the most seconds one grammar may take to compile. Grammars compile
-    in threads of their own, off the step loop, while their requests wait outside the
-    scheduler; one still compiling after this long is abandoned and its request refused
-    (a 400 through the server), and so is the same grammar asked for again. A JSON schema of
-    a few dozen fields compiles in well under a second."""
+    """Structured outputs: the most seconds a request may wait for its grammar, the wait for a
+    compile thread included. Grammars compile in two threads of their own, off the step
+    loop, while their requests wait outside the scheduler; a request whose grammar is not
+    ready after this long is refused (a 400 through the server). A compile that has itself
+    run this long is abandoned (it cannot be interrupted: it ends in its thread, its result
+    dropped) and the same grammar asked for again is refused at once. A JSON schema of a few
+    dozen fields compiles in well under a second."""
 
     grammar_step_budget_ms: float = 20.0
-    """Structured outputs: the most CPU time (milliseconds) one row's grammar matcher may take
-    in one step (its bitmask and its token). A matcher over it ends its request with
-    finish_reason "grammar_too_slow", so that no grammar holds every other row's step: an
-    ambiguous grammar (`s ::= s s | "a" | ""`) costs more with each token (75 ms a token
-    after 375 of them), where a JSON schema's matcher takes well under a millisecond."""
+    """Structured outputs: the grammar work (CPU milliseconds) one step may always take,
+    across its constrained rows: their matchers' bitmask rows and accepted tokens. The limit
+    is the larger of this and grammar_step_budget_multiple times the step without it; a step
+    over its limit ends its costliest rows with finish_reason "grammar_too_slow" until the
+    others fit, so that no grammar holds every other row's step: an ambiguous grammar
+    (`s ::= s s | "a" | ""`) costs more with each token (75 ms a token after 375 of them),
+    where a JSON schema's matcher takes well under a millisecond."""
+
+    grammar_step_budget_multiple: float = 2.0
+    """Structured outputs: a step's grammar work may take this many times the engine's step
+    without it (measured: its recent steps' shortest), or grammar_step_budget_ms if that is
+    more; so a step with constrained rows takes at most 1 + this times one without.
+    0 = grammar_step_budget_ms alone."""
 
     grammar_cache_bytes: int = 256 * 2**20
     """Structured outputs: the memory the compiled grammars kept for reuse may take (xgrammar's
@@ -271,6 +281,10 @@ class Config:
         if not (is_real(b) and math.isfinite(b) and b > 0):
             raise ValueError(f"Config.grammar_step_budget_ms must be a number of milliseconds "
                              f"> 0, got {b!r}")
+        m = self.grammar_step_budget_multiple
+        if not (is_real(m) and math.isfinite(m) and m >= 0):
+            raise ValueError(f"Config.grammar_step_budget_multiple must be a number >= 0, "
+                             f"got {m!r}")
         self.eos = _normalize_eos(self.eos)
         _check_speculative(self)
 

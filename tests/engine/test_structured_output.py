@@ -301,8 +301,9 @@ def test_specs_past_the_size_limits_are_refused_before_any_compile() -> None:
 
 def test_a_matcher_over_its_step_budget_ends_its_request() -> None:
     """An ambiguous grammar costs its matcher more with every token; eos is banned by
-    min_tokens, so only the budget (0.5 ms of CPU time a step here) can end it."""
-    llm = engine(grammar_step_budget_ms=0.5)
+    min_tokens, so only the step budget (0.5 ms of CPU time a step here, the floor alone)
+    can end it: a row over the limit alone is ended whatever the others do."""
+    llm = engine(grammar_step_budget_ms=0.5, grammar_step_budget_multiple=0.0)
     llm.add_request([97], SamplingParams(
         temperature=0.0, max_tokens=240, min_tokens=240,
         structured_outputs=StructuredOutputsParams(

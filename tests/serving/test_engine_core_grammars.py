@@ -121,6 +121,66 @@ def test_a_grammar_past_its_time_limit_is_refused_and_remembered(
     assert not core.requests
 
 
+def test_the_wait_for_a_compile_thread_counts_against_the_time_limit(
+        core: EngineCore, front: Front, held_compiles: threading.Event) -> None:
+    """Both compile threads held by two grammars: a third waits in the queue, and its request
+    is refused at its time limit all the same, its compile withdrawn before it ever ran;
+    the plain request beside them ends as usual."""
+    manager = core.structured_outputs = StructuredOutputManager(
+        core.model_path, core.vocab_size, [0], compile_timeout_s=0.3)
+    _, thread = run_loop(core, front)
+    for request_id, regex in [(1, "a{2}b"), (2, "b{2}a"), (3, "[ab]{3,5}")]:
+        front.send(AddRequest(request_id, [5, 6, 7], constrained(regex), True))
+    front.send(AddRequest(4, [5, 6, 8], PLAIN, True))
+    seen = messages_until(front, lambda seen: len([r for m in seen for r in m.refused]) == 3
+                          and finished(seen, 4))
+    refusals = {r.request_id: r.message for m in seen for r in m.refused}
+    assert re.search(r"StructuredOutputsParams.regex was not ready within "
+                     r"grammar_compile_timeout_s=0.3 s of its request \(0\.\d s waiting for a "
+                     r"compile thread, 0\.0 s compiling\); allowed: one that compiles within "
+                     r"0.3 s, the wait for a compile thread included", refusals[3]), refusals[3]
+    assert len(manager.compile_threads) == 0  # withdrawn: it will never run
+    plain = [out for m in seen for out in m.outputs if out.request_id == 4]
+    assert sum(len(out.new_token_ids) for out in plain) == PLAIN.max_tokens
+    assert plain[-1].finish_reason == "length"
+    stop(front, thread)
+    assert not core.requests
+
+
+def test_an_abandoned_compile_is_withdrawn_if_queued_and_kept_if_it_ends(
+        core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager alone: a request that gives up on a queued compile withdraws it (it never
+    runs); one that gives up on a running compile cannot stop it, but what it compiles is
+    kept, and the same spec asked for again is not compiled again."""
+    may_compile, compiling = threading.Event(), threading.Semaphore(0)
+    compiled: list[str] = []
+    compile_now = StructuredOutputManager._compile
+
+    def held(self: StructuredOutputManager, params: StructuredOutputsParams) -> Any:
+        compiled.append(params.key()[1])
+        compiling.release()
+        assert may_compile.wait(60), "the test never let the compile run"
+        return compile_now(self, params)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", held)
+    manager = StructuredOutputManager(core.model_path, core.vocab_size, [0],
+                                      compile_timeout_s=60.0)
+    specs = [StructuredOutputsParams(regex=regex) for regex in ("a{2}b", "b{2}a", "a{3}")]
+    jobs = [manager.request(params) for params in specs]
+    for _ in range(2):  # both threads have taken a job: the third is queued
+        assert compiling.acquire(timeout=30)
+    for params, job in zip(specs, jobs):
+        manager.release(params, job)
+    assert len(manager.compile_threads) == 0  # the queued one withdrawn
+    may_compile.set()
+    for job in jobs[:2]:
+        assert job.finished.wait(30)
+    assert sorted(compiled) == ["a{2}b", "b{2}a"]
+    for params in specs[:2]:  # from the cache: the abandoned compiles' results were kept
+        assert manager.request(params).finished.is_set()
+    assert manager.num_compiles == 3 and len(manager.cache) == 2
+
+
 def test_a_repeated_spec_compiles_once(core: EngineCore, front: Front,
                                        held_compiles: threading.Event) -> None:
     _, thread = run_loop(core, front)

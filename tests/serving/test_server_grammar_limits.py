@@ -1,8 +1,8 @@
 """Structured outputs that once took the server down or froze it, against a served engine.
 
 The tiny chat model behind the real HTTP server, its engine core in a process of its own, with
-tight grammar limits so that each attack is quick: grammar_compile_timeout_s=0.4 and
-grammar_step_budget_ms=2. Each test sends its attack (in a thread when it takes a while) and,
+tight grammar limits so that each attack is quick: grammar_compile_timeout_s=0.4 and a step's
+grammar work bounded by 2 ms (grammar_step_budget_ms=2, grammar_step_budget_multiple=0). Each test sends its attack (in a thread when it takes a while) and,
 meanwhile and afterwards, asks /health and a small completion, each of which must answer
 within RESPONSIVE_S; the attack gets its 400 naming the limit and its own figure, or ends
 with finish_reason "grammar_too_slow".
@@ -38,7 +38,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Asyn
     path = tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_grammars"))
     llm = AsyncLLM(Config(model=str(path), num_kvcache_blocks=128,
                           max_model_length=MAX_MODEL_LENGTH, max_num_sequences=32,
-                          grammar_compile_timeout_s=0.4, grammar_step_budget_ms=2.0))
+                          grammar_compile_timeout_s=0.4, grammar_step_budget_ms=2.0,
+                          grammar_step_budget_multiple=0.0))
     with served_in_thread(llm, MODEL, log_level="warning") as url:
         yield url, llm
 

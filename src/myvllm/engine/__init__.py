@@ -16,9 +16,7 @@ order) and async scheduling's steps in flight (queued_steps.py). Features reach 
 it is handed (None when off): the packages worker/, sample/, spec_decode/,
 structured_output/ and executor/.
 
-Nothing is imported here on purpose: importing the package must not pull in the model runner
-and its GPU dependencies. ``engine.sequence`` and ``engine.block_manager`` load no torch
-(tests/core/test_sequence.py checks it); ``engine.scheduler``'s own code uses none either, but
-importing it loads torch through the features it calls (a request's own stop tokens in
-sample/sampling_controls.py, async scheduling's pending tokens in worker/pending_tokens.py).
+Nothing is imported here on purpose: ``engine.sequence``, ``engine.block_manager`` and
+``engine.scheduler`` are plain Python (no torch), and importing the package must not pull in
+the model runner and its GPU dependencies.
 """

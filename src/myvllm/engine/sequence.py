@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 # Why a sequence finished: eos or a stop token, max_tokens or max_model_length, or aborted by
 # its caller.
-# "grammar_too_slow": its grammar's matcher took more than Config.grammar_step_budget_ms in
-# a step (structured_output/matchers.py).
+# "grammar_too_slow": its grammar's matcher was the costliest of a step whose grammar work
+# went over its limit (structured_output/step_budget.py).
 FinishReason = Literal["stop", "length", "abort", "grammar_too_slow"]
 
 

@@ -62,8 +62,9 @@ class SequenceExtras(Generic[SeqT]):
         self.generator: torch.Generator | None = None
         # The prompt's distinct ids for repetition_penalty (sample/sampling_controls.py).
         self.penalty_prompt_ids: torch.Tensor | None = None
-        # The grammar's matcher (structured_output/matchers.py), and whether its last step
-        # took more than its budget (the scheduler then ends the request).
+        # The grammar's matcher (structured_output/matchers.py), and whether the step
+        # budget ended it (structured_output/step_budget.py: the scheduler then ends the
+        # request).
         self.grammar_matcher: Any = None
         self.grammar_too_slow = False
         # SamplingParams.n > 1 (sample/forks.py): the request's other completions, held by

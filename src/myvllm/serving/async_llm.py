@@ -102,7 +102,7 @@ class StreamOutput:
     token_ids: list[int]  # new token ids
     finished: bool
     # "stop" (eos or a stop string), "length", "abort", "grammar_too_slow" (its grammar's
-    # matcher past Config.grammar_step_budget_ms in a step)
+    # matcher ended by the step's grammar budget: structured_output/step_budget.py)
     finish_reason: str | None
     num_prompt_tokens: int
     num_completion_tokens: int  # so far; tokens after a stop string are not counted

@@ -6,16 +6,19 @@ what the two cores' other work took, its longest pause 16 ms, where a second Pyt
 competing for the lock cut it to a quarter), so the engine's loop and its heartbeat go on
 while a grammar compiles; the same loop waiting inside the compile would stop every request.
 
-A compile cannot be interrupted. One that runs past its time limit is abandoned (its request
-is refused, StructuredOutputManager.outcome) and finishes in its thread, its result dropped.
+A compile no request waits for any more is abandoned (StructuredOutputManager.outcome): one
+still queued is withdrawn and never runs; one running cannot be interrupted, so it runs on to
+its end in its thread and its result is dropped. At most num_threads compiles run at once,
+abandoned or not, so at most that many abandoned ones can pile up; the grammars queued behind
+them wait, within their requests' time limit.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +32,20 @@ class GrammarCompile:
 
     def __init__(self, kind: str) -> None:
         self.kind = kind  # "json", "regex", ...: named in its errors
-        self.started: float | None = None  # time.monotonic() when a thread took it
+        self.started: float | None = None  # time.monotonic() when its compile began
         self.finished = threading.Event()
         self.grammar: Any = None  # the CompiledGrammar, once finished without error
         self.error: ValueError | None = None
+        # The requests waiting for it (the manager's count, kept by the engine's thread):
+        # when the last gives up, the compile is abandoned.
+        self.waiters = 0
 
     @classmethod
     def done_with(cls, kind: str, grammar: Any) -> GrammarCompile:
         """A compile that is already done (a grammar from the cache)."""
         job = cls(kind)
         job.grammar = grammar
+        job.waiters = 1  # the request it is made for
         job.finished.set()
         return job
 
@@ -60,9 +67,13 @@ class CompileThreads:
         self._num_threads = num_threads
         self._prepare = prepare
         self._compile_grammar = compile_grammar
-        self._jobs: queue.SimpleQueue[tuple[GrammarCompile, StructuredOutputsParams]] = (
-            queue.SimpleQueue())
+        self._queued: deque[tuple[GrammarCompile, StructuredOutputsParams]] = deque()
+        self._changed = threading.Condition()  # guards _queued
         self._threads: list[threading.Thread] = []
+
+    def __len__(self) -> int:
+        """Jobs queued, not yet taken by a thread."""
+        return len(self._queued)
 
     def submit(self, params: StructuredOutputsParams) -> GrammarCompile:
         job = GrammarCompile(params.key()[0])
@@ -72,12 +83,30 @@ class CompileThreads:
                              for i in range(self._num_threads)]
             for thread in self._threads:
                 thread.start()
-        self._jobs.put((job, params))
+        with self._changed:
+            self._queued.append((job, params))
+            self._changed.notify()
         return job
+
+    def withdraw(self, job: GrammarCompile) -> bool:
+        """Take job out of the queue if no thread has taken it yet (then it never runs);
+        False if one has (a compile cannot be interrupted)."""
+        with self._changed:
+            for i, (queued, _) in enumerate(self._queued):
+                if queued is job:
+                    del self._queued[i]
+                    return True
+        return False
+
+    def _take(self) -> tuple[GrammarCompile, StructuredOutputsParams]:
+        with self._changed:
+            while not self._queued:
+                self._changed.wait()
+            return self._queued.popleft()
 
     def _run(self) -> None:
         while True:
-            job, params = self._jobs.get()
+            job, params = self._take()
             try:
                 self._prepare()
                 job.started = time.monotonic()

@@ -13,7 +13,9 @@ output in that grammar.
     make_sequence       (LLM, offline) add_matcher(seq): the same compile, waited for
     LogitsFeatures      fill_token_bitmask(seqs): one row of bits per sequence, bit t of a
                         row = token t may come next (the matcher's fill_next_token_bitmask;
-                        rows without a grammar, or whose chunk does not sample, allow all)
+                        rows without a grammar, or whose chunk does not sample, allow all);
+                        a step whose grammar work is over its budget ends its costliest
+                        rows (step_budget.py)
     Sampler             apply_token_bitmask: the disallowed logits become -inf, then the
                         usual greedy / temperature / top-k / top-p sampling
     postprocess         Sequence.append_token: matcher.accept_token(the sampled token)
@@ -46,7 +48,8 @@ from myvllm.sampling_parameters import StructuredOutputsParams
 from myvllm.structured_output.compile_threads import CompileThreads, GrammarCompile
 from myvllm.structured_output.grammar_cache import GrammarCache, GrammarKey
 from myvllm.structured_output.held_requests import GrammarWaits
-from myvllm.structured_output.matchers import new_matcher, set_matcher
+from myvllm.structured_output.matchers import TimedMatcher, new_matcher, set_matcher
+from myvllm.structured_output.step_budget import GrammarStepBudget
 
 # Free whitespace in JSON (json, json_object without disable_any_whitespace): at most this
 # many characters between two of its tokens. Pretty-printed JSON needs a newline and its
@@ -69,23 +72,27 @@ class StructuredOutputManager:
 
     def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int],
                  cache_bytes: int = 256 * 2**20, compile_timeout_s: float = 5.0,
-                 step_budget_s: float = 0.02) -> None:
+                 step_budget_s: float = 0.02, step_budget_multiple: float = 2.0) -> None:
         """vocab_size: the logits' width (the LM head's rows), which may exceed the
         tokenizer's vocabulary; stop_token_ids: the engine's eos ids; cache_bytes,
-        compile_timeout_s and step_budget_s: Config.grammar_cache_bytes,
-        grammar_compile_timeout_s and grammar_step_budget_ms (in seconds)."""
+        compile_timeout_s, step_budget_s and step_budget_multiple:
+        Config.grammar_cache_bytes, grammar_compile_timeout_s, grammar_step_budget_ms (in
+        seconds) and grammar_step_budget_multiple."""
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.compile_timeout_s = compile_timeout_s
-        self.step_budget_s = step_budget_s  # a matcher's CPU time in one step (matchers.py)
+        # What a step's grammar work may take, across its rows (step_budget.py).
+        self.step_budget = GrammarStepBudget(step_budget_s, step_budget_multiple)
         self._compiler: Any = None
+        # When the compiler was made (time.monotonic()): a request's wait counts from then.
+        self.compiler_ready_at: float | None = None
         self._compiler_lock = threading.Lock()  # two compile threads, one compiler
         self.cache = GrammarCache(cache_bytes)
         # Compiles queued or running, by spec: a request for one of them waits for it.
         self._compiling: dict[GrammarKey, GrammarCompile] = {}
         self._too_slow: OrderedDict[bytes, None] = OrderedDict()
-        self._threads = CompileThreads(NUM_COMPILE_THREADS, self.compiler, self._compile)
+        self.compile_threads = CompileThreads(NUM_COMPILE_THREADS, self.compiler, self._compile)
         self.num_compiles = 0  # compiles started (a repeated spec kept in the cache: none)
         # The core process's requests waiting for their grammar.
         self.waits = GrammarWaits(self)
@@ -94,6 +101,7 @@ class StructuredOutputManager:
         with self._compiler_lock:
             if self._compiler is None:
                 self._compiler = self._make_compiler()
+                self.compiler_ready_at = time.monotonic()
             return self._compiler
 
     def _make_compiler(self) -> Any:
@@ -114,9 +122,11 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ compiles
     def request(self, params: StructuredOutputsParams) -> GrammarCompile:
-        """params' compile: done already when its grammar is kept, the one under way when
-        the same spec is being compiled, else a new one queued for a compile thread. A spec
-        that ran past the time limit before raises ValueError."""
+        """params' compile, for one more request to wait for: done already when its grammar
+        is kept, the one under way when the same spec is being compiled, else a new one
+        queued for a compile thread. A spec that ran past the time limit before raises
+        ValueError."""
+        self._collect_abandoned(time.monotonic())
         key = params.key()
         grammar = self.cache.get(key)
         if grammar is not None:
@@ -128,45 +138,96 @@ class StructuredOutputManager:
                 f"allowed: one that compiles within {self.compile_timeout_s:g} s")
         job = self._compiling.get(key)
         if job is None:
-            job = self._compiling[key] = self._threads.submit(params)
+            job = self._compiling[key] = self.compile_threads.submit(params)
             self.num_compiles += 1
+        job.waiters += 1
         return job
 
-    def outcome(self, params: StructuredOutputsParams, job: GrammarCompile,
+    def outcome(self, params: StructuredOutputsParams, job: GrammarCompile, since: float,
                 now: float) -> Any:
         """The compiled grammar once job is done (kept in the cache), or None while it
-        compiles. Raises ValueError if the spec cannot be compiled, or if its compile has
-        run past grammar_compile_timeout_s (then it is abandoned and remembered as too
-        slow)."""
+        compiles, for a request that asked at `since` (time.monotonic()). Raises ValueError
+        if the spec cannot be compiled, if the compile has run past grammar_compile_timeout_s
+        (then it is abandoned and its spec remembered as too slow), or if the request has
+        waited that long, the wait for a compile thread included (then its compile is
+        abandoned unless another request waits for it). Once it returns a grammar or raises,
+        the request no longer waits for job."""
         key = params.key()
+        limit = self.compile_timeout_s
         running_s = job.running_for(now)
-        if running_s > self.compile_timeout_s:
-            if self._compiling.pop(key, None) is job:
-                self._too_slow[_digest(key)] = None
-                if len(self._too_slow) > MAX_SLOW_GRAMMARS_KEPT:
-                    self._too_slow.popitem(last=False)
+        if running_s > limit:
+            job.waiters -= 1
+            if self._compiling.get(key) is job:
+                self._remember_too_slow(key)
             raise ValueError(
                 f"StructuredOutputsParams.{key[0]} did not compile within "
-                f"grammar_compile_timeout_s={self.compile_timeout_s:g} s (abandoned after "
-                f"{running_s:.1f} s); allowed: one that compiles within "
-                f"{self.compile_timeout_s:g} s")
-        if not job.finished.is_set():
-            return None
-        if self._compiling.get(key) is job:
-            del self._compiling[key]
-            if job.error is None:
-                self.cache.put(key, job.grammar)
-        if job.error is not None:
-            raise job.error
-        return job.grammar
+                f"grammar_compile_timeout_s={limit:g} s (abandoned after {running_s:.1f} s); "
+                f"allowed: one that compiles within {limit:g} s")
+        if job.finished.is_set():
+            job.waiters -= 1
+            if self._compiling.get(key) is job:
+                self._keep(key, job)
+            if job.error is not None:
+                raise job.error
+            return job.grammar
+        # The compiler's one pass over the vocabulary, at the first grammar, is nobody's wait.
+        ready = self.compiler_ready_at
+        waited_s = 0.0 if ready is None else now - max(since, ready)
+        if waited_s > limit:
+            self.release(params, job)
+            queued_s = max(0.0, waited_s - running_s)
+            raise ValueError(
+                f"StructuredOutputsParams.{key[0]} was not ready within "
+                f"grammar_compile_timeout_s={limit:g} s of its request ({queued_s:.1f} s "
+                f"waiting for a compile thread, {waited_s - queued_s:.1f} s compiling); "
+                f"allowed: one that compiles within {limit:g} s, the wait for a compile "
+                "thread included")
+        return None
+
+    def release(self, params: StructuredOutputsParams, job: GrammarCompile) -> None:
+        """One request no longer waits for job (refused, or aborted). The last to go
+        withdraws the compile if it is still queued; a running one cannot be interrupted:
+        it runs on in its thread, and a request for the same spec meanwhile waits for it
+        (_collect_abandoned keeps or forgets its result)."""
+        job.waiters -= 1
+        if job.waiters == 0 and self.compile_threads.withdraw(job):
+            self._compiling.pop(params.key(), None)
+
+    def _collect_abandoned(self, now: float) -> None:
+        """The compiles no request waits for: those finished go to the cache (or are
+        dropped, if they failed), those past the time limit are forgotten and their specs
+        remembered as too slow. Abandoned compiles still running are at most
+        NUM_COMPILE_THREADS, so this looks at a handful."""
+        for key, job in list(self._compiling.items()):
+            if job.waiters:
+                continue
+            if job.finished.is_set():
+                self._keep(key, job)
+            elif job.running_for(now) > self.compile_timeout_s:
+                self._remember_too_slow(key)
+
+    def _keep(self, key: GrammarKey, job: GrammarCompile) -> None:
+        """Forget key's finished compile, and keep its grammar if it compiled."""
+        del self._compiling[key]
+        if job.error is None:
+            self.cache.put(key, job.grammar)
+
+    def _remember_too_slow(self, key: GrammarKey) -> None:
+        """Forget key's compile (it runs on to its end, its result dropped) and refuse the
+        spec at once when it is asked for again."""
+        del self._compiling[key]
+        self._too_slow[_digest(key)] = None
+        if len(self._too_slow) > MAX_SLOW_GRAMMARS_KEPT:
+            self._too_slow.popitem(last=False)
 
     def compiled_grammar(self, params: StructuredOutputsParams) -> Any:
         """The CompiledGrammar of params, waited for (from the cache, or compiled now in a
         compile thread). A bad schema, regex or grammar, or one past the time limit, raises
         ValueError naming the field."""
+        since = time.monotonic()
         job = self.request(params)
         while True:
-            grammar = self.outcome(params, job, time.monotonic())
+            grammar = self.outcome(params, job, since, time.monotonic())
             if grammar is not None:
                 return grammar
             job.finished.wait(WAIT_POLL_S)
@@ -206,7 +267,7 @@ class StructuredOutputManager:
         waited for (a bad schema raises here, before the request is queued)."""
         params = seq.sampling_params.structured_outputs
         if params is not None:
-            set_matcher(seq, self.compiled_grammar(params), self.step_budget_s)
+            set_matcher(seq, self.compiled_grammar(params), self.step_budget)
 
 
 class GrammarEngine(Protocol):
@@ -227,7 +288,7 @@ def manager_for(core: GrammarEngine) -> StructuredOutputManager:
         core.structured_outputs = StructuredOutputManager(
             core.model_path, core.vocab_size, sorted(core.scheduler.eos_token_ids),
             core.config.grammar_cache_bytes, core.config.grammar_compile_timeout_s,
-            core.config.grammar_step_budget_ms / 1e3)
+            core.config.grammar_step_budget_ms / 1e3, core.config.grammar_step_budget_multiple)
     return core.structured_outputs
 
 
@@ -281,6 +342,7 @@ def fill_token_bitmask(seqs: list[Sequence], samples: list[bool],
     if not rows:
         return None
     bitmask = torch.full((len(seqs), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    matchers: list[TimedMatcher] = []
     for row in rows:
         seq = seqs[row]
         if seq.num_pending_tokens:
@@ -289,5 +351,10 @@ def fill_token_bitmask(seqs: list[Sequence], samples: list[bool],
             raise RuntimeError(f"sequence {seq.seq_id} has a grammar and a token in flight: "
                                "its bitmask cannot be built yet")
         assert seq.extras is not None  # rows: those with a grammar
-        seq.extras.grammar_matcher.fill_next_token_bitmask(bitmask, row)
+        matchers.append(seq.extras.grammar_matcher)
+    budget = matchers[0].budget  # one engine's matchers share its step budget
+    budget.begin_step(time.perf_counter())
+    for row, matcher in zip(rows, matchers, strict=True):
+        matcher.fill_next_token_bitmask(bitmask, row)
+    budget.end_costliest(matchers)  # those over it sample their last token now
     return bitmask
