@@ -336,7 +336,11 @@ def fill_token_bitmask(seqs: list[Sequence], samples: list[bool],
                        vocab_size: int) -> torch.Tensor | None:
     """The step's token bitmask on the host, [len(seqs), words] int32, or None when no row
     that samples has a grammar. samples[i]: row i's token is kept (its chunk reaches its last
-    token); the other rows, and rows without a grammar, allow every token (all bits set)."""
+    token); the other rows, and rows without a grammar, allow every token (all bits set).
+
+    Row by row, each timed, so that the step budget knows which rows cost the most
+    (xgrammar's BatchGrammarMatcher fills rows in threads of its own, quicker for a large
+    batch, but tells only what the whole batch took)."""
     rows = [i for i, (seq, sample) in enumerate(zip(seqs, samples, strict=True))
             if sample and seq.extras is not None and seq.extras.grammar_matcher is not None]
     if not rows:
