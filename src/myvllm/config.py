@@ -23,13 +23,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from myvllm.value_checks import is_int, is_real
+from myvllm.value_checks import is_int, is_real, one_of, refusal
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("ngram", "draft")
 KV_CACHE_DTYPES = ("auto", "fp8")
+MODEL_ALLOWED = "a str (a hub id, a checkpoint folder or a .gguf file), or None"
 
 
 class ConfigError(TypeError, ValueError):
@@ -227,8 +228,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.model is not None:
             if not isinstance(self.model, (str, os.PathLike)):
-                raise ValueError(f"Config.model must be a str path/hub id or None, "
-                                 f"got {type(self.model).__name__} {self.model!r}")
+                raise refusal("Config.model", self.model, MODEL_ALLOWED)
             self.model = os.fspath(self.model)
         _check_int("max_num_sequences", self.max_num_sequences, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -240,12 +240,11 @@ class Config:
         _check_int("cpu_threads", self.cpu_threads, minimum=0)
         if not (is_int(self.num_kvcache_blocks)
                 and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)):
-            raise ValueError(f"Config.num_kvcache_blocks must be -1 (size from memory) or an "
-                             f"int >= 1, got {self.num_kvcache_blocks!r}")
+            raise refusal("Config.num_kvcache_blocks", self.num_kvcache_blocks,
+                          "-1 (size from memory) or an int >= 1")
         g = self.gpu_memory_utilization
         if not (is_real(g) and math.isfinite(g) and 0.0 < g <= 1.0):
-            raise ValueError(f"Config.gpu_memory_utilization must be a number in (0, 1], "
-                             f"got {g!r}")
+            raise refusal("Config.gpu_memory_utilization", g, "a number in (0, 1]")
         _check_bool("enforce_eager", self.enforce_eager)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
@@ -256,35 +255,30 @@ class Config:
         if self.async_scheduling is not None:
             _check_bool("async_scheduling", self.async_scheduling)
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"Config.load_format must be one of {LOAD_FORMATS}, "
-                             f"got {self.load_format!r}")
+            raise refusal("Config.load_format", self.load_format, one_of(LOAD_FORMATS))
         if self.dtype not in DTYPES:
-            raise ValueError(f"Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise refusal("Config.dtype", self.dtype, one_of(DTYPES))
         if self.device not in DEVICES:
-            raise ValueError(f"Config.device must be one of {DEVICES}, got {self.device!r}")
+            raise refusal("Config.device", self.device, one_of(DEVICES))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"Config.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
-                             f"got {self.kv_cache_dtype!r}")
+            raise refusal("Config.kv_cache_dtype", self.kv_cache_dtype, one_of(KV_CACHE_DTYPES))
         if self.batch_invariant and self.kv_cache_dtype == "fp8":
             # A prompt's first prefill attends to its own K/V unrounded, a cache hit or a
             # later chunk to the fp8 copies: the same row would see different numbers.
             raise ValueError("Config.batch_invariant=True does not combine with "
-                             "kv_cache_dtype='fp8' (a prompt computed in one go reads its "
-                             "own keys unrounded, a cached prefix reads them as fp8); use "
-                             "kv_cache_dtype='auto'")
+                             "Config.kv_cache_dtype='fp8' (a prompt computed in one go reads "
+                             "its own keys unrounded, a cached prefix reads them as fp8); "
+                             "allowed with it: Config.kv_cache_dtype='auto'")
         t = self.grammar_compile_timeout_s
         if not (is_real(t) and math.isfinite(t) and t > 0):
-            raise ValueError(f"Config.grammar_compile_timeout_s must be a number of seconds "
-                             f"> 0, got {t!r}")
+            raise refusal("Config.grammar_compile_timeout_s", t, "a number of seconds > 0")
         _check_int("grammar_cache_bytes", self.grammar_cache_bytes, minimum=0)
         b = self.grammar_step_budget_ms
         if not (is_real(b) and math.isfinite(b) and b > 0):
-            raise ValueError(f"Config.grammar_step_budget_ms must be a number of milliseconds "
-                             f"> 0, got {b!r}")
+            raise refusal("Config.grammar_step_budget_ms", b, "a number of milliseconds > 0")
         m = self.grammar_step_budget_multiple
         if not (is_real(m) and math.isfinite(m) and m >= 0):
-            raise ValueError(f"Config.grammar_step_budget_multiple must be a number >= 0, "
-                             f"got {m!r}")
+            raise refusal("Config.grammar_step_budget_multiple", m, "a number >= 0")
         self.eos = _normalize_eos(self.eos)
         _check_speculative(self)
 
@@ -292,7 +286,8 @@ class Config:
     def from_dict(cls, d: Mapping[str, Any]) -> Config:
         """Build a Config from a mapping (e.g. parsed JSON); unknown keys raise ConfigError."""
         if not isinstance(d, Mapping):
-            raise TypeError(f"Config.from_dict expects a mapping, got {type(d).__name__}")
+            raise TypeError(f"Config.from_dict was given a {type(d).__name__}; allowed: a "
+                            "mapping of field names to values")
         _check_field_names(d.keys())
         return cls(**d)
 
@@ -308,52 +303,55 @@ def _check_field_names(names: Iterable[object]) -> None:
         if name in valid:
             continue
         if not isinstance(name, str):
-            raise ConfigError(f"Config field names must be strings, got {name!r}; "
-                              f"valid fields: {', '.join(valid)}")
+            raise ConfigError(f"Config field name {name!r} is not a str; allowed: "
+                              f"{', '.join(valid)}")
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"Config has no field '{name}'; {hint}valid fields: {', '.join(valid)}")
+        raise ConfigError(f"Config has no field '{name}'; {hint}allowed: {', '.join(valid)}")
 
 
 # --------------------------------------------------------------------------- value checks
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not (is_int(value) and value >= minimum):
-        raise ValueError(f"Config.{name} must be an int >= {minimum}, got {value!r}")
+        raise refusal(f"Config.{name}", value, f"an int >= {minimum}")
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"Config.{name} must be True or False, got {value!r}")
+        raise refusal(f"Config.{name}", value, "True or False")
 
 
 def _check_speculative(config: Config) -> None:
     method = config.speculative_method
     if method is not None and method not in SPECULATIVE_METHODS:
-        raise ValueError(f"Config.speculative_method must be None or one of "
-                         f"{SPECULATIVE_METHODS}, got {method!r}")
+        raise refusal("Config.speculative_method", method,
+                      f"None, {one_of(SPECULATIVE_METHODS)}")
     _check_int("num_speculative_tokens", config.num_speculative_tokens, minimum=1)
     _check_int("prompt_lookup_min", config.prompt_lookup_min, minimum=1)
     _check_int("prompt_lookup_max", config.prompt_lookup_max, minimum=1)
     if config.prompt_lookup_min > config.prompt_lookup_max:
-        raise ValueError(f"Config.prompt_lookup_min ({config.prompt_lookup_min}) must not "
-                         f"exceed Config.prompt_lookup_max ({config.prompt_lookup_max})")
+        raise ValueError(f"Config.prompt_lookup_min={config.prompt_lookup_min} is more than "
+                         f"Config.prompt_lookup_max={config.prompt_lookup_max}; allowed: "
+                         "Config.prompt_lookup_min <= Config.prompt_lookup_max")
     model = config.speculative_model
     if model is not None and not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"Config.speculative_model must be a str path/hub id or None, "
-                         f"got {type(model).__name__} {model!r}")
+        raise refusal("Config.speculative_model", model, MODEL_ALLOWED)
     if method == "draft":
         if model is None:
-            raise ValueError('Config.speculative_method="draft" needs Config.speculative_model '
-                             "(a checkpoint dir or .gguf with the target's vocabulary)")
+            raise ValueError("Config.speculative_method='draft' needs Config.speculative_model, "
+                             "the draft model (given None); allowed: a checkpoint folder or "
+                             ".gguf file with the target's vocabulary")
         if config.tensor_parallel_size > 1:
             # The draft runs unsharded beside rank 0's runner, and its layers would shard
             # themselves over the target's process group.
-            raise ValueError('Config.speculative_method="draft" runs on one GPU: it cannot '
-                             f"combine with tensor_parallel_size={config.tensor_parallel_size} "
-                             '(use 1, or speculative_method="ngram")')
+            raise ValueError("Config.speculative_method='draft' runs on one GPU: it does not "
+                             "combine with Config.tensor_parallel_size="
+                             f"{config.tensor_parallel_size}; allowed: "
+                             "Config.tensor_parallel_size=1, or Config.speculative_method='ngram'")
     elif model is not None:
         raise ValueError(f"Config.speculative_model={model!r} is only read with "
-                         f'speculative_method="draft", got speculative_method={method!r}')
+                         f"Config.speculative_method='draft', given {method!r}; allowed: "
+                         "Config.speculative_method='draft', or Config.speculative_model=None")
 
 
 def _normalize_eos(eos: object) -> int | tuple[int, ...] | None:
@@ -364,8 +362,8 @@ def _normalize_eos(eos: object) -> int | tuple[int, ...] | None:
             return eos
     elif isinstance(eos, (tuple, list)) and eos and all(is_int(t) and t >= 0 for t in eos):
         return tuple(eos)  # a JSON list becomes the tuple the rest of the code expects
-    raise ValueError(f"Config.eos must be None (from the checkpoint), -1 (no eos), a token id "
-                     f">= 0, or a non-empty tuple of token ids >= 0, got {eos!r}")
+    raise refusal("Config.eos", eos, "None (from the checkpoint), -1 (no eos), a token id "
+                  ">= 0, or a non-empty tuple of token ids >= 0")
 
 
 def stop_token_ids(eos: int | tuple[int, ...] | None) -> frozenset[int]:

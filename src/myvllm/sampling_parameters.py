@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from myvllm.value_checks import is_int, is_real
+from myvllm.value_checks import is_int, is_real, refusal
 
 logger = logging.getLogger("myvllm")
 
@@ -70,8 +70,8 @@ class StructuredOutputsParams:
         kinds = ("json", "regex", "choice", "grammar", "json_object")
         given = [name for name in kinds if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("StructuredOutputsParams takes exactly one of json, regex, choice, "
-                             f"grammar, json_object; got {given or 'none'}")
+            raise ValueError(f"StructuredOutputsParams was given {', '.join(given) or 'none'}; "
+                             "allowed: exactly one of json, regex, choice, grammar, json_object")
         if self.json is not None:
             if isinstance(self.json, str):
                 # Measured on the text first: json.loads recurses, and a string nested a
@@ -80,35 +80,34 @@ class StructuredOutputsParams:
                 try:
                     schema = json.loads(self.json)
                 except ValueError as e:
-                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}"
-                                     ) from None
+                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON ({e}); "
+                                     "allowed: a JSON schema") from None
             else:
                 schema = self.json
                 _check_depth(json_value_depth(schema))
                 try:
                     json.dumps(schema)
                 except (TypeError, ValueError) as e:
-                    raise ValueError(f"StructuredOutputsParams.json is not JSON: {e}") from None
+                    raise ValueError(f"StructuredOutputsParams.json is not JSON ({e}); "
+                                     "allowed: a JSON schema") from None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError("StructuredOutputsParams.json must be a JSON schema: an "
-                                 f"object (or true/false), got {type(schema).__name__}")
+                raise refusal("StructuredOutputsParams.json", self.json,
+                              "a JSON schema, an object (or true/false)")
             _check_count("json", "subschemas (objects)", count_objects(schema),
                          MAX_GRAMMAR_RULES, "MAX_GRAMMAR_RULES")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
-                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty str, "
-                                 f"got {value!r}")
+                raise refusal(f"StructuredOutputsParams.{name}", value, "a non-empty str")
         if self.choice is not None and not (
                 isinstance(self.choice, list) and self.choice
                 and all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of "
-                             f"non-empty strings, got {self.choice!r}")
+            raise refusal("StructuredOutputsParams.choice", self.choice,
+                          "a non-empty list of non-empty strings")
         for name in ("json_object", "disable_any_whitespace"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise ValueError(f"StructuredOutputsParams.{name} must be True or False, "
-                                 f"got {value!r}")
+                raise refusal(f"StructuredOutputsParams.{name}", value, "True or False")
         if self.grammar is not None:
             _check_count("grammar", 'rules ("::=")', self.grammar.count("::="),
                          MAX_GRAMMAR_RULES, "MAX_GRAMMAR_RULES")
@@ -281,8 +280,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if not (is_real(t) and math.isfinite(t) and t >= 0):
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 "
-                             f"(0 = greedy), got {t!r}")
+            raise refusal("SamplingParams.temperature", t, "a finite number >= 0 (0 = greedy)")
         if 0 < t < MIN_TEMPERATURE:
             logger.warning(f"temperature {t} is raised to {MIN_TEMPERATURE}: smaller ones "
                            "overflow the logits (use 0 for greedy)")
@@ -293,73 +291,76 @@ class SamplingParams:
             self.temperature = MAX_TEMPERATURE
         k = self.top_k
         if not (is_int(k) and (k == -1 or 1 <= k <= MAX_INT64)):
-            raise ValueError(f"SamplingParams.top_k must be -1 (no limit) or an int in "
-                             f"[1, 2**63 - 1], got {k!r}")
+            raise refusal("SamplingParams.top_k", k, "-1 (no limit) or an int in [1, 2**63 - 1]")
         p = self.top_p
         if not (is_real(p) and 0.0 < p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
-        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
-            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, "
-                             f"got {self.max_tokens!r}")
+            raise refusal("SamplingParams.top_p", p, "a number in (0, 1]")
+        check_max_tokens_value(self.max_tokens)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be True or False, "
-                             f"got {self.ignore_eos!r}")
+            raise refusal("SamplingParams.ignore_eos", self.ignore_eos, "True or False")
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64 - 1], "
-                             f"got {self.seed!r}")
+            raise refusal("SamplingParams.seed", self.seed, "None or an int in [0, 2**64 - 1]")
         if not (is_int(self.n) and 1 <= self.n <= MAX_N):
-            raise ValueError(f"SamplingParams.n must be an int in [1, {MAX_N}], got {self.n!r}")
+            raise refusal("SamplingParams.n", self.n, f"an int in [1, {MAX_N}]")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not (is_int(k) and 0 <= k <= MAX_LOGPROBS):
-                raise ValueError(f"SamplingParams.{name} must be None (off) or an int in "
-                                 f"[0, {MAX_LOGPROBS}], got {k!r}")
+                raise refusal(f"SamplingParams.{name}", k,
+                              f"None (off) or an int in [0, {MAX_LOGPROBS}]")
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, StructuredOutputsParams):
-                raise ValueError("SamplingParams.structured_outputs must be None or "
-                                 f"StructuredOutputsParams, got {type(so).__name__}")
+                raise ValueError(f"SamplingParams.structured_outputs is a {type(so).__name__}; "
+                                 "allowed: None or a StructuredOutputsParams")
             if self.ignore_eos:
-                raise ValueError("SamplingParams.ignore_eos cannot be combined with "
+                raise ValueError("SamplingParams.ignore_eos=True does not combine with "
                                  "structured_outputs: once the output is complete, eos is "
-                                 "the only token the grammar allows")
+                                 "the only token the grammar allows; allowed with it: "
+                                 "SamplingParams.ignore_eos=False")
         self._check_sampling_controls()
 
     def _check_sampling_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (is_real(v) and -2.0 <= v <= 2.0):
-                raise ValueError(f"SamplingParams.{name} must be a number in [-2, 2], got {v!r}")
+                raise refusal(f"SamplingParams.{name}", v, "a number in [-2, 2]")
         r = self.repetition_penalty
         if not (is_real(r) and math.isfinite(r) and r > 0):
-            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 "
-                             f"(1 = off), got {r!r}")
+            raise refusal("SamplingParams.repetition_penalty", r,
+                          "a finite number > 0 (1 = off)")
         if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"SamplingParams.min_p must be a number in [0, 1], "
-                             f"got {self.min_p!r}")
+            raise refusal("SamplingParams.min_p", self.min_p, "a number in [0, 1]")
         if not (is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
-            raise ValueError(f"SamplingParams.min_tokens must be an int in [0, max_tokens = "
-                             f"{self.max_tokens}], got {self.min_tokens!r}")
+            raise refusal("SamplingParams.min_tokens", self.min_tokens,
+                          f"an int in [0, max_tokens = {self.max_tokens}]")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if not (isinstance(ids, (list, tuple))
                     and all(is_int(t) and 0 <= t <= MAX_INT64 for t in ids)):
-                raise ValueError(f"SamplingParams.stop_token_ids must be None or a list of "
-                                 f"token ids (ints >= 0), got {ids!r}")
+                raise refusal("SamplingParams.stop_token_ids", ids,
+                              "None or a list of token ids (ints >= 0)")
             self.stop_token_ids = list(ids)  # a copy: the caller may reuse its list
+
+
+def check_max_tokens_value(max_tokens: object) -> None:
+    """max_tokens an int >= 1: one check and one message for SamplingParams and the server's
+    400 (entrypoints/serving_completion.py), so the library and the server answer alike."""
+    if not (is_int(max_tokens) and max_tokens >= 1):
+        raise refusal("SamplingParams.max_tokens", max_tokens,
+                      "an int >= 1 (the most completion tokens to generate)")
 
 
 def _checked_logit_bias(bias: object) -> dict[int, float]:
     if not isinstance(bias, Mapping):
-        raise ValueError(f"SamplingParams.logit_bias must be None or a dict of token id -> "
-                         f"bias, got {type(bias).__name__}")
+        raise ValueError(f"SamplingParams.logit_bias is a {type(bias).__name__}; allowed: "
+                         "None or a dict of token id -> bias")
     for token, value in bias.items():
         if not (is_int(token) and 0 <= token <= MAX_INT64):
-            raise ValueError(f"SamplingParams.logit_bias must have token ids (ints >= 0) as "
-                             f"keys, got {token!r}")
+            raise ValueError(f"SamplingParams.logit_bias has the key {token!r}; allowed: "
+                             "token ids (ints >= 0) as keys")
         if not (is_real(value) and math.isfinite(value)):
-            raise ValueError(f"SamplingParams.logit_bias must have finite numbers as values, "
-                             f"got {value!r} for token {token}")
+            raise ValueError(f"SamplingParams.logit_bias has {value!r} for token {token}; "
+                             "allowed: finite numbers as values")
     return {token: float(value) for token, value in bias.items()}

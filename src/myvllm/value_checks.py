@@ -1,4 +1,10 @@
-"""Type tests shared by the settings objects (Config, SamplingParams).
+"""Type tests shared by the settings objects (Config, SamplingParams), and the one form in
+which they refuse a value, what was given and what is allowed:
+
+    Config.block_size=0: allowed: an int >= 1
+
+which the command line shows with the flag's name, ``--block-size 0: allowed: an int >= 1``
+(entrypoints/preflight.py), and the server as its 400.
 
 is_int and is_real are TypeGuards, so after ``if is_int(x)`` the type checker knows ``x`` is
 an int.
@@ -6,6 +12,7 @@ an int.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TypeGuard
 
 
@@ -18,3 +25,12 @@ def is_real(x: object) -> TypeGuard[int | float]:
     """An int or a float, not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
+
+def refusal(name: str, value: object, allowed: str) -> ValueError:
+    """The error refusing `value` of the setting `name`."""
+    return ValueError(f"{name}={value!r}: allowed: {allowed}")
+
+
+def one_of(choices: Iterable[object]) -> str:
+    """A setting's choices as a refusal lists them: 'auto', 'fp8'."""
+    return ", ".join(map(repr, choices))

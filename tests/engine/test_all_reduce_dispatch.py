@@ -133,5 +133,5 @@ def test_when_symmetric_memory_cannot_run(device: str, world: int, here: int,
 
 def test_the_switch_is_a_checked_config_field() -> None:
     assert Config().disable_custom_all_reduce is True  # opt-in until measured on two GPUs
-    with pytest.raises(ValueError, match="disable_custom_all_reduce must be True or False"):
+    with pytest.raises(ValueError, match="disable_custom_all_reduce='yes': allowed: True or False"):
         Config(disable_custom_all_reduce="yes")  # type: ignore[arg-type]

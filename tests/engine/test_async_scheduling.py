@@ -112,7 +112,7 @@ def test_step_by_step_with_async_scheduling() -> None:
 def test_async_scheduling_must_be_a_bool_or_none() -> None:
     # Any tensor-parallel size takes it (tests/engine/test_tensor_parallel.py runs it).
     assert Config(async_scheduling=True, tensor_parallel_size=2).async_scheduling is True
-    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
+    with pytest.raises(ValueError, match="async_scheduling='yes': allowed: True or False"):
         Config(async_scheduling="yes")
 
 

@@ -1,6 +1,7 @@
 """Config: unknown keys are caught with a hint, bad values name their field."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_config_error_is_type_and_value_error() -> None:
 
 
 def test_unknown_key_without_close_match_lists_fields() -> None:
-    with pytest.raises(ConfigError, match="valid fields: model, max_num_sequences") as e:
+    with pytest.raises(ConfigError, match="allowed: model, max_num_sequences") as e:
         Config(zzzzzz=1)
     assert "did you mean" not in str(e.value)
 
@@ -76,7 +77,7 @@ def test_from_dict_roundtrip_and_replace_are_checked() -> None:
     ],
 )
 def test_bad_values_name_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"Config.{field} must be"):
+    with pytest.raises(ValueError, match=rf"Config\.{field}={re.escape(repr(value))}: allowed: "):
         Config(**{field: value})
 
 

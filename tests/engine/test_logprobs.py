@@ -6,6 +6,7 @@ transformers' logits over the prompt + the completion our engine produced.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -128,5 +129,6 @@ def test_logprobs_survive_preemption(hf: Any) -> None:
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, "3", True])
 def test_bad_logprobs_are_value_errors_naming_the_field(bad: Any) -> None:
     for name in ("logprobs", "prompt_logprobs"):
-        with pytest.raises(ValueError, match=f"SamplingParams.{name} must be"):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{name}={re.escape(repr(bad))}: "
+                                             r"allowed: None \(off\)"):
             SamplingParams(**{name: bad})

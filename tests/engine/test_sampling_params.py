@@ -39,7 +39,7 @@ def test_valid_edges() -> None:
     ],
 )
 def test_bad_values_raise_naming_field(field: str, value: object, allowed: str) -> None:
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*{allowed}"):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.*: allowed: .*{allowed}"):
         SamplingParams(**{field: value})
 
 
@@ -108,5 +108,5 @@ def test_sampling_controls_are_copied() -> None:
 )
 def test_bad_sampling_controls_raise_naming_field(field: str, value: object,
                                                   allowed: str) -> None:
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must .*{allowed}"):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b.*allowed: .*{allowed}"):
         SamplingParams(**{field: value})

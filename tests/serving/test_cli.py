@@ -144,14 +144,15 @@ def test_a_missing_chat_template_is_refused_before_the_model_loads(
     missing = tmp_path / "nope.jinja"
     assert cli.main(["serve", "m", "--chat-template", str(missing)]) == 2
     err = capsys.readouterr().err
-    assert err == f"myvllm serve: --chat-template: no such file: {missing}\n"
+    assert err == (f"myvllm serve: --chat-template {missing}: no such file; allowed: a "
+                   "readable UTF-8 file of a Jinja chat template\n")
     assert cli.main(["serve", "m", "--chat-template", str(tmp_path)]) == 2  # a folder
     assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_bad_flag_value_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "some/model", "--block-size", "0"]) == 2
-    assert "--block-size must be an int >= 1" in capsys.readouterr().err
+    assert "--block-size 0: allowed: an int >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # ~15 s: a whole chat with a real engine (the quick suite stays within 5 minutes)

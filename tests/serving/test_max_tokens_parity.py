@@ -1,6 +1,7 @@
 """The library and the server give the same answer for the same max_tokens: LLM.generate
-raises the ValueError whose message is the server's 400 (one check,
-request_checks.check_max_tokens), and what the server serves, LLM runs.
+raises the ValueError whose message is the server's 400 (one check each:
+request_checks.check_max_tokens beside the prompt, sampling_parameters.check_max_tokens_value
+below 1), and what the server serves, LLM runs.
 
 test_server.py's server (conftest.py: the tiny Qwen3, max_model_length 256) and an LLM on the
 same checkpoint with the same settings.
@@ -59,8 +60,15 @@ def test_max_tokens_that_fills_the_context_runs_in_both(base_url: str, llm: LLM)
     assert out["text"] == answer["choices"][0]["text"]  # greedy, the same weights
 
 
-def test_max_tokens_below_1_is_refused_by_both(base_url: str) -> None:
-    status, answer = served(base_url, 0)
-    assert status == 400 and "max_tokens" in answer["error"]["message"]
-    with pytest.raises(ValueError, match="max_tokens must be an int >= 1, got 0"):
-        SamplingParams(max_tokens=0)
+@pytest.mark.parametrize("max_tokens", [0, -3])
+def test_max_tokens_below_1_is_the_same_refusal(base_url: str, max_tokens: int) -> None:
+    status, answer = served(base_url, max_tokens)
+    assert status == 400 and answer["error"]["param"] == "max_tokens"
+    with pytest.raises(ValueError) as refused:
+        SamplingParams(max_tokens=max_tokens)
+    assert str(refused.value) == answer["error"]["message"]
+    assert f"max_tokens={max_tokens}: allowed: an int >= 1" in str(refused.value)
+    status, chat = fetch("POST", f"{base_url}/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+         "max_completion_tokens": max_tokens}).encode())
+    assert status == 400 and json.loads(chat)["error"]["message"] == str(refused.value)

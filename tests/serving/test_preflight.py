@@ -55,11 +55,12 @@ def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid", "does not resolve",
                                           "allowed: an address of this machine"]),
     (["--host", "192.0.2.1"], ["192.0.2.1 is not an address of this machine", "allowed:"]),
-    (["--block-size", "0"], ["--block-size must be an int >= 1, got 0"]),
-    (["--max-num-seqs", "0"], ["--max-num-sequences must be an int >= 1, got 0"]),
-    (["--dtype", "fp7"], ["--dtype must be one of", "'bfloat16'", "got 'fp7'"]),
-    (["--speculative-method", "draft"], ["--speculative-method=\"draft\" needs "
-                                         "--speculative-model"]),
+    (["--block-size", "0"], ["--block-size 0: allowed: an int >= 1"]),
+    (["--max-num-seqs", "0"], ["--max-num-sequences 0: allowed: an int >= 1"]),
+    (["--dtype", "fp7"], ["--dtype 'fp7': allowed: 'auto', 'float16', 'bfloat16', 'float32'"]),
+    (["--speculative-method", "draft"], ["--speculative-method 'draft' needs "
+                                         "--speculative-model, the draft model (given None); "
+                                         "allowed: a checkpoint folder"]),
     (["--speculative-method", "draft", "--speculative-model", "/no/such/draft"],
      ["--speculative-model: model path '/no/such/draft' does not exist", "allowed: a "
       "checkpoint folder"]),
@@ -106,9 +107,9 @@ def test_chat_refuses_its_sampling_flags_and_replicas(model_dir: Path, no_loadin
                                                       capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
     err = refusal(["chat", str(model_dir), "--temperature", "-1"], capsys)
-    assert "--temperature must be a finite number >= 0" in err
+    assert "--temperature -1.0: allowed: a finite number >= 0" in err
     err = refusal(["chat", str(model_dir), "--max-tokens", "0"], capsys)
-    assert "--max-tokens must be an int >= 1, got 0" in err
+    assert "--max-tokens 0: allowed: an int >= 1" in err
     err = refusal(["chat", str(model_dir), "--data-parallel-size", "2"], capsys)
     assert "--data-parallel-size 2 is for `myvllm serve`" in err and "allowed: 1" in err
 
@@ -141,7 +142,8 @@ def test_the_commands_refuse_in_one_line() -> None:
                            ".gguf file or a Hugging Face hub id\n")
     done = run_script("main_llama32.py", "--max-tokens", "0", "--tensor-parallel-size", "1")
     assert (done.returncode, done.stderr) == (
-        2, "main_llama32.py: --max-tokens must be an int >= 1, got 0\n")
+        2, "main_llama32.py: --max-tokens 0: allowed: an int >= 1 (the most completion "
+           "tokens to generate)\n")
 
 
 @pytest.mark.parametrize(("argv", "words"), [

@@ -151,7 +151,7 @@ def test_broken_schemas_and_grammars_are_400s(served: tuple[str, AsyncLLM]) -> N
             ({"guided_grammar": 'item ::= "a"'}, 'root rule with name "root"'),
             ({"guided_grammar": "root ::= " + "(" * 2000 + '"a"' + ")" * 2000},
              "grammar cannot be compiled"),
-            ({"guided_choice": []}, "choice must be a non-empty list")]:
+            ({"guided_choice": []}, "choice=[]: allowed: a non-empty list")]:
         message = refusal(*completion(url, **fields))
         assert says in message, (fields, message)
     assert_responsive(url)

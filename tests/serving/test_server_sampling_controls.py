@@ -103,7 +103,7 @@ def test_chat_takes_openais_penalties_and_logit_bias(client: Any) -> None:
     ("logit_bias", {"256": 1}, "SamplingParams.logit_bias has token id 256, outside the "
                                "vocabulary [0, 256)"),
     ("stop_token_ids", [300], "SamplingParams.stop_token_ids has token id 300"),
-    ("min_tokens", 9, "SamplingParams.min_tokens must be an int in [0, max_tokens = 8]"),
+    ("min_tokens", 9, "SamplingParams.min_tokens=9: allowed: an int in [0, max_tokens = 8]"),
     ("presence_penalty", 2.5, "presence_penalty"),
 ])
 def test_bad_values_are_400s_that_say_why(client: Any, field: str, value: Any,

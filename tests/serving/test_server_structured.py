@@ -97,7 +97,7 @@ def test_bad_constraints_are_400s(base_url: str) -> None:
              "at most one structured output constraint per request, got guided_regex, "
              "guided_choice"),
             ({"response_format": {"type": "json_object"}, "ignore_eos": True},
-             "ignore_eos cannot be combined"),
+             "ignore_eos=True does not combine with structured_outputs"),
             ({"response_format": {"type": "json_schema"}}, '"json_schema" goes with type'),
             ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of")]:
         status, error = post(body)

@@ -218,7 +218,7 @@ def test_a_draft_of_another_vocabulary_is_refused(target: str) -> None:
 @pytest.mark.parametrize("settings, message", [
     (dict(speculative_method="draft"), "needs Config.speculative_model"),
     (dict(speculative_method="draft", speculative_model="d", tensor_parallel_size=2),
-     "cannot combine with tensor_parallel_size=2"),
+     "does not combine with Config.tensor_parallel_size=2; allowed: "),
     (dict(speculative_method="ngram", speculative_model="d"), "only read with"),
 ])
 def test_bad_settings_are_refused(settings: dict[str, object], message: str) -> None:

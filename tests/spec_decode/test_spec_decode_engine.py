@@ -178,11 +178,12 @@ def test_stepwise_outputs_carry_several_tokens() -> None:
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(speculative_method="eagle"), "speculative_method must be None or one of"),
+    (dict(speculative_method="eagle"),
+     "speculative_method='eagle': allowed: None, 'ngram', 'draft'"),
     (dict(speculative_method="draft"), "needs Config.speculative_model"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2),
-     "prompt_lookup_min"),
+     "prompt_lookup_min=3 is more than Config.prompt_lookup_max=2; allowed: "),
     (dict(speculative_model="x.gguf"), "speculative_model"),
 ])
 def test_bad_settings_are_refused(settings: dict[str, object], message: str) -> None:

@@ -69,8 +69,8 @@ def _int_list(text: str) -> int | tuple[int, ...]:
     try:
         ids = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a token id or comma-separated "
+                                         "token ids (2, or 2,7)") from None
     return ids[0] if len(ids) == 1 else ids
 
 
@@ -290,6 +290,9 @@ def check_models(config: Config) -> None:
         check_model(config.speculative_model, "--speculative-model")
 
 
+TEMPLATE_ALLOWED = "a readable UTF-8 file of a Jinja chat template"
+
+
 def read_chat_template(path: str | None) -> str | None:
     """--chat-template's file, read before the model loads (ValueError: cannot be read)."""
     if path is None:
@@ -298,9 +301,11 @@ def read_chat_template(path: str | None) -> str | None:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
-        raise ValueError(f"--chat-template: no such file: {path}") from None
+        raise ValueError(f"--chat-template {path}: no such file; allowed: {TEMPLATE_ALLOWED}"
+                         ) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template: cannot read {path}: {e}") from None
+        raise ValueError(f"--chat-template {path}: cannot be read ({e}); allowed: "
+                         f"{TEMPLATE_ALLOWED}") from None
 
 
 def serve_rank_0_calls(config: Config, launch: TorchrunEnv) -> int:

@@ -85,15 +85,19 @@ def refuse(prog: str, error: Exception, parser: argparse.ArgumentParser | None =
 
 
 def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
-    """Config.block_size -> --block-size, SamplingParams.max_tokens -> --max-tokens: the names
-    the user typed, where the parser has a flag for the field."""
+    """Config.block_size -> --block-size, SamplingParams.max_tokens -> --max-tokens, and a
+    value given as Config.block_size=0 as the flag is typed, --block-size 0: the names the user
+    typed, where the parser has a flag for the field."""
     flags = {action.dest: action.option_strings[0] for action in parser._actions
              if action.option_strings}
 
     def rename(match: re.Match[str]) -> str:
-        return flags.get(match.group(1), match.group(0))
+        flag = flags.get(match.group(1))
+        if flag is None:
+            return match.group(0)
+        return f"{flag} " if match.group(2) else flag
 
-    return re.sub(r"\b(?:Config|SamplingParams)\.(\w+)", rename, message)
+    return re.sub(r"\b(?:Config|SamplingParams)\.(\w+)(=?)", rename, message)
 
 
 def checked(make: Callable[[], T]) -> T:

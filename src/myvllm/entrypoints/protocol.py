@@ -133,7 +133,9 @@ class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions. None means "the default"."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    # >= 1, checked as SamplingParams checks it (serving_completion.check_prompt): the
+    # library's message, not pydantic's.
+    max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: no limit (vLLM accepts both)
@@ -394,7 +396,7 @@ ToolChoice = Annotated[
 
 
 class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None  # each answer token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and its k best's
     # Tool calling (entrypoints/tool_parsers/): the tools the model may call, and whether it

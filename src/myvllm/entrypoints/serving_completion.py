@@ -51,7 +51,7 @@ from myvllm.entrypoints.response_bounds import check_response_size
 from myvllm.entrypoints.server_limits import DEFAULT_MAX_RESPONSE_BYTES
 from myvllm.entrypoints.responses import (Choice, CompletionEvents, chat_chunk, chat_response,
                                           completion_response, usage)
-from myvllm.sampling_parameters import SamplingParams
+from myvllm.sampling_parameters import SamplingParams, check_max_tokens_value
 
 # /v1/completions without max_tokens: OpenAI's default (or what is left of the context, if
 # that is less). Chat without max_tokens may use the rest of the context, as vLLM does.
@@ -73,8 +73,14 @@ def large_sse(data: dict[str, Any]) -> str:
 def check_prompt(token_ids: list[int], max_tokens: int | None, max_model_length: int,
                  vocab_size: int, where: str = "") -> int:
     """The max_tokens to run a prompt with, or a RequestError (where: "prompt[3]: " in a
-    batch). Given, max_tokens must fit beside the prompt (request_checks.check_max_tokens,
-    as the library checks it); not given, the default is what fits."""
+    batch). Given, max_tokens must be >= 1 and fit beside the prompt (check_max_tokens_value
+    and request_checks.check_max_tokens: the library's checks and messages); not given, the
+    default is what fits."""
+    if max_tokens is not None:
+        try:
+            check_max_tokens_value(max_tokens)
+        except ValueError as e:
+            raise RequestError(str(e), param="max_tokens") from e
     try:
         check_token_ids(token_ids, vocab_size)
         check_prompt_length(len(token_ids), max_model_length)
