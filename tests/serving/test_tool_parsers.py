@@ -81,13 +81,13 @@ def pieces(text: str, size: int) -> list[str]:
 
 
 def streamed_tool_calls(parser_name: str, text: str, size: int) -> dict[str, Any]:
-    stream = ToolCallStream(ToolParserManager.get_tool_parser(parser_name)())
+    stream = ToolCallStream(ToolParserManager.get(parser_name)())
     parts = pieces(text, size)
     return assemble([stream.delta(p, final=i == len(parts) - 1) for i, p in enumerate(parts)])
 
 
 def whole(parser_name: str, text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    info = ToolParserManager.get_tool_parser(parser_name)().extract_tool_calls(text)
+    info = ToolParserManager.get(parser_name)().extract_tool_calls(text)
     assert info.tools_called == bool(info.tool_calls)
     for call in info.tool_calls:
         assert call["id"].startswith("call_") and call["type"] == "function"
@@ -127,13 +127,13 @@ def test_streamed_deltas_add_up_to_the_whole_answer(parser: str, text: str) -> N
 
 
 def test_a_tag_split_across_pieces_is_held_back_not_sent_as_content() -> None:
-    stream = ToolCallStream(ToolParserManager.get_tool_parser("hermes")())
+    stream = ToolCallStream(ToolParserManager.get("hermes")())
     assert stream.delta("Sure.<tool") == {"content": "Sure."}
     assert stream.delta("_ca") == {}
     assert stream.delta("ll>\n{\"name\": \"f\"") == {"tool_calls": [
         {"index": 0, "id": stream.calls[0].id, "type": "function", "function": {"name": "f"}}]}
     # Not a tag after all: the held-back text is content.
-    other = ToolCallStream(ToolParserManager.get_tool_parser("hermes")())
+    other = ToolCallStream(ToolParserManager.get("hermes")())
     assert other.delta("a <tool") == {"content": "a "}
     assert other.delta("s>") == {"content": "<tools>"}
     assert other.delta("<to", final=True) == {"content": "<to"}
@@ -152,7 +152,7 @@ def test_llama3_json_reads_calls_and_leaves_text() -> None:
 def test_unknown_parsers_are_refused_with_the_names_allowed() -> None:
     with pytest.raises(ValueError, match=r"unknown tool call parser 'mistral' \(allowed: "
                                          r"hermes, llama3_json\)"):
-        ToolParserManager.get_tool_parser("mistral")
+        ToolParserManager.get("mistral")
     with pytest.raises(ValueError, match=r"--reasoning-parser: unknown reasoning parser "
                                          r"'deepseek_r1' \(allowed: qwen3\)"):
         ChatOutputSettings(reasoning_parser="deepseek_r1").check()
@@ -191,7 +191,7 @@ def test_required_schema_lists_every_tool_and_one_call_without_parallel_calls() 
 
 # ------------------------------------------------------------------ reasoning
 def split(text: str) -> tuple[str | None, str]:
-    parsed = ReasoningParserManager.get_reasoning_parser("qwen3")().split(text, final=True)
+    parsed = ReasoningParserManager.get("qwen3")().split(text, final=True)
     return parsed.reasoning, parsed.content
 
 
@@ -207,7 +207,7 @@ def test_qwen3_reasoning_is_split_from_the_answer() -> None:
 def test_qwen3_reasoning_streamed_adds_up(text: str) -> None:
     reasoning, content = split(text)
     for size in range(1, len(text) + 1):
-        stream = ReasoningStream(ReasoningParserManager.get_reasoning_parser("qwen3")())
+        stream = ReasoningStream(ReasoningParserManager.get("qwen3")())
         parts = pieces(text, size)
         got = [stream.delta(p, i == len(parts) - 1) for i, p in enumerate(parts)]
         assert "".join(r for r, _ in got) == (reasoning or ""), size

@@ -40,15 +40,15 @@ class ChatOutputSettings:
         """ValueError for a parser not known, or auto tool choice without a parser."""
         if self.tool_call_parser is not None:
             try:
-                ToolParserManager.get_tool_parser(self.tool_call_parser)
+                ToolParserManager.get(self.tool_call_parser)
             except ValueError as e:
                 raise ValueError(f"--tool-call-parser: {e}") from None
         elif self.enable_auto_tool_choice:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME "
-                             f"(allowed: {', '.join(sorted(ToolParserManager.tool_parsers))})")
+                             f"(allowed: {ToolParserManager.names()})")
         if self.reasoning_parser is not None:
             try:
-                ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)
+                ReasoningParserManager.get(self.reasoning_parser)
             except ValueError as e:
                 raise ValueError(f"--reasoning-parser: {e}") from None
 
@@ -62,7 +62,7 @@ def output_parsing(body: ChatCompletionRequest, settings: ChatOutputSettings | N
     if mode == "auto":
         if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
             raise RequestError(AUTO_NEEDS_FLAGS, param="tool_choice")
-        parser = ToolParserManager.get_tool_parser(settings.tool_call_parser)
+        parser = ToolParserManager.get(settings.tool_call_parser)
         tools = lambda: parser(tokenizer)  # noqa: E731
     elif mode == "required":
         tools = RequiredToolParser
@@ -71,7 +71,7 @@ def output_parsing(body: ChatCompletionRequest, settings: ChatOutputSettings | N
         tools = lambda: NamedFunctionParser(name)  # noqa: E731
     reasoning = None
     if settings.reasoning_parser is not None:
-        reasoning_class = ReasoningParserManager.get_reasoning_parser(settings.reasoning_parser)
+        reasoning_class = ReasoningParserManager.get(settings.reasoning_parser)
         reasoning = lambda: reasoning_class(tokenizer)  # noqa: E731
     if tools is None and reasoning is None:
         return None

@@ -177,11 +177,11 @@ def add_chat_output_flags(parser: argparse.ArgumentParser) -> None:
                              "the default of a request with tools); needs --tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model writes tool calls: "
-                             f"{', '.join(sorted(ToolParserManager.tool_parsers))} (hermes: "
+                             f"{ToolParserManager.names()} (hermes: "
                              "Qwen3's and Hermes' <tool_call>; llama3_json: Llama 3's JSON)")
     parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
                         help="split the model's thinking into reasoning_content: "
-                             f"{', '.join(sorted(ReasoningParserManager.reasoning_parsers))}")
+                             f"{ReasoningParserManager.names()}")
 
 
 def chat_output_settings(args: argparse.Namespace) -> ChatOutputSettings:

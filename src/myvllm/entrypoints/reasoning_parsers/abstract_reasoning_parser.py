@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from myvllm.entrypoints.parser_registry import ParserRegistry
+
 
 @dataclass
 class SplitOutput:
@@ -25,26 +27,8 @@ class ReasoningParser:
         raise NotImplementedError
 
 
-class ReasoningParserManager:
-    """The reasoning parsers by name (vLLM's registry and names)."""
-
-    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
-
-    @classmethod
-    def register_module(cls, name: str) -> Any:
-        def register(parser: type[ReasoningParser]) -> type[ReasoningParser]:
-            cls.reasoning_parsers[name] = parser
-            return parser
-        return register
-
-    @classmethod
-    def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        """The parser named name; ValueError naming the parsers there are."""
-        parser = cls.reasoning_parsers.get(name)
-        if parser is None:
-            raise ValueError(f"unknown reasoning parser {name!r} (allowed: "
-                             f"{', '.join(sorted(cls.reasoning_parsers))})")
-        return parser
+# The reasoning parsers by name (vLLM's registry and names; --reasoning-parser).
+ReasoningParserManager: ParserRegistry[ReasoningParser] = ParserRegistry("reasoning parser")
 
 
 class ReasoningStream:

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from myvllm.entrypoints.parser_registry import ParserRegistry
 from myvllm.entrypoints.tool_parsers.json_scan import ObjectScan, stable_text, string_value
 
 
@@ -111,26 +112,8 @@ class ToolParser:
         return ExtractedToolCallInformation(True, calls, content)
 
 
-class ToolParserManager:
-    """The tool-call parsers by name (vLLM's registry and names)."""
-
-    tool_parsers: dict[str, type[ToolParser]] = {}
-
-    @classmethod
-    def register_module(cls, name: str) -> Any:
-        def register(parser: type[ToolParser]) -> type[ToolParser]:
-            cls.tool_parsers[name] = parser
-            return parser
-        return register
-
-    @classmethod
-    def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        """The parser named name; ValueError naming the parsers there are."""
-        parser = cls.tool_parsers.get(name)
-        if parser is None:
-            raise ValueError(f"unknown tool call parser {name!r} (allowed: "
-                             f"{', '.join(sorted(cls.tool_parsers))})")
-        return parser
+# The tool-call parsers by name (vLLM's registry and names; --tool-call-parser).
+ToolParserManager: ParserRegistry[ToolParser] = ParserRegistry("tool call parser")
 
 
 @dataclass
