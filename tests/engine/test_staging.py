@@ -60,8 +60,7 @@ def test_fresh_tensors_keep_each_arrays_dtype() -> None:
 
 
 def test_block_table_array_pads_with_minus_one() -> None:
-    assert block_table_array([[3], [4, 5]], width=3, num_rows=3).tolist() == [
-        [3, -1, -1], [4, 5, -1], [-1, -1, -1]]
+    assert block_table_array([[3], [4, 5]], width=3).tolist() == [[3, -1, -1], [4, 5, -1]]
 
 
 def test_pending_tokens_are_read_from_the_pool() -> None:

@@ -124,18 +124,17 @@ def test_embedding_and_lm_head_prefill_keeps_last_tokens() -> None:
     torch.testing.assert_close(head(hidden), hidden @ head.weight.T)
 
 
-def test_last_token_rows_pad_to_a_power_of_two_with_row_0() -> None:
+def test_prefill_lm_head_rows_pad_to_a_power_of_two_with_row_0() -> None:
     """On a GPU the LM head of a prefill step runs at a power-of-two row count (a shape the
     decode graphs already ran); the padding repeats row 0 and the caller cuts it off."""
-    from myvllm.layers.embedding_head import last_token_rows
+    from myvllm.kernels.linear_kernels import pad_rows_to_power_of_two
 
-    cu = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
-    assert last_token_rows(cu, pad=False).tolist() == [1, 4, 5]
-    assert last_token_rows(cu, pad=True).tolist() == [1, 4, 5, 0]
-    assert last_token_rows(cu[:3], pad=True).tolist() == [1, 4]
-    assert last_token_rows(torch.tensor([0, 7]), pad=True).tolist() == [6]
-    many = torch.arange(0, 66, dtype=torch.int32)  # 65 sequences of one token
-    assert last_token_rows(many, pad=True).tolist() == list(range(65)) + [0] * 63
+    assert pad_rows_to_power_of_two(torch.tensor([1, 4, 5])).tolist() == [1, 4, 5, 0]
+    assert pad_rows_to_power_of_two(torch.tensor([1, 4])).tolist() == [1, 4]
+    assert pad_rows_to_power_of_two(torch.tensor([6])).tolist() == [6]
+    assert pad_rows_to_power_of_two(torch.tensor([], dtype=torch.int64)).tolist() == []
+    many = torch.arange(65)  # the last rows of 65 sequences of one token
+    assert pad_rows_to_power_of_two(many).tolist() == list(range(65)) + [0] * 63
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -180,8 +180,7 @@ def samples_this_step(seq: Sequence) -> bool:
     """The step's chunk reaches the sequence's last token, so the step's token is its next
     (a decode row always does, and a row verifying proposals reaches past it, to the last
     proposal); a chunk that stops short of its prompt's end samples nothing."""
-    num_proposals = len(seq.extras.spec_token_ids) if seq.extras is not None else 0
-    return seq.num_computed_tokens == seq.num_tokens + num_proposals
+    return seq.num_computed_tokens >= seq.num_tokens
 
 
 def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.device
@@ -195,11 +194,10 @@ def prepare_sample(seqs: list[Sequence], to_device: ToDevice, device: torch.devi
     params = [seq.sampling_params for seq in seqs]
     use_top_k = any(p.top_k > 0 for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
-    args = SamplingArgs(
+    return SamplingArgs(
         temperatures=to_device([p.temperature for p in params], torch.float32),
         top_ks=to_device([p.top_k for p in params], torch.int64) if use_top_k else None,
         top_ps=to_device([p.top_p for p in params], torch.float32) if use_top_p else None,
         generators=None, min_ps=None,
         all_greedy=all(p.temperature == 0 for p in params),
     )
-    return args

@@ -122,15 +122,13 @@ class Scheduler:
                                      self.max_prefill_tokens_while_decoding,
                                      self.enable_chunked_prefill, self.running)
         scheduled: list[Sequence] = []
-        preempted = False
         if not self.enable_chunked_prefill:
             self._admit_waiting(budget, scheduled, whole_prompts=True)  # rule 1
             if scheduled:
                 return scheduled, True
-        if not scheduled:
-            preempted = self._schedule_running(budget, scheduled)
-            if self.enable_chunked_prefill:
-                self._admit_waiting(budget, scheduled, whole_prompts=False)
+        preempted = self._schedule_running(budget, scheduled)
+        if self.enable_chunked_prefill:
+            self._admit_waiting(budget, scheduled, whole_prompts=False)
         if scheduled:
             decode_only = all(seq.num_new_tokens == 1 and seq.num_computed_tokens == len(seq)
                               for seq in scheduled)
@@ -168,17 +166,15 @@ class Scheduler:
                 while not self.block_manager.can_append(seq):
                     preempted = True  # rule 3: the tail of running makes room
                     victim = self.running.pop() if self.running else seq
-                    if victim is seq:
-                        visited.remove(seq)
                     self.preempt(victim)
                     if victim is seq:
-                        break
-                else:
-                    self.block_manager.append(seq, num_lookahead=num_proposals)
-                    self._schedule_chunk(seq, 1 + num_proposals)
-                    budget.tokens -= 1 + num_proposals
+                        break  # nothing else was left to take from: seq itself waits
                 if seq.status != SequenceStatus.RUNNING:
+                    visited.remove(seq)
                     continue
+                self.block_manager.append(seq, num_lookahead=num_proposals)
+                self._schedule_chunk(seq, 1 + num_proposals)
+                budget.tokens -= 1 + num_proposals
             scheduled.append(seq)
         # The visited ones go back in front, in their order; any beyond max_num_sequences
         # keep their places behind them.
@@ -305,7 +301,6 @@ class Scheduler:
         token."""
         if not seq.is_finished:
             self.finish(seq, "abort")
-            if seq.extras is not None:
-                # Its other completions no longer wait for its prefill: each is prefilled
-                # itself.
-                release_forks(seq, self.waiting)
+            # Its other completions (n > 1), if any, no longer wait for its prefill: each is
+            # prefilled itself.
+            release_forks(seq, self.waiting)

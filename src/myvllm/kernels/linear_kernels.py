@@ -1,6 +1,7 @@
 """The matmuls that kernels.linear may choose besides F.linear: skinny_gemm for a GPU's decode
 batch of a few rows (where prefers_skinny_gemm says it beats cuBLAS) and
-matmul_batch_invariant in batch-invariant mode (references in kernels/fused_reference.py).
+matmul_batch_invariant in batch-invariant mode (references in kernels/fused_reference.py);
+and the padding of a GPU prefill's LM-head rows to a row count cuBLAS has met already.
 """
 
 from __future__ import annotations
@@ -74,3 +75,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return skinny_gemm_ref(x, weight)
 
 
+def pad_rows_to_power_of_two(rows: torch.Tensor) -> torch.Tensor:
+    """rows followed by copies of row 0 up to a power of two. On a GPU the LM head of a prefill
+    step (one row per sequence) then runs at a row count the decode graphs' LM head already
+    ran, so cuBLAS loads no new kernel mid-run (the guide's From correct to fast, "Warm-up");
+    the caller cuts the extra rows' logits."""
+    num_rows = rows.numel()
+    if num_rows == 0:
+        return rows
+    padded = 1 << (num_rows - 1).bit_length()
+    return torch.cat([rows, rows.new_zeros(padded - num_rows)])

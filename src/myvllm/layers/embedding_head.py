@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from myvllm.kernels import linear
-from myvllm.layers.vocab_parallel import embed_own_rows, gather_logits
+from myvllm.kernels.linear_kernels import pad_rows_to_power_of_two
+from myvllm.layers.vocab_parallel import embed_own_rows, gather_logits, vocab_shard
 from myvllm.layers.weight_loaders import load_vocab_parallel, set_weight_attrs
 from myvllm.utils.context import get_context
 from myvllm.utils.distributed import get_tp_rank, get_tp_size
@@ -27,11 +28,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = get_tp_size()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)  # ceil
-        self.vocab_start_idx = min(self.tp_rank * self.num_embeddings_per_partition, num_embeddings)
-        self.vocab_end_idx = min(
-            self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings
-        )
+        # This rank's rows of the table (all of them with one rank): layers/vocab_parallel.py.
+        (self.num_embeddings_per_partition, self.vocab_start_idx,
+         self.vocab_end_idx) = vocab_shard(num_embeddings, self.tp_rank, self.tp_size)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
@@ -51,8 +50,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         num_rows = x.size(0)
         if context.is_prefill and context.cu_seqlens_q is not None:
-            rows = last_token_rows(context.cu_seqlens_q, pad=x.is_cuda)
-            num_rows = context.cu_seqlens_q.numel() - 1
+            rows = context.cu_seqlens_q[1:] - 1  # each sequence's last new token
+            num_rows = rows.numel()
+            if x.is_cuda:  # a row count whose cuBLAS kernel is loaded already
+                rows = pad_rows_to_power_of_two(rows)
             x = x[rows].contiguous()
         logits = linear(x, self.weight)
         if self.tp_size > 1:  # the ranks' slices of the vocabulary, side by side on rank 0
@@ -60,14 +61,3 @@ class ParallelLMHead(VocabParallelEmbedding):
                                  self.num_embeddings)
         return logits[:num_rows, : self.num_embeddings]
 
-
-def last_token_rows(cu_seqlens_q: torch.Tensor, pad: bool) -> torch.Tensor:
-    """The row of each sequence's last new token; with pad (a GPU), followed by copies of row 0
-    up to a power of two: row counts the decode graphs' LM head already ran, so cuBLAS picks no
-    new kernel (From correct to fast, "Warm-up"). The caller cuts the extra rows' logits."""
-    rows = cu_seqlens_q[1:] - 1
-    num_rows = rows.numel()
-    if not pad or num_rows == 0:
-        return rows
-    padded = 1 << (num_rows - 1).bit_length()
-    return torch.cat([rows, rows.new_zeros(padded - num_rows)])

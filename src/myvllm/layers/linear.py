@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from myvllm.kernels import is_batch_invariant, linear
-from myvllm.layers.weight_loaders import (check_tp_divides_heads, divide, load_column_parallel,
+from myvllm.layers.weight_loaders import (divide, heads_per_rank, load_column_parallel,
                                           load_merged_columns, load_qkv, load_replicated,
                                           load_row_parallel, set_weight_attrs)
 from myvllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
@@ -104,12 +104,11 @@ class QKVParallelLinear(ColumnParallelLinear):
                  total_num_kv_heads: int | None = None, bias: bool = False) -> None:
         tp_size = get_tp_size()
         total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
-        check_tp_divides_heads(tp_size, total_num_heads, total_num_kv_heads)
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
-        self.num_heads = total_num_heads // tp_size
-        self.num_kv_heads = total_num_kv_heads // tp_size
+        self.num_heads, self.num_kv_heads = heads_per_rank(tp_size, total_num_heads,
+                                                           total_num_kv_heads)
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         super().__init__(hidden_size, output_size, bias)
 

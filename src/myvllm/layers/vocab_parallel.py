@@ -5,7 +5,8 @@ rank r holds rows [r V/tp, (r+1) V/tp) of the [vocab, hidden] table, so
     LM head    each rank's logits are its slice of the vocabulary; rank 0 gathers the slices
                side by side (it alone samples), the others get None
 
-With one rank neither runs: the layers look up and multiply the whole table themselves.
+With one rank neither runs: the layers look up and multiply the whole table themselves
+(vocab_shard, which splits the rows, runs when a layer is built).
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from myvllm.utils.distributed import all_reduce, gather_on_rank0
+
+
+def vocab_shard(num_embeddings: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
+    """Rank tp_rank's share of a table of num_embeddings rows: (rows each rank holds,
+    ceil(V/tp); its first row; one past its last). The last rank's rows past V are padding."""
+    per_partition = -(-num_embeddings // tp_size)  # ceil
+    start = min(tp_rank * per_partition, num_embeddings)
+    return per_partition, start, min(start + per_partition, num_embeddings)
 
 
 def embed_own_rows(weight: torch.Tensor, input_ids: torch.Tensor, vocab_start_idx: int,

@@ -141,6 +141,12 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def heads_per_rank(tp_size: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """The query and the key/value heads each rank holds (whole heads: check_tp_divides_heads)."""
+    check_tp_divides_heads(tp_size, num_heads, num_kv_heads)
+    return num_heads // tp_size, num_kv_heads // tp_size
+
+
 def check_tp_divides_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
     """QKVParallelLinear gives each rank whole heads, so tp_size must divide both head counts."""
     if num_heads % tp_size or num_kv_heads % tp_size:

@@ -214,10 +214,11 @@ class VerificationRows:
             self.first_rows.append(len(self.logit_rows))
             self.logit_rows.extend(range(first, end))
             self.last_rows.append(len(self.logit_rows) - 1)
-        # Padded with row 0 to a power of two, as layers/embedding_head.py's last_token_rows
-        # pads the LM head's rows: cuBLAS loads a kernel per matrix shape the first time it
-        # meets it (3.5 ms of host time on the H200), and the count of verification rows
-        # varies from step to step. Nobody reads the padding's logits.
+        # Padded with row 0 to a power of two, as kernels/linear_kernels.py's
+        # pad_rows_to_power_of_two pads a prefill's LM-head rows: cuBLAS loads a kernel per
+        # matrix shape the first time it meets it (3.5 ms of host time on the H200), and the
+        # count of verification rows varies from step to step. Nobody reads the padding's
+        # logits.
         num_rows = len(self.logit_rows)
         self.logit_rows += [0] * ((1 << (num_rows - 1).bit_length()) - num_rows)
 

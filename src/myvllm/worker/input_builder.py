@@ -35,8 +35,9 @@ class InputBuilder:
         self.rank = rank
         self.block_size = config.block_size
         self.device = device if device is not None else resolve_device(config)
-        max_model_length = resolved_max_model_length(config, "InputBuilder")
-        self.max_blocks_per_seq = -(-max_model_length // self.block_size)
+        # ceil(max_model_length / block_size): the most blocks one sequence can hold.
+        self.max_blocks_per_seq = -(-resolved_max_model_length(config, "InputBuilder")
+                                    // self.block_size)
         self.fresh = FreshTensors(self.device)
         # Where each step's sampled tokens land, and a pending token is read.
         self.pool = TokenPool(torch.zeros(config.max_num_sequences, dtype=torch.int64,
@@ -66,13 +67,12 @@ class InputBuilder:
         for seq in seqs:
             end = seq.num_computed_tokens
             start = end - seq.num_new_tokens
-            if seq.num_new_tokens == 1 and end == len(seq):  # a decode row: its last token
+            if start == len(seq) - 1:  # a decode row: its last token
                 input_ids.append(last_token(seq, len(input_ids), pending))
-            elif end <= len(seq):  # a chunk of known tokens (a prompt's, or a recomputed one's)
+                if end > len(seq):  # and the proposals it verifies (speculative decoding)
+                    input_ids.extend(proposals_of(seq))
+            else:  # a chunk of known tokens (a prompt's, or a recomputed one's)
                 input_ids.extend(seq.token_ids[start:end])
-            else:  # past its last token: it verifies proposals (speculative decoding)
-                input_ids.append(last_token(seq, len(input_ids), pending))
-                input_ids.extend(proposals_of(seq))
             positions.extend(range(start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)

@@ -36,16 +36,11 @@ class FreshTensors:
         return host.pin_memory().to(self.device, non_blocking=True)
 
 
-def block_table_array(tables: list[list[int]], width: int, num_rows: int | None = None,
-                      out: np.ndarray | None = None) -> np.ndarray:
-    """Block tables as an int32 rectangle [num_rows (default: one per table), width], -1
-    past each table's end (never read by the kernels); written into out when given."""
-    shape = (len(tables) if num_rows is None else num_rows, width)
-    if out is None:
-        array = np.full(shape, -1, dtype=np.int32)
-    else:
-        array = out
-        array.fill(-1)
+def block_table_array(tables: list[list[int]], width: int) -> np.ndarray:
+    """Block tables as an int32 rectangle [one row per table, width], -1 past each table's
+    end (never read by the kernels). (A padded step writes its own into StaticBuffers:
+    worker/static_buffers.py.)"""
+    array = np.full((len(tables), width), -1, dtype=np.int32)
     for row, table in enumerate(tables):
         array[row, : len(table)] = table
     return array

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from myvllm.worker.staging import block_table_array
 
 # Fields of a StaticBuffers written in one step are sent as one copy when less than this many
 # elements lie unwritten between them (a copy costs microseconds; 16 KiB costs less).
@@ -94,9 +93,11 @@ class StaticBuffers:
                 host = host.view(np.float32)
             if isinstance(values, np.ndarray):
                 host[start: start + size] = values.reshape(-1)
-            else:
-                block_table_array(values, shape[1], shape[0],
-                                  out=host[start: start + size].reshape(shape))
+            else:  # block tables: -1 past each table's end, as block_table_array's
+                rectangle = host[start: start + size].reshape(shape)
+                rectangle.fill(-1)
+                for row, table in enumerate(values):
+                    rectangle[row, : len(table)] = table
             written[kind].append((start, start + size))
         for kind, extents in written.items():
             for start, end in _merge(extents):
