@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from helpers_models import tiny_checkpoint  # noqa: E402
 from myvllm.entrypoints.metrics import PrometheusStatLogger  # noqa: E402
-from myvllm.entrypoints.openai_server import build_app, myvllm_version  # noqa: E402
+from myvllm.entrypoints.openai_server import (  # noqa: E402
+    build_app, installed_version, myvllm_version)
 
 KEY = "sk-test-key"
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}> "
@@ -56,6 +57,18 @@ def test_version_and_ping() -> None:
     assert myvllm_version  # the installed package's version (pyproject.toml)
     assert client.get("/ping").status_code == 200
     assert client.post("/ping").status_code == 200
+
+
+def test_version_without_installed_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from source (src/ on PYTHONPATH, nothing installed, as on the GPU machine) the
+    server still starts: /version says so instead of the import failing."""
+    import importlib.metadata
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert installed_version() == "unknown (run from source)"
 
 
 def test_without_a_key_every_route_is_open() -> None:

@@ -70,7 +70,18 @@ from myvllm.utils.chat_template import NoChatTemplateError, chat_prompt_ids
 from myvllm.utils.gc_freeze import frozen_heap
 
 logger = logging.getLogger("myvllm")
-myvllm_version = importlib.metadata.version("myvllm")
+
+
+def installed_version() -> str:
+    """/version's answer: the installed package's version, or "unknown (run from source)"
+    where src/ is on PYTHONPATH with no installed metadata (how the GPU machine runs it)."""
+    try:
+        return importlib.metadata.version("myvllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (run from source)"
+
+
+myvllm_version = installed_version()
 
 # The largest request body read, unless make_server is told otherwise: room for a prompt of
 # max_model_length tokens at 64 bytes each (a token's text escaped in JSON, or its id and a
