@@ -12,6 +12,11 @@ for every test whatever the order in which the tests run:
   triton before this file ran, the kernel tests fail and say so.)
 - Every test starts from torch.manual_seed(0), so the random inputs of a test that does not
   seed torch itself do not depend on which tests ran before it.
+- Every test starts with batch-invariant mode off. The mode is a flag of the process
+  (kernels/batch_invariant.py) that an engine built with Config.batch_invariant=True leaves on;
+  an engine sets its own mode again at each step, but a test that calls a kernel directly
+  would otherwise take the invariant path after such an engine's test (on the H100 the decode
+  kernel's switch test did, in the whole GPU suite only).
 
 tests/ and the repository root are on sys.path through pyproject's [tool.pytest.ini_options]
 pythonpath (for `from helpers_models import ...` and `from benchmarks.baselines import ...`).
@@ -31,3 +36,10 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed_torch() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _batch_invariant_off() -> None:
+    from myvllm.kernels import set_batch_invariant
+
+    set_batch_invariant(False)
