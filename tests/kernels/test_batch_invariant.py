@@ -251,6 +251,60 @@ def test_attention_rows_are_the_same_bits_with_any_query_tile(device, dtype) -> 
         assert torch.equal(decoded, by_tile[0]), rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_rows_are_the_bits_of_the_prefill_last_row(device, dtype, group) -> None:
+    """decode_with_prefill_kernel's row of context c is, bit for bit, the last row of a
+    prefill of the sequence's first c tokens (K/V contiguous, no cache), for contexts of one
+    key tile, less, more and not a multiple of it, and 1; a padding row (context 0) gives
+    zeros. GQA groups 1, 2 and 4 over 2 KV heads."""
+    from myvllm.kernels.prefill_attention import (decode_tile_config, decode_with_prefill_kernel,
+                                                  flash_attention_varlen_triton)
+
+    hkv, dim, block = 2, 16, 4
+    block_n = decode_tile_config(device, dim, dtype).block_n
+    contexts = [1, 3, block_n - 1, block_n, block_n + 1, 2 * block_n + 5, 3 * block_n]
+    length = max(contexts)
+    q = torch.randn(length, hkv * group, dim, dtype=dtype, device=device)
+    k = torch.randn(length, hkv, dim, dtype=dtype, device=device)
+    v = torch.randn(length, hkv, dim, dtype=dtype, device=device)
+    k_cache, v_cache, table = paged_copy(k, v, block, num_blocks=16)
+    scale = dim**-0.5
+    # One varlen prefill of every context's prefix: sequence i is tokens 0 .. contexts[i]-1.
+    prefixes = [slice(0, c) for c in contexts]
+    seqlens = cu(*contexts, device=device)
+    prefill = flash_attention_varlen_triton(
+        torch.cat([q[s] for s in prefixes]), torch.cat([k[s] for s in prefixes]),
+        torch.cat([v[s] for s in prefixes]), seqlens, seqlens, length, length, scale,
+        batch_invariant=True)
+    last_rows = prefill[seqlens[1:].long() - 1]
+    # The decode batch: one row per context, and a padding row (context 0, no blocks).
+    rows_q = torch.cat([q[[c - 1 for c in contexts]], q[:1]])
+    tables = torch.cat([table.expand(len(contexts), -1), torch.full_like(table, -1)])
+    lens = torch.tensor([*contexts, 0], dtype=torch.int32, device=device)
+    decoded = decode_with_prefill_kernel(rows_q, k_cache, v_cache, tables.contiguous(), lens,
+                                         scale)
+    for i, c in enumerate(contexts):
+        assert torch.equal(decoded[i], last_rows[i]), c
+    assert torch.equal(decoded[-1], torch.zeros_like(decoded[-1]))
+    reference = flash_attention_varlen_ref(q, k, v, cu(length, device=device),
+                                           cu(length, device=device), length, length, scale)
+    torch.testing.assert_close(decoded[:-1].float(),
+                               reference[[c - 1 for c in contexts]].float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_with_prefill_kernel_refuses_bad_context_lens(device) -> None:
+    from myvllm.kernels.prefill_attention import decode_with_prefill_kernel
+
+    k_cache = torch.zeros(2, 4, 1, 16, device=device)
+    q = torch.zeros(3, 2, 16, device=device)
+    tables = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="context_lens"):
+        decode_with_prefill_kernel(q, k_cache, k_cache.clone(), tables,
+                                   torch.ones(2, dtype=torch.int32, device=device), 0.25)
+
+
 def test_decode_padding_rows_give_zeros(device) -> None:
     dtype, dim = torch.float16, 16
     k_cache = torch.randn(4, 4, 1, dim, dtype=dtype, device=device)

@@ -157,8 +157,8 @@ def _flash_attn_varlen_kernel(
     q_desc,  # TMA descriptors of q/k/v as [tokens, heads * D] (USE_TMA only)
     k_desc,
     v_desc,
-    cu_seqlens_q_ptr,
-    cu_seqlens_k_ptr,
+    cu_seqlens_q_ptr,  # [sequences + 1] (not read under DECODE)
+    cu_seqlens_k_ptr,  # [sequences + 1]; under DECODE each sequence's key count, [sequences]
     block_tables_ptr,
     tile_map_ptr,  # [rows, 5] int32 per program (TILE_MAP only; see build_tile_map)
     part_acc_ptr,  # [parts, heads, BLOCK_M, BLOCK_D] float32: a split's un-normalised output
@@ -187,6 +187,7 @@ def _flash_attn_varlen_kernel(
     TILE_MAP: tl.constexpr,  # programs read their (sequence, query tile) from tile_map
     DOT_PRECISION: tl.constexpr,
     BATCH_INVARIANT: tl.constexpr,  # every key tile through the masked loop (see below)
+    DECODE: tl.constexpr,  # one new token per sequence, its keys all paged (see below)
 ):
     head = tl.program_id(1)
     if TILE_MAP:
@@ -210,10 +211,19 @@ def _flash_attn_varlen_kernel(
         part = -1
     kv_head = head // GROUP
 
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    k_start = tl.load(cu_seqlens_k_ptr + seq)
-    seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    if DECODE:
+        # Query row `seq` is sequence seq's one token, at position context_len - 1: the
+        # boundaries a varlen batch reads from cu_seqlens are known here, so no kernel has to
+        # build them first. Everything below runs as for a 1-token varlen sequence.
+        q_start = seq
+        seqlen_q = 1
+        k_start = 0  # the keys are found through the block table
+        seqlen_k = tl.load(cu_seqlens_k_ptr + seq)
+    else:
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        k_start = tl.load(cu_seqlens_k_ptr + seq)
+        seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
     m0 = start_m * BLOCK_M
     if m0 >= seqlen_q:
         return  # this sequence is shorter than the longest one; nothing to do here
@@ -444,8 +454,6 @@ def flash_attention_varlen_triton(
     if block_tables is not None:
         if k_cache is None or v_cache is None:
             raise ValueError("flash_attention_varlen: block_tables given but k_cache/v_cache is None")
-        if k_cache.stride() != v_cache.stride():
-            raise ValueError("flash_attention_varlen: k_cache and v_cache need equal strides")
         kk, vv = k_cache, v_cache
         stride_kn, stride_kh = k_cache.stride(1), k_cache.stride(2)
         stride_vn, stride_vh = v_cache.stride(1), v_cache.stride(2)
@@ -457,16 +465,7 @@ def flash_attention_varlen_triton(
         stride_vn, stride_vh = v.stride(0), v.stride(1)
         stride_cb, stride_bt, page = 0, 0, 1
         bt = cu_seqlens_q  # never read; any device pointer will do
-    num_kv_heads = kk.shape[-2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"flash_attention_varlen: num_heads {num_heads} is not a multiple of "
-            f"num_kv_heads {num_kv_heads}"
-        )
-    if q.stride(-1) != 1 or kk.stride(-1) != 1 or vv.stride(-1) != 1:
-        raise ValueError("flash_attention_varlen: q/k/v need a contiguous last (head_dim) axis")
-    if not scale > 0:
-        raise ValueError(f"flash_attention_varlen: scale must be > 0, got {scale}")
+    group = _check_inputs("flash_attention_varlen", q, kk, vv, scale, paged=paged)
     cfg = config or prefill_config(q.device, head_dim, q.dtype)
     # Batch-invariant: pointer loads only, as the paged path (cached keys) must use.
     use_tma = cfg.use_tma and not paged and not batch_invariant and _tma_ok(q, k, v)
@@ -493,7 +492,7 @@ def flash_attention_varlen_triton(
         scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), stride_kn, stride_kh, stride_vn, stride_vh,
         o.stride(0), o.stride(1), stride_cb, stride_bt,
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=cfg.block_m,
@@ -504,6 +503,7 @@ def flash_attention_varlen_triton(
         TILE_MAP=tile_map is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BATCH_INVARIANT=batch_invariant,
+        DECODE=False,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -514,6 +514,22 @@ def flash_attention_varlen_triton(
             num_warps=4,
         )  # fmt: skip
     return o
+
+
+def _check_inputs(caller: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float, *, paged: bool) -> int:
+    """The checks of both launches (k/v: the caches when paged); -> query heads per KV head."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[-2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{caller}: num_heads {num_heads} is not a multiple of "
+                         f"num_kv_heads {num_kv_heads}")
+    if paged and k.stride() != v.stride():
+        raise ValueError(f"{caller}: k_cache and v_cache need equal strides")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"{caller}: q/k/v need a contiguous last (head_dim) axis")
+    if not scale > 0:
+        raise ValueError(f"{caller}: scale must be > 0, got {scale}")
+    return num_heads // num_kv_heads
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -549,16 +565,40 @@ def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     tile for one real row (of 64 rows, not the prefill's 128: decode_tile_config); decode
     reads K/V from memory either way.
 
-    CUDA-graph safe: the sequence boundaries are computed on the device, the grid is
-    (1, heads, batch). Rows with context 0 (padding) give zeros. `config` overrides the
-    tiles (the tests run several query tiles; its block_n must be the prefill's)."""
-    batch = q.shape[0]
+    One launch and nothing before it: under the kernel's DECODE flag row b's query is row b
+    and its key count context_lens[b], read in the kernel (no cu_seqlens to build). CUDA-graph
+    safe: the grid is (1, heads, batch), from shapes only. Rows with context 0 (padding) give
+    zeros. `config` overrides the tiles (the tests run several query tiles; its block_n must
+    be the prefill's)."""
+    batch, num_heads, head_dim = q.shape
+    o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
-        return torch.empty_like(q)
-    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    cu_seqlens_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
-    cu_seqlens_k[1:] = torch.cumsum(context_lens, 0, dtype=torch.int32)
-    return flash_attention_varlen_triton(
-        q, q, q, cu_seqlens_q, cu_seqlens_k, 1, 0, scale, block_tables, k_cache, v_cache,
-        config=config or decode_tile_config(q.device, q.shape[-1], q.dtype),
-        batch_invariant=True, k_scale=k_scale, v_scale=v_scale)
+        return o
+    group = _check_inputs("paged_attention_decode", q, k_cache, v_cache, scale, paged=True)
+    if context_lens.shape != (batch,) or context_lens.stride(0) != 1:
+        raise ValueError(f"paged_attention_decode: context_lens must be a contiguous [{batch}] "
+                         f"tensor (one per row of q), got shape {tuple(context_lens.shape)}")
+    cfg = config or decode_tile_config(q.device, head_dim, q.dtype)
+    _flash_attn_varlen_kernel[(1, num_heads, batch)](
+        q, k_cache, v_cache, o, q, k_cache, v_cache,  # no TMA descriptors: placeholders
+        context_lens, context_lens, block_tables,  # cu_seqlens_q is not read under DECODE
+        context_lens, o, o,  # no tile map, no splits: never read
+        scale * LOG2E, k_scale, v_scale,
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
+        v_cache.stride(2), o.stride(0), o.stride(1), k_cache.stride(0), block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PAGED=True,
+        PAGE=k_cache.shape[1],
+        USE_TMA=False,
+        TILE_MAP=False,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BATCH_INVARIANT=True,
+        DECODE=True,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return o
