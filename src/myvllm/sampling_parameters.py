@@ -344,13 +344,11 @@ class SamplingParams:
             self.stop_token_ids = list(ids)  # a copy: the caller may reuse its list
 
 
-def check_max_tokens_value(max_tokens: object, name: str = "SamplingParams.max_tokens"
-                           ) -> None:
+def check_max_tokens_value(max_tokens: object) -> None:
     """max_tokens an int >= 1: one check and one message for SamplingParams and the server's
-    400 (entrypoints/serving_completion.py), so the library and the server answer alike
-    (name: the field as the request spells it, e.g. chat's max_completion_tokens)."""
+    400 (entrypoints/serving_completion.py), so the library and the server answer alike."""
     if not (is_int(max_tokens) and max_tokens >= 1):
-        raise refusal(name, max_tokens,
+        raise refusal("SamplingParams.max_tokens", max_tokens,
                       "an int >= 1 (the most completion tokens to generate)")
 
 

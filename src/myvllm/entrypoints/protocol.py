@@ -38,7 +38,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 
 from myvllm.entrypoints.tool_parsers.tool_choice import named_function_schema, required_schema
 from myvllm.sampling_parameters import (MAX_LOGPROBS, MAX_N, SamplingParams,
-                                          StructuredOutputsParams, check_max_tokens_value)
+                                          StructuredOutputsParams)
 
 
 class RequestError(Exception):
@@ -407,9 +407,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
 
     @model_validator(mode="after")
     def _max_tokens(self) -> ChatCompletionRequest:
-        if self.max_completion_tokens is not None:  # checked even beside max_tokens
-            check_max_tokens_value(self.max_completion_tokens, "max_completion_tokens")
-        if self.max_tokens is None:
+        if self.max_completion_tokens is not None:
+            # The newer name wins (as in vLLM), and is checked as max_tokens then is.
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs and not self.logprobs:
             # OpenAI's and vLLM's rule: top_logprobs alone would be silently ignored.
