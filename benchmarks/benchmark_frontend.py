@@ -10,8 +10,9 @@ in this process, and the real engine core process (EngineCoreProc's busy loop, t
 Scheduler, the BlockManager, the messages between them), on a tiny Qwen3 of dummy weights
 whose model runner is replaced by a fake step: every row gets token FAKE_TOKEN_ID at once,
 after --step-ms of sleep (a GPU's step time, which costs the host nothing). The clients
-(benchmarks/benchmark_serving.py's, --client) run in a process of their own, so that their
-Python is not counted. The workload is benchmark_serving.py's: --num-prompts requests at
+(benchmarks/benchmark_serving.py's, --client) run in a process of their own (or
+--client-processes of them), so that their Python is not counted in the server's; their CPU
+time is printed beside it. The workload is benchmark_serving.py's: --num-prompts requests at
 once, streamed, prompt and output lengths uniform in 100..1024, ignore_eos.
 
 First the admission: every request at once for one token, the front end's CPU time a
@@ -110,15 +111,16 @@ def fake_step_core(*args: Any, step_s: float, profile_path: str | None) -> None:
     core_process.run_engine_core(*args)
 
 
-def run_clients(client: str, url: str, prompts: list[list[int]], max_tokens: list[int],
-                result: Connection) -> None:
-    """The client process: every request at once, its summary (and the events it read) back
-    on result."""
+def run_clients(client: str, processes: int, url: str, prompts: list[list[int]],
+                max_tokens: list[int], result: Connection) -> None:
+    """The client process (with processes > 1, it starts that many): every request at once,
+    its summary (and the events it read, the clients' CPU seconds) back on result."""
     from benchmarks.benchmark_serving import run_at_rate, summarize
 
-    results, duration = asyncio.run(run_at_rate(client, url, None, prompts, max_tokens,
-                                                math.inf, 0.0, 0))
+    results, duration, client_cpu_s = run_at_rate(client, url, None, prompts, max_tokens,
+                                                  math.inf, 0.0, 0, processes)
     summary = summarize(results, duration, math.inf)
+    summary["client_cpu_s"] = client_cpu_s
     # Each result's ITL gaps are its events after the first that carried tokens.
     summary["events"] = sum(len(r.itl) + 1 for r in results if r.error is None)
     result.send(summary)
@@ -140,7 +142,8 @@ def print_profile(stats: pstats.Stats, title: str, top: int) -> None:
         print(body[body.find("   ncalls"):].rstrip())
 
 
-async def measure(llm: Any, server: Any, url: str, client: str, prompts: list[list[int]],
+async def measure(llm: Any, server: Any, url: str, client: str, client_processes: int,
+                  prompts: list[list[int]],
                   max_tokens: list[int], profile_front: bool) -> dict[str, Any]:
     serving = asyncio.create_task(server.serve())
     while not server.started:
@@ -154,7 +157,8 @@ async def measure(llm: Any, server: Any, url: str, client: str, prompts: list[li
     async def clients(prompts_: list[list[int]], max_tokens_: list[int]) -> dict[str, Any]:
         receiver, sender = ctx.Pipe(duplex=False)
         process = ctx.Process(target=benchmark_frontend.run_clients,
-                              args=(client, url, prompts_, max_tokens_, sender))
+                              args=(client, client_processes, url, prompts_, max_tokens_,
+                                    sender))
         process.start()
         sender.close()
         summary: dict[str, Any] = await asyncio.get_running_loop().run_in_executor(
@@ -207,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                         "step of 256 rows of Qwen3-0.6B)")
     p.add_argument("--client", default="raw", choices=["raw", "httpx", "aiohttp"],
                    help="benchmark_serving.py's client (default %(default)s)")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="processes the clients are spread over (default %(default)s)")
     p.add_argument("--profile", choices=["front", "core"], help="cProfile that process")
     p.add_argument("--top", type=int, default=25, help="functions the profile prints")
     p.add_argument("--json", help="write the figures here as JSON")
@@ -242,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         server = make_server(llm, "fake", "127.0.0.1", port, log_level="warning")
         summary = asyncio.run(measure(llm, server, f"http://127.0.0.1:{port}", args.client,
-                                      prompts, max_tokens, args.profile == "front"))
+                                      args.client_processes, prompts, max_tokens,
+                                      args.profile == "front"))
     finally:
         llm.shutdown()
     tokens, events = sum(max_tokens), summary["events"]
@@ -253,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"served: {summary['output_tok_s']:.0f} output tok/s over {summary['duration_s']:.2f}"
           f" s wall, {events} events ({tokens / events:.2f} tokens an event), TTFT p50/p99 "
           f"{summary['ttft_ms']['p50']:.0f}/{summary['ttft_ms']['p99']:.0f} ms")
-    for name, cpu in (("front end", front), ("core process", core)):
+    for name, cpu in (("front end", front), ("core process", core),
+                      (f"client x{args.client_processes}", summary["client_cpu_s"])):
         print(f"{name:>12}: {cpu:.2f} CPU s, {1e6 * cpu / tokens:.1f} us a token, "
               f"{1e6 * cpu / events:.1f} us an event")
     admission = summary["admission_cpu_s"]
@@ -274,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(
             {"args": vars(args), "output_tokens": tokens, "events": events,
              "front_cpu_s": front, "core_cpu_s": core, "admission_cpu_s": admission,
+             "client_cpu_s": summary["client_cpu_s"],
              "front_us_per_token": 1e6 * front / tokens, "core_us_per_token": 1e6 * core / tokens,
              "output_tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_ms"]}, indent=2))
     tmp.cleanup()

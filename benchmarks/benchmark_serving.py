@@ -42,6 +42,13 @@ place in the list (mod the vocabulary): the same lengths, and no prefix-cache hi
 earlier client sent. With --compare-offline and with several clients, a table at the end
 sets each client's first rate side by side: output tok/s, its ratio to generate(), TTFT.
 
+--client-processes N spreads a rate's requests over N client processes (request i read by
+process i mod N, each sent at the arrival time drawn for it, every request timed alone as
+before), so that what is measured is the server, not one client core: a client reads ~20k
+streamed events a second in the bench workload, and one httpx client costs 34-56 us of CPU an
+event (benchmark_frontend.py). The default is a quarter of the CPUs, at most 4. Each row
+says the clients' CPU seconds.
+
     uv run python benchmarks/benchmark_serving.py --compare-offline --request-rates inf \
         --clients raw,httpx,aiohttp
 """
@@ -53,6 +60,7 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing as mp
 import os
 import random
 import signal
@@ -65,6 +73,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -234,23 +243,112 @@ async def one_request(client: RawClient | HttpxClient | AiohttpClient, model: st
     return result
 
 
-async def run_at_rate(client_name: str, url: str, model: str | None,
-                      prompts: list[list[int]], max_tokens: list[int], rate: float,
-                      temperature: float, seed: int) -> tuple[list[RequestResult], float]:
+def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
+    """Each request's send time, in seconds after the start: all 0 at rate inf, else a Poisson
+    process's (exponential gaps of mean 1/rate)."""
     rng = random.Random(seed)
+    offsets, at = [], 0.0
+    for _ in range(count):
+        offsets.append(at)
+        if rate != math.inf:
+            at += rng.expovariate(rate)
+    return offsets
+
+
+async def run_share(client_name: str, url: str, model: str | None, prompts: list[list[int]],
+                    max_tokens: list[int], offsets: list[float], temperature: float,
+                    start_at: Any) -> tuple[list[RequestResult], float]:
+    """One client process's requests, each sent at start + its offset (perf_counter's clock,
+    CLOCK_MONOTONIC on Linux: the same in every process). start_at: the start, or a
+    function that waits for it once the client is open. Returns the results and when the
+    last one ended."""
     client = open_client(client_name, url)
     try:
+        start = start_at() if callable(start_at) else start_at
         tasks = []
-        start = time.perf_counter()
-        for prompt, n in zip(prompts, max_tokens):
+        for prompt, n, offset in zip(prompts, max_tokens, offsets):
+            if (delay := start + offset - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one_request(client, model, prompt, n,
                                                          temperature)))
-            if rate != math.inf:
-                await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+        return list(results), time.perf_counter()
     finally:
         await client.close()
+
+
+def client_process(client_name: str, url: str, model: str | None, prompts: list[list[int]],
+                   max_tokens: list[int], offsets: list[float], temperature: float,
+                   conn: Connection) -> None:
+    """A client process of --client-processes: says "ready" once its client is open, is
+    sent the start, and sends back its results, when its last request ended, and its CPU
+    seconds."""
+    cpu_at_start = 0.0
+
+    def wait_for_start() -> float:
+        nonlocal cpu_at_start
+        conn.send("ready")
+        start: float = conn.recv()
+        cpu_at_start = time.process_time()  # not the imports and the start-up
+        return start
+
+    results, end = asyncio.run(run_share(client_name, url, model, prompts, max_tokens, offsets,
+                                         temperature, wait_for_start))
+    conn.send((results, end, time.process_time() - cpu_at_start))
+
+
+def run_at_rate(client_name: str, url: str, model: str | None, prompts: list[list[int]],
+                max_tokens: list[int], rate: float, temperature: float, seed: int,
+                processes: int = 1) -> tuple[list[RequestResult], float, float]:
+    """The requests at the rate, read by processes client processes (request i by process
+    i mod processes; 1: in this one), each request timed alone as before. Returns the
+    results in the order of prompts, the wall time from the first send to the last token,
+    and the clients' CPU seconds."""
+    offsets = arrival_offsets(len(prompts), rate, seed)
+    if processes == 1:
+        cpu = time.process_time()
+        start = time.perf_counter()
+        results, end = asyncio.run(run_share(client_name, url, model, prompts, max_tokens,
+                                             offsets, temperature, start))
+        return results, end - start, time.process_time() - cpu
+    from benchmarks import benchmark_serving  # the child's function by its module's name
+
+    ctx = mp.get_context("spawn")
+    pipes, children = [], []
+    for k in range(processes):
+        parent_end, child_end = ctx.Pipe()
+        children.append(ctx.Process(target=benchmark_serving.client_process, args=(
+            client_name, url, model, prompts[k::processes], max_tokens[k::processes],
+            offsets[k::processes], temperature, child_end), daemon=True))
+        children[-1].start()
+        child_end.close()
+        pipes.append(parent_end)
+    try:
+        for conn in pipes:
+            if conn.recv() != "ready":
+                raise RuntimeError("a client process did not start")
+        start = time.perf_counter() + 0.05  # every process is waiting for it
+        for conn in pipes:
+            conn.send(start)
+        shares = [conn.recv() for conn in pipes]
+    except EOFError:
+        raise RuntimeError("a client process ended without its results (its error is "
+                           "above)") from None
+    finally:
+        for child in children:
+            child.join(timeout=60)
+    results: list[RequestResult] = [None] * len(prompts)  # type: ignore[list-item]
+    for k, (share, _, _) in enumerate(shares):
+        results[k::processes] = share
+    return (results, max(end for _, end, _ in shares) - start,
+            sum(cpu for _, _, cpu in shares))
+
+
+def default_client_processes() -> int:
+    """Enough client processes that one client core is not the limit, leaving the server its
+    cores: an httpx client costs 34-56 us of CPU an event (benchmark_frontend.py on a 2-core
+    machine), about a core at the ~20k events a second of the bench workload on a GPU."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -309,7 +407,8 @@ def print_row(s: dict[str, Any]) -> None:
           f"{s['request_throughput']:.2f} req/s, {s['output_tok_s']:.0f} output tok/s"
           + ("" if math.isnan(s.get("vs_offline", math.nan)) else
              f" ({s['vs_offline']:.2f}x offline)")
-          + f", prefix hits {100 * s.get('prefix_hit_rate', math.nan):.1f}% | "
+          + f", prefix hits {100 * s.get('prefix_hit_rate', math.nan):.1f}%, client CPU "
+          f"{s['client_cpu_s']:.1f} s in {s['client_processes']} process(es) | "
           f"ms p50/p90/p99: {lat}", flush=True)
 
 
@@ -461,6 +560,12 @@ def shifted(prompts: list[list[int]], shift: int, vocab: int) -> list[list[int]]
     return [[(t + shift) % vocab for t in prompt] for prompt in prompts]
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1; got {text!r}")
+    return int(text)
+
+
 def _positive(text: str) -> bool:
     try:
         return float(text) > 0
@@ -490,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=parse_clients, default=["raw"],
                    help="comma-separated, each running the whole workload in turn: "
                         f"{', '.join(CLIENTS)} (default: raw)")
+    p.add_argument("--client-processes", type=positive_int, default=default_client_processes(),
+                   help="processes the requests are spread over (request i read by process "
+                        "i mod N), so that one client core is not what is measured (default "
+                        "here: %(default)s, a quarter of the CPUs, at most 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", default=str(REPO / "docs" / "benchmark_serving.png"))
@@ -554,8 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_healthy(url, proc)
         # Warm-up: compile kernels for the shapes to come, outside the measurement.
-        asyncio.run(run_at_rate(args.clients[0], url, None, warmup, [4] * 4, math.inf,
-                                args.temperature, args.seed))
+        run_at_rate(args.clients[0], url, None, warmup, [4] * 4, math.inf, args.temperature,
+                    args.seed)
         summaries: list[dict[str, Any]] = []
         for k, client in enumerate(args.clients):
             # Each client after the first gets the prompts with their token ids moved by k:
@@ -566,14 +675,16 @@ def main(argv: list[str] | None = None) -> int:
                 rate = (math.inf if spec == "inf" else
                         float(spec[:-1]) * peak if spec.endswith("x") else float(spec))
                 hits_before, queries_before = prefix_cache_counts(url)
-                results, duration = asyncio.run(run_at_rate(
+                results, duration, client_cpu_s = run_at_rate(
                     client, url, None, client_prompts, max_tokens, rate, args.temperature,
-                    args.seed))
+                    args.seed, args.client_processes)
                 hits, queries = prefix_cache_counts(url)
                 summary = summarize(results, duration, rate)
                 summary["prefix_hit_rate"] = ((hits - hits_before) / (queries - queries_before)
                                               if queries > queries_before else math.nan)
                 summary["client"] = client
+                summary["client_processes"] = args.client_processes
+                summary["client_cpu_s"] = client_cpu_s
                 summary["rate_spec"] = spec
                 summary["offline_output_tok_s"] = offline
                 summary["vs_offline"] = summary["output_tok_s"] / offline

@@ -1,7 +1,8 @@
 """benchmarks/benchmark_serving.py --quick: a tiny model served in its own process, requests at
 once and then as a Poisson process at 0.8x the measured peak, by each of the three clients in
-turn; every request must complete with the number of tokens it asked for before any figure is
-reported; the prefix-cache hit rate of each rate comes from the server's /metrics."""
+turn, spread over two client processes; every request must complete with the number of tokens
+it asked for before any figure is reported; the prefix-cache hit rate of each rate comes from
+the server's /metrics."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_benchmark_serving_quick(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     run = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "benchmark_serving.py"), "--quick",
-         "--clients", "raw,httpx,aiohttp", "--json", str(results)],
+         "--clients", "raw,httpx,aiohttp", "--client-processes", "2", "--json", str(results)],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ),
     )  # fmt: skip
     output = run.stdout + run.stderr
@@ -33,6 +34,7 @@ def test_benchmark_serving_quick(tmp_path: Path) -> None:
     assert "client   rate    output tok/s  vs offline" in run.stdout, output[-4000:]
     for row in rows:
         assert row["completed"] == 8 and row["failed"] == 0
+        assert row["client_processes"] == 2 and row["client_cpu_s"] > 0
         assert row["request_throughput"] > 0 and row["output_tok_s"] > 0
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert 0 < row[key]["p50"] <= row[key]["p90"] <= row[key]["p99"], (key, row)
