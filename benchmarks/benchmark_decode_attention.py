@@ -2,7 +2,7 @@
 
   dot          decode_attention.py's program: the query heads of a kv head padded to 16 rows
                for tl.dot (DECODE_SCORES = "dot")
-  cuda_cores   decode_cuda_cores.py's program: the scores as products summed on the CUDA cores
+  cuda_cores   decode_attention.py's CUDA-core program: the scores as products summed on the CUDA cores
                over the real heads only (DECODE_SCORES = "cuda_cores")
 
 each at a few tiles (BLOCK_N / num_warps / num_stages[/ keys_per_row]; "default" is

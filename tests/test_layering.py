@@ -240,3 +240,25 @@ def test_a_planted_circle_is_found(tmp_path: Path) -> None:
     (root / "engine" / "e.py").write_text("from myvllm.engine import a\n")
     assert import_circles(root) == [["myvllm.engine.a", "myvllm.engine.b"],
                                     ["myvllm.engine.c", "myvllm.engine.d"]]
+
+
+MAX_MODULES_A_FOLDER = 20
+# The classes a learner reads first: each derives from no class of the project (a feature
+# reaches them as an object they are handed, never as a base class).
+CORE_CLASSES = {"engine/sequence.py": "Sequence", "engine/block_manager.py": "BlockManager",
+                "engine/scheduler.py": "Scheduler", "engine/model_runner.py": "ModelRunner",
+                "engine/core.py": "EngineCore", "engine/llm_engine.py": "LLMEngine"}
+
+
+def test_no_folder_holds_more_than_20_modules() -> None:
+    """Each folder of src/myvllm a short list a reader can take in (its __init__.py counted)."""
+    crowded = {str(folder.relative_to(PACKAGE)): n for folder in [PACKAGE, *PACKAGE.rglob("*")]
+               if folder.is_dir() and (n := len(list(folder.glob("*.py")))) > MAX_MODULES_A_FOLDER}
+    assert not crowded, f"folders over {MAX_MODULES_A_FOLDER} modules: {crowded}"
+
+
+def test_the_core_classes_derive_from_no_class() -> None:
+    for path, name in CORE_CLASSES.items():
+        tree = ast.parse((PACKAGE / path).read_text())
+        (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+        assert not node.bases, f"{path}: class {name} derives from {ast.unparse(node.bases[0])}"

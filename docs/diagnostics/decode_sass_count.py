@@ -34,7 +34,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from myvllm.kernels import decode_attention, decode_cuda_cores  # noqa: E402
+from myvllm.kernels import decode_attention  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "context_lens_ptr",
@@ -45,7 +45,7 @@ TILES = {"dot": [(64, 2, 4, 1), (64, 4, 3, 1)],
 
 def compile_kernel(program: str, cache: str, group: int, tile: tuple[int, int, int, int]):
     block_n, warps, stages, keys_per_row = tile
-    kernel = (decode_cuda_cores.paged_decode_cuda_cores_kernel if program == "cuda_cores"
+    kernel = (decode_attention.paged_decode_cuda_cores_kernel if program == "cuda_cores"
               else decode_attention._paged_decode_split_kernel)
     types = {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "i32",
              "context_lens_ptr": "i32", "m_part_ptr": "fp32", "l_part_ptr": "fp32",

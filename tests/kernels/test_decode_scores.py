@@ -1,6 +1,6 @@
 """The decode kernel's two programs for the scores (decode_attention.DECODE_SCORES) against
 the PyTorch reference: "dot" (the query heads of a kv head padded to 16 rows for tl.dot) and
-"cuda_cores" (decode_cuda_cores.py: products summed on the CUDA cores over the real heads,
+"cuda_cores" (decode_attention.py's CUDA-core program: products summed on the CUDA cores over the real heads,
 one online softmax per tile row, the scales folded into the queries and the output).
 
 GQA groups 1, 2, 4 and 8 query heads a kv head (8: past the CUDA-core program's limit, so
@@ -87,7 +87,7 @@ def test_the_switch_picks_the_program(decode, monkeypatch) -> None:
     past the CUDA-core program's limit always take the dot; an unknown value is refused."""
     uses = decode.uses_cuda_cores
     assert uses("cuda_cores", 2, torch.bfloat16) and not uses("dot", 2, FP8_DTYPE)
-    assert not uses("cuda_cores", 8, FP8_DTYPE)  # past decode_cuda_cores.MAX_GROUP
+    assert not uses("cuda_cores", 8, FP8_DTYPE)  # past decode_attention.CUDA_CORES_MAX_GROUP
     monkeypatch.setattr(decode, "AUTO_CUDA_CORES_MAX_GROUP", {1: 4, 2: 1})
     assert uses("auto", 4, FP8_DTYPE) and not uses("auto", 8, FP8_DTYPE)
     assert uses("auto", 1, torch.float16) and not uses("auto", 2, torch.float16)
