@@ -14,6 +14,7 @@ tests/gpu/test_gpu_batch_invariant.py.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ from myvllm.kernels import (
     paged_attention_decode,
 )
 from myvllm.kernels.tile_map import TileMap, build_tile_map
+
+if TYPE_CHECKING:  # prefill_attention imports Triton, which a test may skip without
+    from myvllm.kernels.prefill_attention import PrefillConfig
 
 
 
@@ -257,13 +261,30 @@ def test_decode_rows_are_the_bits_of_the_prefill_last_row(device, dtype, group) 
     """decode_with_prefill_kernel's row of context c is, bit for bit, the last row of a
     prefill of the sequence's first c tokens (K/V contiguous, no cache), for contexts of one
     key tile, less, more and not a multiple of it, and 1; a padding row (context 0) gives
-    zeros. GQA groups 1, 2 and 4 over 2 KV heads."""
-    from myvllm.kernels.prefill_attention import (decode_tile_config, decode_with_prefill_kernel,
+    zeros. GQA groups 1, 2 and 4 over 2 KV heads: the group's query heads share a tile."""
+    from myvllm.kernels.prefill_attention import decode_tile_config
+
+    block_n = decode_tile_config(device, 16, dtype).block_n
+    contexts = [1, 3, block_n - 1, block_n, block_n + 1, 2 * block_n + 5, 3 * block_n]
+    check_decode_rows_against_prefill(device, dtype, group, 2, contexts)
+
+
+def test_decode_rows_of_a_group_taller_than_the_query_tile(device) -> None:
+    """20 query heads over one KV head in 16-row tiles: the group's heads fill two tiles
+    (the second one 4 rows), with the same bits as the prefill's rows."""
+    from myvllm.kernels.prefill_attention import PrefillConfig
+
+    tiles = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    check_decode_rows_against_prefill(device, torch.float16, 20, 1, [1, 17, 32], tiles)
+
+
+def check_decode_rows_against_prefill(device: torch.device, dtype: torch.dtype, group: int,
+                                      hkv: int, contexts: list[int],
+                                      config: PrefillConfig | None = None) -> None:
+    from myvllm.kernels.prefill_attention import (decode_with_prefill_kernel,
                                                   flash_attention_varlen_triton)
 
-    hkv, dim, block = 2, 16, 4
-    block_n = decode_tile_config(device, dim, dtype).block_n
-    contexts = [1, 3, block_n - 1, block_n, block_n + 1, 2 * block_n + 5, 3 * block_n]
+    dim, block = 16, 4
     length = max(contexts)
     q = torch.randn(length, hkv * group, dim, dtype=dtype, device=device)
     k = torch.randn(length, hkv, dim, dtype=dtype, device=device)
@@ -276,14 +297,14 @@ def test_decode_rows_are_the_bits_of_the_prefill_last_row(device, dtype, group) 
     prefill = flash_attention_varlen_triton(
         torch.cat([q[s] for s in prefixes]), torch.cat([k[s] for s in prefixes]),
         torch.cat([v[s] for s in prefixes]), seqlens, seqlens, length, length, scale,
-        batch_invariant=True)
+        config=config, batch_invariant=True)
     last_rows = prefill[seqlens[1:].long() - 1]
     # The decode batch: one row per context, and a padding row (context 0, no blocks).
     rows_q = torch.cat([q[[c - 1 for c in contexts]], q[:1]])
     tables = torch.cat([table.expand(len(contexts), -1), torch.full_like(table, -1)])
     lens = torch.tensor([*contexts, 0], dtype=torch.int32, device=device)
     decoded = decode_with_prefill_kernel(rows_q, k_cache, v_cache, tables.contiguous(), lens,
-                                         scale)
+                                         scale, config=config)
     for i, c in enumerate(contexts):
         assert torch.equal(decoded[i], last_rows[i]), c
     assert torch.equal(decoded[-1], torch.zeros_like(decoded[-1]))

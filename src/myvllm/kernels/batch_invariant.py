@@ -19,8 +19,9 @@ With the mode on (Config.batch_invariant, set by the ModelRunner for its process
     attention      prefill, chunks and decode rows all run the prefill kernel: key tiles of
                    a fixed size from position 0, every tile through the same (masked) code,
                    one program per query tile (no split-K), whether its keys are cached or new;
-                   decode rows in a 64-row query tile, not 128 (decode_tile_config: the
-                   query tile is free, the key tile is not)
+                   a decode step puts a KV head's query heads in one 64-row query tile,
+                   not a 128-row tile per head (decode_tile_config: the query tile is
+                   free, the key tile is not)
     the rest       already one program per row whatever the batch: RMSNorm, q/k norm + RoPE,
                    SiLU-and-mul, the sampling kernels (their vocabulary chunks depend on the
                    vocabulary only), log_softmax

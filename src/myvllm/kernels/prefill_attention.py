@@ -1,8 +1,10 @@
 """Triton kernel: causal varlen FlashAttention for prefill (contiguous or paged K/V).
 
 Grid: (query tiles, query heads, sequences). One program owns BLOCK_M query rows of one head
-of one sequence and streams that sequence's K/V in BLOCK_N tiles, keeping the softmax
-"online" (running max m, running sum l, un-normalised output acc, all float32):
+of one sequence (a decode step in batch-invariant mode: the query heads of one KV head, for
+one token; decode_with_prefill_kernel) and streams that sequence's K/V in BLOCK_N tiles,
+keeping the softmax "online" (running max m, running sum l, un-normalised output acc, all
+float32):
 
     keys ->      0        BLOCK_N     2*BLOCK_N   ...                   seqlen_k
     query tile  [ full    | full      | full  |diag\\ ]  <- only tiles crossing the diagonal
@@ -189,7 +191,7 @@ def _flash_attn_varlen_kernel(
     BATCH_INVARIANT: tl.constexpr,  # every key tile through the masked loop (see below)
     DECODE: tl.constexpr,  # one new token per sequence, its keys all paged (see below)
 ):
-    head = tl.program_id(1)
+    head = tl.program_id(1)  # the query head; under DECODE the KV head
     if TILE_MAP:
         # A grid fixed by the step's padded token count (a CUDA graph replays it): the host
         # listed the tiles that exist, heaviest first; slots past them hold sequence -1.
@@ -209,40 +211,53 @@ def _flash_attn_varlen_kernel(
         split = 0
         num_splits = 1
         part = -1
-    kv_head = head // GROUP
-
-    if DECODE:
-        # Query row `seq` is sequence seq's one token, at position context_len - 1: the
-        # boundaries a varlen batch reads from cu_seqlens are known here, so no kernel has to
-        # build them first. Everything below runs as for a 1-token varlen sequence.
-        q_start = seq
-        seqlen_q = 1
-        k_start = 0  # the keys are found through the block table
-        seqlen_k = tl.load(cu_seqlens_k_ptr + seq)
-    else:
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-        k_start = tl.load(cu_seqlens_k_ptr + seq)
-        seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
     m0 = start_m * BLOCK_M
-    if m0 >= seqlen_q:
-        return  # this sequence is shorter than the longest one; nothing to do here
-
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    m_mask = offs_m < seqlen_q
-    q_rows = (q_start + offs_m).to(tl.int64)
-    q_ptrs = q_ptr + q_rows[:, None] * stride_qn + head * stride_qh + offs_d[None, :]
-    if USE_TMA:
-        q = q_desc.load([q_start + m0, head * HEAD_DIM])  # extra rows are never stored
+    if DECODE:
+        # One program per (KV head, sequence) (decode_with_prefill_kernel): the tile's rows
+        # are the KV head's GROUP query heads, each sequence seq's one token at position
+        # context_len - 1, seeing every key before it, so each K/V tile is read once for the
+        # group. A row's scores, softmax and P @ V are its own (a dot's output element comes
+        # from its row and column only), over the same key tiles in the same order as the
+        # same row alone in a tile of the varlen path: the same bits. The boundaries a varlen
+        # batch reads from cu_seqlens are known here: no kernel has to build them first.
+        tl.static_assert(BATCH_INVARIANT, "DECODE runs the batch-invariant (masked) loop only")
+        kv_head = head
+        seqlen_k = tl.load(cu_seqlens_k_ptr + seq)
+        k_start = 0  # the keys are found through the block table
+        m_mask = offs_m < GROUP
+        q_heads = (kv_head * GROUP + offs_m).to(tl.int64)
+        q_rows_off = seq.to(tl.int64) * stride_qn + q_heads * stride_qh
+        o_rows_off = seq.to(tl.int64) * stride_on + q_heads * stride_oh
+        q_pos = seqlen_k - 1 + 0 * offs_m  # every row at the sequence's last position
+        first_pos = seqlen_k - 1  # the position of the tile's first row
+        q = tl.load(q_ptr + q_rows_off[:, None] + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     else:
-        q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        kv_head = head // GROUP
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        k_start = tl.load(cu_seqlens_k_ptr + seq)
+        seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+        if m0 >= seqlen_q:
+            return  # this sequence is shorter than the longest one; nothing to do here
+        m_mask = offs_m < seqlen_q
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q_rows_off = q_rows * stride_qn + head * stride_qh
+        o_rows_off = q_rows * stride_on + head * stride_oh
+        ctx_offset = seqlen_k - seqlen_q  # cached prefix length
+        q_pos = ctx_offset + offs_m  # absolute position of each query row
+        first_pos = ctx_offset + m0
+        if USE_TMA:
+            q = q_desc.load([q_start + m0, head * HEAD_DIM])  # extra rows are never stored
+        else:
+            q = tl.load(q_ptr + q_rows_off[:, None] + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     q = queries_for_cache(q, k_ptr.dtype.element_ty)
 
-    ctx_offset = seqlen_k - seqlen_q  # cached prefix length
-    q_pos = ctx_offset + offs_m  # absolute position of each query row
     # Keys [0, full_end) are visible to every row of the tile: no mask needed there.
     # Batch-invariant mode: none. Whether a key tile is "full" depends on where the query
     # tile starts (a cached prefix, a chunk boundary, a decode row), and the unmasked loop
@@ -253,9 +268,9 @@ def _flash_attn_varlen_kernel(
     if BATCH_INVARIANT:
         full_end = 0
     else:
-        full_end = ((ctx_offset + m0 + 1) // BLOCK_N) * BLOCK_N
+        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     # The last key any row of this tile may see (rows past seqlen_q are clipped).
-    hi = tl.minimum(ctx_offset + m0 + BLOCK_M, seqlen_k)
+    hi = tl.minimum(first_pos + BLOCK_M, seqlen_k)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -295,8 +310,7 @@ def _flash_attn_varlen_kernel(
     else:
         # l_i is 0 only for a row with no keys (a padding decode row): zeros, not NaN.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_rows = (q_start + offs_m).to(tl.int64)
-        o_ptrs = o_ptr + o_rows[:, None] * stride_on + head * stride_oh + offs_d[None, :]
+        o_ptrs = o_ptr + o_rows_off[:, None] + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & d_mask[None, :])
 
@@ -401,11 +415,12 @@ def decode_tile_config(device: torch.device, head_dim: int,
 
     Why this is free: a row's bits depend on the key tiles (BLOCK_N, from key 0, every tile
     through the masked loop) and on each dot's instruction, not on how many query rows share
-    the tile. A decode row fills one row of its tile; 64 rows on 4 warps is the smallest
-    tile that keeps the 128-row tile's instruction on a GPU (on Hopper one warpgroup's 64-row
-    wgmma, of which the 128-row tile on 8 warps runs two; below 64 rows Triton would switch
-    to another instruction, whose sums are not promised to round alike). Half the work of a
-    128-row tile for the one row; the key tile, and so the order, unchanged.
+    the tile. A decode step fills a tile's rows with one KV head's query heads (its GQA
+    group: 2 rows for Qwen3-0.6B); 64 rows on 4 warps is the smallest tile that keeps the
+    128-row tile's instruction on a GPU (on Hopper one warpgroup's 64-row wgmma, of which the
+    128-row tile on 8 warps runs two; below 64 rows Triton would switch to another
+    instruction, whose sums are not promised to round alike). Half the work of a 128-row
+    tile for the group; the key tile, and so the order, unchanged.
     """
     cfg = prefill_config(device, head_dim, dtype)
     if device.type != "cuda" or cfg.block_m <= 64:
@@ -561,15 +576,18 @@ def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """paged_attention_decode's contract, computed by the prefill kernel in batch-invariant
     mode: each row is a sequence of one new token whose context_lens[b] keys are all in the
     cache. A decode row then reduces its keys exactly as the prefill or chunk row at the same
-    position did (the decode kernel's tiles, GQA sharing and splits differ). It costs a query
-    tile for one real row (of 64 rows, not the prefill's 128: decode_tile_config); decode
-    reads K/V from memory either way.
+    position did (the decode kernel's tiles and splits differ).
 
-    One launch and nothing before it: under the kernel's DECODE flag row b's query is row b
-    and its key count context_lens[b], read in the kernel (no cu_seqlens to build). CUDA-graph
-    safe: the grid is (1, heads, batch), from shapes only. Rows with context 0 (padding) give
-    zeros. `config` overrides the tiles (the tests run several query tiles; its block_n must
-    be the prefill's)."""
+    What it costs: one launch and nothing before it (under the kernel's DECODE flag row b's
+    query is row b and its key count context_lens[b], read in the kernel: no cu_seqlens to
+    build). One program per (KV head, sequence) puts the head's group of query heads in its
+    query tile's rows (2 of 64 for Qwen3-0.6B's 16 over 8; decode_tile_config: 64 rows, not
+    the prefill's 128) and reads each K/V tile once for the group; the tile's other rows are
+    padding, which its dots compute all the same (the decode kernel pads a group to 16).
+
+    CUDA-graph safe: the grid is (tiles of the group, KV heads, batch), from shapes only.
+    Rows with context 0 (padding) give zeros. `config` overrides the tiles (the tests run
+    several query tiles; its block_n must be the prefill's)."""
     batch, num_heads, head_dim = q.shape
     o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -579,7 +597,9 @@ def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError(f"paged_attention_decode: context_lens must be a contiguous [{batch}] "
                          f"tensor (one per row of q), got shape {tuple(context_lens.shape)}")
     cfg = config or decode_tile_config(q.device, head_dim, q.dtype)
-    _flash_attn_varlen_kernel[(1, num_heads, batch)](
+    num_kv_heads = k_cache.shape[2]
+    grid = (triton.cdiv(group, cfg.block_m), num_kv_heads, batch)
+    _flash_attn_varlen_kernel[grid](
         q, k_cache, v_cache, o, q, k_cache, v_cache,  # no TMA descriptors: placeholders
         context_lens, context_lens, block_tables,  # cu_seqlens_q is not read under DECODE
         context_lens, o, o,  # no tile map, no splits: never read
