@@ -16,7 +16,9 @@ time is printed beside it. The workload is benchmark_serving.py's: --num-prompts
 once, streamed, prompt and output lengths uniform in 100..1024, ignore_eos.
 
 First the admission: every request at once for one token, the front end's CPU time a
-request (HTTP, parsing, the checks, AddRequest, one event). Then the workload (after a
+request (HTTP, parsing, the checks, AddRequest, one event), and the clients' (a request's
+way out and its one event: all of them leave one client process in turn, so this sets how
+far apart the requests arrive). Then the workload (after a
 warm-up), measured: the CPU time of this process (the front end:
 HTTP, JSON, server-sent events, AsyncLLM; time.process_time) and of the core process (from
 /proc), each per output token and per server-sent event, and how many tokens an event
@@ -193,6 +195,7 @@ async def measure(llm: Any, server: Any, url: str, client: str, client_processes
         summary["admission_cpu_s"] = admission_cpu_s
         summary["admission_profile"] = admission_profiler
         summary["admission_ttft_ms"] = admitted["ttft_ms"]
+        summary["admission_client_cpu_s"] = admitted["client_cpu_s"]
         return summary
     finally:
         server.should_exit = True
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"   admission: {admission:.2f} CPU s in the front end for {args.num_prompts} "
           f"requests of one token at once, {1e3 * admission / args.num_prompts:.2f} ms a "
           f"request (their TTFT p50/p99 {summary['admission_ttft_ms']['p50']:.0f}/"
-          f"{summary['admission_ttft_ms']['p99']:.0f} ms)")
+          f"{summary['admission_ttft_ms']['p99']:.0f} ms; the clients' CPU "
+          f"{1e3 * summary['admission_client_cpu_s'] / args.num_prompts:.2f} ms a request)")
     print("all requests completed with the requested number of tokens: "
           + ("OK" if ok else f"NO ({summary['errors']})"))
     if summary["front_profile"] is not None:

@@ -45,9 +45,9 @@ sets each client's first rate side by side: output tok/s, its ratio to generate(
 --client-processes N spreads a rate's requests over N client processes (request i read by
 process i mod N, each sent at the arrival time drawn for it, every request timed alone as
 before), so that what is measured is the server, not one client core: a client reads ~20k
-streamed events a second in the bench workload, and one httpx client costs 34-56 us of CPU an
-event (benchmark_frontend.py). The default is a quarter of the CPUs, at most 4. Each row
-says the clients' CPU seconds.
+streamed events a second in the bench workload, and one httpx client costs 54-74 us of CPU an
+event (benchmark_frontend.py on a 2-core machine). The default is a quarter of the CPUs, at
+most 4. Each row says the clients' CPU seconds.
 
     uv run python benchmarks/benchmark_serving.py --compare-offline --request-rates inf \
         --clients raw,httpx,aiohttp
@@ -346,7 +346,7 @@ def run_at_rate(client_name: str, url: str, model: str | None, prompts: list[lis
 
 def default_client_processes() -> int:
     """Enough client processes that one client core is not the limit, leaving the server its
-    cores: an httpx client costs 34-56 us of CPU an event (benchmark_frontend.py on a 2-core
+    cores: an httpx client costs 54-74 us of CPU an event (benchmark_frontend.py on a 2-core
     machine), about a core at the ~20k events a second of the bench workload on a GPU."""
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
