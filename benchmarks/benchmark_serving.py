@@ -305,7 +305,8 @@ def run_at_rate(client_name: str, url: str, model: str | None, prompts: list[lis
     results in the order of prompts, the wall time from the first send to the last token,
     and the clients' CPU seconds."""
     offsets = arrival_offsets(len(prompts), rate, seed)
-    if processes == 1:
+    processes = min(processes, len(prompts))  # none without requests
+    if processes <= 1:
         cpu = time.process_time()
         start = time.perf_counter()
         results, end = asyncio.run(run_share(client_name, url, model, prompts, max_tokens,
