@@ -19,15 +19,17 @@ then ran the bench workload at 0.57x of generate() (docs/serving.md). Here the e
 has an interpreter to itself and steps as fast as generate() does.
 
 Lifetime: the front end owns this process. It sends Shutdown to stop it: read between steps,
-the loop ends, the workers are stopped and the process exits 0. A step cannot be cut short
-(a long prefill on a CPU runs for seconds), so when Shutdown is not read in time the front
-end sends SIGTERM: between steps it unwinds the loop as Shutdown does; inside a step the
-process exits at once with os._exit(0) (nothing the step computes can reach anyone: no need
-to unwind a forward pass half done and run the interpreter's exit behind it), and its
-workers, which watch it, follow within a second. Ctrl-C in a terminal reaches every process
-of the group, so this one ignores SIGINT and lets the front end decide. If the front end dies
-(kill -9), the parent-watch thread sees it within a second and exits, and the
-tensor-parallel workers, which watch this process in turn, follow.
+the loop ends, the workers are stopped and the process exits 0 at once, without the
+interpreter's own exit (exit_without_finalizing: on a busy CPU that alone outlasted the
+front end's patience). A step cannot be cut short (a long prefill on a CPU runs for
+seconds), so when Shutdown is not read in time the front end sends SIGTERM: between steps it
+unwinds the loop as Shutdown does; inside a step the process exits at once with os._exit(0)
+(nothing the step computes can reach anyone: no need to unwind a forward pass half done and
+run the interpreter's exit behind it), and its workers, which watch it, follow within a
+second. Ctrl-C in a terminal reaches every process of the group, so this one ignores SIGINT
+and lets the front end decide. If the front end dies (kill -9), the parent-watch thread sees
+it within a second and exits, and the tensor-parallel workers, which watch this process in
+turn, follow.
 
 Heartbeat: a thread sends a Heartbeat every HEARTBEAT_INTERVAL_S on a socket of its own,
 whatever the loop does, with how long the step in progress has run. The front end takes a
@@ -46,7 +48,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import zmq
@@ -118,8 +120,27 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
         ready.close()
         proc.start_heartbeat(output_address)
         proc.run_busy_loop()
+    except SystemExit:
+        pass  # SIGTERM between steps (_on_sigterm): the loop is unwound, stop as on Shutdown
     finally:
         core.shutdown()
+    exit_without_finalizing()
+
+
+def exit_without_finalizing() -> NoReturn:
+    """End the core process with exit code 0 at once, once its shutdown is done (the loop
+    left, its last messages sent, the sockets closed, the workers stopped).
+
+    What is left is the interpreter's own exit, which has nothing to do for anyone: it tears
+    down every module (torch, transformers, ...) and garbage-collects the whole heap. That took
+    0.7-1 s of a CPU on this 2-core machine idle, and longer than the front end's
+    SHUTDOWN_WAIT_S (2 s) under load, so a normal shutdown was often escalated to SIGTERM,
+    then SIGKILL (exit code -9). Only what is buffered for the terminal is flushed first.
+    """
+    logging.shutdown()  # flushes every log handler
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 class EngineCoreProc:
