@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.benchmark_serving import free_port
     from benchmarks.workload import make_workload
     from myvllm.config import Config
+    from myvllm.entrypoints.event_loop import serving_loop_factory, serving_loop_name
     from myvllm.entrypoints.openai_server import make_server
     from myvllm.serving import async_llm
 
@@ -250,16 +251,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         port = free_port()
         server = make_server(llm, "fake", "127.0.0.1", port, log_level="warning")
-        summary = asyncio.run(measure(llm, server, f"http://127.0.0.1:{port}", args.client,
-                                      args.client_processes, prompts, max_tokens,
-                                      args.profile == "front"))
+        # The loop `myvllm serve` runs on (uvloop where installed), made here: the server
+        # is awaited inside the harness's own coroutine.
+        loop = serving_loop_factory()()
+        try:
+            summary = loop.run_until_complete(measure(
+                llm, server, f"http://127.0.0.1:{port}", args.client, args.client_processes,
+                prompts, max_tokens, args.profile == "front"))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
     finally:
         llm.shutdown()
     tokens, events = sum(max_tokens), summary["events"]
     ok = summary["failed"] == 0 and summary["output_tokens_as_requested"]
     front, core = summary["front_cpu_s"], summary["core_cpu_s"]
     print(f"workload: {args.num_prompts} streamed requests at once, {tokens} output tokens, "
-          f"fake steps of {args.step_ms:g} ms, client {args.client}")
+          f"fake steps of {args.step_ms:g} ms, client {args.client}, event loop "
+          f"{serving_loop_name()}")
     print(f"served: {summary['output_tok_s']:.0f} output tok/s over {summary['duration_s']:.2f}"
           f" s wall, {events} events ({tokens / events:.2f} tokens an event), TTFT p50/p99 "
           f"{summary['ttft_ms']['p50']:.0f}/{summary['ttft_ms']['p99']:.0f} ms")
@@ -288,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
              "front_cpu_s": front, "core_cpu_s": core, "admission_cpu_s": admission,
              "client_cpu_s": summary["client_cpu_s"],
              "front_us_per_token": 1e6 * front / tokens, "core_us_per_token": 1e6 * core / tokens,
-             "output_tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_ms"]}, indent=2))
+             "output_tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_ms"],
+             "event_loop": serving_loop_name()}, indent=2))
     tmp.cleanup()
     return 0 if ok else 1
 

@@ -35,6 +35,7 @@ import contextlib
 import importlib.metadata
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -54,6 +55,7 @@ from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints import protocol
 from myvllm.entrypoints.api_key import ApiKeyMiddleware
 from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings, output_parsing
+from myvllm.entrypoints.event_loop import serving_loop_name
 from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
 from myvllm.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from myvllm.entrypoints.protocol import RequestError, error_body
@@ -361,6 +363,12 @@ class Server(uvicorn.Server):
             logger.error(f"{error}: the server stops (exit code 1)")
             self.should_exit = True
 
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = type(asyncio.get_running_loop())
+        name = "uvloop" if loop.__module__.startswith("uvloop") else "asyncio"
+        logger.info(f"event loop: {name} ({loop.__module__}.{loop.__qualname__})")
+        await super().serve(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.llm.abort_all()
         super().handle_exit(sig, frame)
@@ -414,9 +422,10 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str,
                    max_connections: int | None = None) -> DeadlineConfig:
     """How make_server runs uvicorn. timeout_graceful_shutdown: a connection that still
     hangs after the aborts is cut. access_log off: the request log (request_log.py) writes
-    the line, with more in it. max_connections: past it a connection gets a quick 503."""
+    the line, with more in it. max_connections: past it a connection gets a quick 503.
+    loop: uvloop where it is installed (event_loop.py)."""
     return DeadlineConfig(app, timeout_request_head=timeout_request_head,
-                          max_connections=max_connections, host=host,
+                          loop=serving_loop_name(), max_connections=max_connections, host=host,
                           port=port, log_level=log_level, timeout_graceful_shutdown=3,
                           access_log=False, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
                           h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES)
