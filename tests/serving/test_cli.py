@@ -88,7 +88,7 @@ def test_serve_passes_the_key_and_the_template_file(tmp_path: Path,
 
 def test_serve_passes_the_server_limits(tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from myvllm.entrypoints.server_limits import ServerLimits
+    from myvllm.entrypoints.safeguards.server_limits import ServerLimits
 
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(cli, "serve", lambda *a, **k: calls.append(k) or 0)

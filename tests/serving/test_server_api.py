@@ -25,7 +25,7 @@ from test_server import MAX_MODEL_LENGTH, MODEL, SERVED, fetch, free_socket, wai
 from myvllm.serving.async_llm import AsyncLLM  # noqa: E402
 from myvllm.serving.core_messages import AddRequest  # noqa: E402
 from myvllm.entrypoints import openai_server  # noqa: E402
-from myvllm.entrypoints.h11_deadlines import DeadlineConfig, H11WithHeadDeadline  # noqa: E402
+from myvllm.entrypoints.safeguards.h11_deadlines import DeadlineConfig, H11WithHeadDeadline  # noqa: E402
 
 PROMPTS = ["The first prompt", "A second, longer prompt", "Third"]
 GREEDY: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0,

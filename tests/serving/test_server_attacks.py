@@ -1,5 +1,5 @@
 """Attacks on a served engine that one client can make with valid requests, and the bounds
-that answer them (entrypoints/server_limits.py; docs/reliability.md, "One request or client
+that answer them (entrypoints/safeguards/server_limits.py; docs/reliability.md, "One request or client
 cannot take the server down").
 
 One server for the module: the tiny random Qwen3 of test_server.py with room for 1,024
@@ -31,11 +31,11 @@ pytest.importorskip("openai")
 from test_server import MODEL, fetch, metrics, served_in_thread, tiny_chat_checkpoint, wait_for  # noqa: E402
 
 from myvllm import Config  # noqa: E402
-from myvllm.entrypoints.log_rate_limit import (SERVER_LOG_BURST, LogRateLimiter,  # noqa: E402
+from myvllm.entrypoints.safeguards.log_rate_limit import (SERVER_LOG_BURST, LogRateLimiter,  # noqa: E402
                                                with_count)
 from myvllm.entrypoints.request_log import REFUSAL_LINES_PER_INTERVAL  # noqa: E402
-from myvllm.entrypoints.response_bounds import estimate_response_bytes  # noqa: E402
-from myvllm.entrypoints.server_limits import ServerLimits  # noqa: E402
+from myvllm.entrypoints.safeguards.response_bounds import estimate_response_bytes  # noqa: E402
+from myvllm.entrypoints.safeguards.server_limits import ServerLimits  # noqa: E402
 from myvllm.sampling_parameters import SamplingParams  # noqa: E402
 from myvllm.serving.async_llm import AsyncLLM  # noqa: E402
 
@@ -238,7 +238,7 @@ def test_a_flood_of_bad_requests_writes_a_few_log_lines(base_url: str) -> None:
 
 
 def test_the_rate_limiter_counts_what_it_leaves_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    from myvllm.entrypoints import log_rate_limit
+    from myvllm.entrypoints.safeguards import log_rate_limit
 
     now = [100.0]
     monkeypatch.setattr(log_rate_limit.time, "monotonic", lambda: now[0])
@@ -252,7 +252,7 @@ def test_the_rate_limiter_counts_what_it_leaves_out(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_open_file_limit_is_raised_and_bounds_the_connections(base_url: str) -> None:
-    from myvllm.entrypoints.connection_limits import (check_max_connections,
+    from myvllm.entrypoints.safeguards.connection_limits import (check_max_connections,
                                                       default_max_connections)
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # make_server raised it

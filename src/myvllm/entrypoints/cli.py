@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 from myvllm.config import Config
 from myvllm.entrypoints.preflight import FlagParser
-from myvllm.entrypoints.server_limits import add_server_limit_flags, server_limits
+from myvllm.entrypoints.safeguards.server_limits import add_server_limit_flags, server_limits
 
 if TYPE_CHECKING:
     from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings
-    from myvllm.entrypoints.server_limits import ServerLimits
+    from myvllm.entrypoints.safeguards.server_limits import ServerLimits
     from myvllm.utils.distributed import TorchrunEnv
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"

@@ -53,20 +53,20 @@ from myvllm.serving.async_llm import EngineDeadError
 from myvllm.serving.engine_client import EngineClient
 from myvllm.engine.request_checks import check_token_ids
 from myvllm.entrypoints import protocol
-from myvllm.entrypoints.api_key import ApiKeyMiddleware
+from myvllm.entrypoints.safeguards.api_key import ApiKeyMiddleware
 from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings, output_parsing
 from myvllm.entrypoints.event_loop import serving_loop_name
-from myvllm.entrypoints.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
+from myvllm.entrypoints.safeguards.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
 from myvllm.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from myvllm.entrypoints.protocol import RequestError, error_body
 from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log
 from myvllm.entrypoints.request_log import logger as request_logger
 from myvllm.entrypoints.responses import model_card
-from myvllm.entrypoints.connection_limits import (check_max_connections,
+from myvllm.entrypoints.safeguards.connection_limits import (check_max_connections,
                                                   default_max_connections,
                                                   raise_open_file_limit)
-from myvllm.entrypoints.log_rate_limit import rate_limit_server_logs
-from myvllm.entrypoints.server_limits import DEFAULT_TIMEOUT_REQUEST_BODY_S, ServerLimits
+from myvllm.entrypoints.safeguards.log_rate_limit import rate_limit_server_logs
+from myvllm.entrypoints.safeguards.server_limits import DEFAULT_TIMEOUT_REQUEST_BODY_S, ServerLimits
 from myvllm.entrypoints.serving_completion import Generation
 from myvllm.utils.chat_template import NoChatTemplateError, chat_prompt_ids
 from myvllm.utils.gc_freeze import frozen_heap

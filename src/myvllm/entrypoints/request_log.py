@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from myvllm.entrypoints.log_rate_limit import LogRateLimiter, with_count
+from myvllm.entrypoints.safeguards.log_rate_limit import LogRateLimiter, with_count
 
 logger = logging.getLogger("myvllm.requests")
 

@@ -47,8 +47,8 @@ from myvllm.entrypoints.logprobs import ChoiceLogprobs, TokenTexts
 from myvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest,
                                          RequestError, error_body)
 from myvllm.entrypoints.request_log import request_log
-from myvllm.entrypoints.response_bounds import check_response_size
-from myvllm.entrypoints.server_limits import DEFAULT_MAX_RESPONSE_BYTES
+from myvllm.entrypoints.safeguards.response_bounds import check_response_size
+from myvllm.entrypoints.safeguards.server_limits import DEFAULT_MAX_RESPONSE_BYTES
 from myvllm.entrypoints.responses import (Choice, CompletionEvents, chat_chunk, chat_response,
                                           completion_response, usage)
 from myvllm.sampling_parameters import SamplingParams, check_max_tokens_value

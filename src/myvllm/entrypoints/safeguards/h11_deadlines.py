@@ -22,7 +22,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from myvllm.entrypoints.connection_limits import refuse_connection
+from myvllm.entrypoints.safeguards.connection_limits import refuse_connection
 
 DEFAULT_TIMEOUT_REQUEST_HEAD_S = 20.0
 
