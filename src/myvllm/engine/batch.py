@@ -52,7 +52,8 @@ class RequestOutput:
     new_token_ids: list[int]  # completion tokens that reached the host in this step
     token_ids: list[int]  # the whole completion so far
     finished: bool
-    finish_reason: FinishReason | None  # "stop", "length", "abort", "grammar_too_slow"; None while running
+    # "stop", "length", "abort", "grammar_too_slow"; None while running
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
     # Asked for in SamplingParams, else None: one entry per new token; prompt tokens 1, 2, ...

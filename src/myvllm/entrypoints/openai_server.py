@@ -56,7 +56,8 @@ from myvllm.entrypoints import protocol
 from myvllm.entrypoints.safeguards.api_key import ApiKeyMiddleware
 from myvllm.entrypoints.chat_output_parsing import ChatOutputSettings, output_parsing
 from myvllm.entrypoints.event_loop import serving_loop_name
-from myvllm.entrypoints.safeguards.h11_deadlines import DEFAULT_TIMEOUT_REQUEST_HEAD_S, DeadlineConfig
+from myvllm.entrypoints.safeguards.h11_deadlines import (DEFAULT_TIMEOUT_REQUEST_HEAD_S,
+                                                         DeadlineConfig)
 from myvllm.entrypoints.metrics import CONTENT_TYPE, PrometheusStatLogger
 from myvllm.entrypoints.protocol import RequestError, error_body
 from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log

@@ -62,7 +62,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
 
 # Known fields not implemented yet: field -> (does this value ask for nothing?, the values
-# allowed). null is always allowed. A field missing from a request body's model is simply unknown there.
+# allowed). null is always allowed. A field missing from a request body's model is simply
+# unknown there.
 NOT_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     # The best n of best_of completions (by their logprob): not implemented; n is.
     "best_of": (lambda v: v == 1, "1 or null"),

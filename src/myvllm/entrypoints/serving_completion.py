@@ -57,7 +57,8 @@ from myvllm.sampling_parameters import SamplingParams, check_max_tokens_value
 # that is less). Chat without max_tokens may use the rest of the context, as vLLM does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
-Started = tuple[StreamOutput, AsyncGenerator[StreamOutput, None]]  # a request's first output, the rest
+# A request's first output, and the rest of its stream.
+Started = tuple[StreamOutput, AsyncGenerator[StreamOutput, None]]
 
 
 def sse(data: dict[str, Any] | str) -> str:

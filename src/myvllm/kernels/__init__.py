@@ -36,8 +36,8 @@ dispatch in kernels/fused_ops.py.
 
 Dispatch: the public functions below (linear aside: it chooses by device and shape) run the
 Triton kernel when the tensors are on CUDA (and Triton is installed), otherwise the PyTorch
-reference (kernels/triton_dispatch.py chooses; kernels/triton_calls.py calls the Triton side). The environment variable
-MYVLLM_FORCE_TRITON overrides that choice at call time:
+reference (kernels/triton_dispatch.py chooses; kernels/triton_calls.py calls the Triton side).
+The environment variable MYVLLM_FORCE_TRITON overrides that choice at call time:
 
     MYVLLM_FORCE_TRITON=1   always Triton (on CPU tensors that needs TRITON_INTERPRET=1,
                             set before the kernel modules are imported: the tests do this)

@@ -52,7 +52,8 @@ def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
     """Tiles from the rows an expert gets on average (pairs = tokens * k). A decode batch
     gives most experts 0-2 rows: the smallest block tl.dot takes (16) wastes least; a
     prefill gives each hundreds, and taller blocks reuse each weight tile for more rows.
-    The tiles are a first choice, not yet measured; benchmarks/benchmark_moe.py --sweep times others."""
+    The tiles are a first choice, not yet measured; benchmarks/benchmark_moe.py --sweep times
+    others."""
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 4:
         return MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)

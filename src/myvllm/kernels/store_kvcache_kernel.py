@@ -76,7 +76,8 @@ def store_kvcache_triton(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("store_kvcache: key/value must have a contiguous last (head_dim) axis")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("store_kvcache: k_cache and v_cache need equal strides, head_dim contiguous")
+        raise ValueError("store_kvcache: k_cache and v_cache need equal strides, head_dim "
+                         "contiguous")
     if num_tokens == 0:
         return
     row = num_kv_heads * head_dim

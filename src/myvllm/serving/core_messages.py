@@ -5,9 +5,10 @@
     front end  <-- CoreOutputs | CoreDead | Heartbeat -------  core process    (output socket)
 
 Token ids only (and their logprobs, for a request that asks): the front end tokenizes,
-applies the chat template, detokenizes and matches stop strings; the core never sees text. One CoreOutputs message per engine step carries the
-new tokens of every request that got some, so the traffic grows with the steps, not with the
-tokens (256 streams decoding: one message of ~3 KB per step, not 256 messages).
+applies the chat template, detokenizes and matches stop strings; the core never sees text.
+One CoreOutputs message per engine step carries the new tokens of every request that got
+some, so the traffic grows with the steps, not with the tokens (256 streams decoding: one
+message of ~3 KB per step, not 256 messages).
 
 Encoding: MessagePack through msgspec. Each message is a typed Struct, encoded as a short
 array (array_like: no field names on the wire) with a tag first that says which kind it is;
