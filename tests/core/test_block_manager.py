@@ -356,12 +356,12 @@ def test_compute_hash_is_the_block_managers() -> None:
 
 
 def test_lookahead_blocks_are_taken_and_given_back() -> None:
-    from myvllm.spec_decode.scheduling import free_lookahead_blocks, lookahead_fits
+    from myvllm.spec_decode.scheduling import free_lookahead_blocks
 
     bm = BlockManager(8, 4)
     s = Sequence([1, 2, 3, 4, 5], 4)  # 2 blocks; 3 proposals reach into none more
     bm.allocate(s)
-    assert lookahead_fits(bm, s, 3) and not lookahead_fits(bm, s, 100)
+    assert bm.can_append(s, num_lookahead=3) and not bm.can_append(s, num_lookahead=100)
     bm.append(s, num_lookahead=4)  # 9 positions: a third block
     assert len(s.block_table) == 3 and len(bm.free_block_ids) == 5
     free_lookahead_blocks(bm, s)  # none accepted: back to the blocks its tokens occupy

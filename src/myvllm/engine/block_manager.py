@@ -228,20 +228,23 @@ class BlockManager:
     # ------------------------------------------------------------------ decode
     # Called after the new token is counted in seq.num_tokens, before its K/V is written: it
     # needs a block exactly when the table is one short (the guide's "Growing by one token").
-    # num_lookahead (speculative decoding): blocks for that many proposed tokens too, those
-    # past seq.num_blocks that num_tokens + num_lookahead positions reach into
-    # (spec_decode/scheduling.py checks that they fit).
-    def can_append(self, seq: Sequence) -> bool:
-        return len(self.free_block_ids) >= seq.num_blocks - len(seq.block_table)  # 0 or 1
+    # num_lookahead (speculative decoding): blocks for that many proposed positions after
+    # the tokens too; the scheduler keeps a row's proposals only if can_append(seq, k) holds.
+    def num_blocks_to_allocate(self, seq: Sequence, num_lookahead: int = 0) -> int:
+        """New blocks seq's table needs to hold its tokens and num_lookahead positions after
+        them: the blocks they reach, ceil(positions / block_size), less those it holds."""
+        return ((seq.num_tokens + num_lookahead + self.block_size - 1) // self.block_size
+                - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
+        return len(self.free_block_ids) >= self.num_blocks_to_allocate(seq, num_lookahead)
 
     def append(self, seq: Sequence, num_lookahead: int = 0) -> None:
-        missing = seq.num_blocks - len(seq.block_table)
+        missing = self.num_blocks_to_allocate(seq)
         if missing > 1:
             raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short; append() "
                                "covers one new token per step")
-        if num_lookahead:
-            missing += -(-(seq.num_tokens + num_lookahead) // self.block_size) - seq.num_blocks
-        for _ in range(missing):
+        for _ in range(self.num_blocks_to_allocate(seq, num_lookahead)):
             seq.block_table.append(self._allocate_fresh_block())
         # This step writes the K/V of every position below num_tokens.
         self.register_full_blocks(seq, num_written=seq.num_tokens)

@@ -185,17 +185,9 @@ def proposals_for_row(speculator: Speculator, block_manager: BlockManager,
     """The proposals seq's decode row carries in the step being scheduled: none if their
     lookahead blocks do not fit (proposals never preempt: the row decodes plainly)."""
     proposals = speculator.propose(seq, max_model_length, budget)
-    if proposals and not lookahead_fits(block_manager, seq, len(proposals)):
+    if proposals and not block_manager.can_append(seq, num_lookahead=len(proposals)):
         return []
     return proposals
-
-
-def lookahead_fits(block_manager: BlockManager, seq: Sequence, num_lookahead: int) -> bool:
-    """Free blocks for seq's next token and for num_lookahead proposed positions after it
-    (BlockManager.append(seq, num_lookahead) takes them)?"""
-    end = -(-(seq.num_tokens + num_lookahead) // block_manager.block_size)  # blocks reached
-    needed = end - len(seq.block_table)
-    return len(block_manager.free_block_ids) >= needed
 
 
 def propose_for_row(speculator: Speculator, block_manager: BlockManager, seq: Sequence,
