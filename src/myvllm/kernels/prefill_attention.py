@@ -507,20 +507,13 @@ def flash_attention_varlen_triton(
         scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), stride_kn, stride_kh, stride_vn, stride_vh,
         o.stride(0), o.stride(1), stride_cb, stride_bt,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        **_launch_constants(cfg, q, group),
         PAGED=paged,
         PAGE=page,
         USE_TMA=use_tma,
         TILE_MAP=tile_map is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BATCH_INVARIANT=batch_invariant,
         DECODE=False,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )  # fmt: skip
     if tile_map is not None and tile_map.combine.shape[0]:
         _combine_splits_kernel[(tile_map.combine.shape[0], num_heads)](
@@ -545,6 +538,23 @@ def _check_inputs(caller: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if not scale > 0:
         raise ValueError(f"{caller}: scale must be > 0, got {scale}")
     return num_heads // num_kv_heads
+
+
+def _launch_constants(cfg: PrefillConfig, q: torch.Tensor, group: int) -> dict[str, object]:
+    """The kernel's launch arguments that both launches (a prefill, a decode step) take alike:
+    the tiles and warps of cfg, the head's shape and the dots' precision. Each launch names
+    its own: PAGED, PAGE, USE_TMA, TILE_MAP, BATCH_INVARIANT and DECODE."""
+    head_dim = q.shape[-1]
+    return {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -606,19 +616,12 @@ def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
         v_cache.stride(2), o.stride(0), o.stride(1), k_cache.stride(0), block_tables.stride(0),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        **_launch_constants(cfg, q, group),
         PAGED=True,
         PAGE=k_cache.shape[1],
         USE_TMA=False,
         TILE_MAP=False,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BATCH_INVARIANT=True,
         DECODE=True,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )  # fmt: skip
     return o
