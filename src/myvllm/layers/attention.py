@@ -8,7 +8,7 @@ slot_mapping, then routes q to a kernel by the step's context (attend):
 
 k_cache/v_cache stay empty until the ModelRunner points them at this layer's views of the
 cache (nothing is stored then). An fp8 cache holds K / k_scale and V / v_scale (the guide's
-Step 4, "An fp8 cache"). On a GPU the RoPE kernel stores k and v as it rotates k
+Features, "An fp8 KV cache"). On a GPU the RoPE kernel stores k and v as it rotates k
 (layers/fused.py).
 """
 

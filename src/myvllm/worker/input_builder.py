@@ -1,4 +1,4 @@
-"""Step 4a: the InputBuilder turns a scheduled batch into the tensors of one forward pass.
+"""Step 4: the InputBuilder turns a scheduled batch into the tensors of one forward pass.
 
 It computes each step's inputs on the host and stages them on the device (worker/staging.py;
 on a GPU a step that fits a CUDA graph is padded onto fixed buffers instead,

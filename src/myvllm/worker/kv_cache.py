@@ -1,6 +1,6 @@
-"""Step 4b: how many KV-cache blocks fit, and the cache tensors themselves: one for K and one
-for V, (num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim), every Attention
-module given a view of its layer.
+"""Step 4, start-up: how many KV-cache blocks fit, and the cache tensors themselves: one for
+K and one for V, (num_layers, num_blocks, block_size, num_kv_heads_per_rank, head_dim), every
+Attention module given a view of its layer.
 """
 
 from __future__ import annotations
