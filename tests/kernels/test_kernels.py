@@ -398,6 +398,26 @@ def test_gqa_head_counts_must_divide(device) -> None:
         triton_mod("prefill_attention").flash_attention_varlen_triton(q, k, k, cu, cu, 4, 4, 1.0)
 
 
+def test_prefill_kernel_refusals_say_what_is_allowed(device) -> None:
+    """Bad inputs are refused before any launch, each naming what was given and what is
+    allowed."""
+    prefill = triton_mod("prefill_attention").flash_attention_varlen_triton
+    q = torch.randn(4, 2, 16, device=device, dtype=torch.float16)
+    cu = cu_seqlens([4], device)
+    with pytest.raises(ValueError, match=r"scale=-1.0: allowed: a float > 0"):
+        prefill(q, q, q, cu, cu, 4, 4, -1.0)
+    strided = torch.randn(4, 16, 2, device=device, dtype=torch.float16).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"k 2, v 1: allowed: 1 each"):
+        prefill(q, strided, q, cu, cu, 4, 4, 1.0)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="is None: allowed: block_tables with both caches"):
+        prefill(q, q, q, cu, cu, 4, 4, 1.0, tables)
+    k_cache = torch.zeros(1, 4, 2, 16, device=device, dtype=torch.float16)
+    v_cache = torch.zeros(1, 4, 2, 32, device=device, dtype=torch.float16)[..., :16]
+    with pytest.raises(ValueError, match="allowed: equal strides"):
+        prefill(q, q, q, cu, cu, 4, 4, 1.0, tables, k_cache, v_cache)
+
+
 # ---------------------------------------------------------------- per-token layer ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 100), (3, 1024)])

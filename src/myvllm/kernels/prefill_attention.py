@@ -468,7 +468,8 @@ def flash_attention_varlen_triton(
     paged = block_tables is not None
     if block_tables is not None:
         if k_cache is None or v_cache is None:
-            raise ValueError("flash_attention_varlen: block_tables given but k_cache/v_cache is None")
+            raise ValueError("flash_attention_varlen: block_tables given, but k_cache or v_cache "
+                             "is None: allowed: block_tables with both caches (paged K/V)")
         kk, vv = k_cache, v_cache
         stride_kn, stride_kh = k_cache.stride(1), k_cache.stride(2)
         stride_vn, stride_vh = v_cache.stride(1), v_cache.stride(2)
@@ -528,15 +529,19 @@ def _check_inputs(caller: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                   scale: float, *, paged: bool) -> int:
     """The checks of both launches (k/v: the caches when paged); -> query heads per KV head."""
     num_heads, num_kv_heads = q.shape[1], k.shape[-2]
+    k_name, v_name = ("k_cache", "v_cache") if paged else ("k", "v")
     if num_heads % num_kv_heads != 0:
-        raise ValueError(f"{caller}: num_heads {num_heads} is not a multiple of "
-                         f"num_kv_heads {num_kv_heads}")
+        raise ValueError(f"{caller}: num_heads={num_heads} over num_kv_heads={num_kv_heads}: "
+                         "allowed: num_heads a multiple of num_kv_heads")
     if paged and k.stride() != v.stride():
-        raise ValueError(f"{caller}: k_cache and v_cache need equal strides")
+        raise ValueError(f"{caller}: k_cache strides {k.stride()}, v_cache strides "
+                         f"{v.stride()}: allowed: equal strides")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(f"{caller}: q/k/v need a contiguous last (head_dim) axis")
+        raise ValueError(f"{caller}: last-axis strides q {q.stride(-1)}, {k_name} "
+                         f"{k.stride(-1)}, {v_name} {v.stride(-1)}: allowed: 1 each (a "
+                         "contiguous head_dim axis)")
     if not scale > 0:
-        raise ValueError(f"{caller}: scale must be > 0, got {scale}")
+        raise ValueError(f"{caller}: scale={scale!r}: allowed: a float > 0")
     return num_heads // num_kv_heads
 
 
@@ -604,8 +609,9 @@ def decode_with_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return o
     group = _check_inputs("paged_attention_decode", q, k_cache, v_cache, scale, paged=True)
     if context_lens.shape != (batch,) or context_lens.stride(0) != 1:
-        raise ValueError(f"paged_attention_decode: context_lens must be a contiguous [{batch}] "
-                         f"tensor (one per row of q), got shape {tuple(context_lens.shape)}")
+        raise ValueError(f"paged_attention_decode: context_lens of shape "
+                         f"{tuple(context_lens.shape)}, stride {context_lens.stride()}: "
+                         f"allowed: a contiguous [{batch}] tensor (one length per row of q)")
     cfg = config or decode_tile_config(q.device, head_dim, q.dtype)
     num_kv_heads = k_cache.shape[2]
     grid = (triton.cdiv(group, cfg.block_m), num_kv_heads, batch)
