@@ -54,7 +54,8 @@ class CoreOutput(msgspec.Struct, array_like=True):
 
     request_id: int
     new_token_ids: list[int]
-    finish_reason: str | None  # None while it runs; "stop", "length" or "abort"
+    # None while it runs; "stop", "length", "abort" or "grammar_too_slow"
+    finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
     # Only for a request that asked (SamplingParams.logprobs / prompt_logprobs), else None
