@@ -8,6 +8,8 @@
     (killed or crashing mid-step: test_worker_death.py)
     the parent killed with SIGKILL      -> workers notice the pipe / parent is gone, exit
     engine after engine                 -> TP 2, TP 2 again, TP 1: same tokens each time
+    exit() returns                      -> every worker already gone, exit code 0, without
+                                           its interpreter's exit (no atexit handler ran)
 
 "Gone" is checked on the pid itself (os.kill(pid, 0) and /proc/<pid>/stat, a zombie counts
 as gone), not only through multiprocessing's bookkeeping.
@@ -225,6 +227,33 @@ def test_exit_gc_and_one_engine_after_another(path: str, expected: list[list[int
     assert third.engine_core.workers is None
     assert [o["token_ids"] for o in third.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     assert multiprocessing.active_children() == []
+
+
+# Imported by every interpreter started with it on PYTHONPATH (here: the engine's workers):
+# says it started, and registers an atexit handler, which only the interpreter's own exit runs.
+MARK_WORKER = textwrap.dedent("""
+    import atexit, os, pathlib
+    marks = pathlib.Path(__file__).parent
+    (marks / f"started-{os.getpid()}").touch()
+    atexit.register((marks / f"finalized-{os.getpid()}").touch)
+""")
+
+
+def test_exit_returns_with_every_worker_ended_without_the_interpreters_exit(
+        path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """exit() returns with the worker gone, exit code 0, and the worker skipped its
+    interpreter's exit (no atexit handler ran): once its process group is destroyed it ends
+    at once (utils/process_exit.py) instead of making rank 0 wait for that teardown."""
+    (tmp_path / "sitecustomize.py").write_text(MARK_WORKER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    llm, pids = start_tp2(path)
+    assert [(tmp_path / f"started-{pid}").exists() for pid in pids] == [True]
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.exit()
+    assert_all_gone(pids)  # at once, not within a while
+    assert [p.exitcode for p in llm.engine_core.workers.worker_processes] == [0]
+    assert [(tmp_path / f"finalized-{pid}").exists() for pid in pids] == [False]
 
 
 def test_worker_dying_at_start_up_is_reported(path: str, tmp_path: Path,

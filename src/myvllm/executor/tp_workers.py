@@ -24,6 +24,8 @@ next step may read before the host has seen them (ModelRunner.run).
 Lifetime: workers are daemonic (multiprocessing ends them when the engine's process exits),
 watch their parent and exit if it disappears, and WorkerPool.shutdown is registered with
 weakref.finalize by the engine, so they end with exit(), garbage collection, or an error.
+A worker told to exit destroys its side of the group and ends its process at once, without
+the interpreter's exit (utils/process_exit.py), so rank 0's shutdown does not wait for it.
 A worker that dies on its own is noticed by a watchdog thread of rank 0 (tp_watchdog.py),
 which stops the others and, under NCCL, aborts the communicator so rank 0 stops waiting.
 
@@ -45,7 +47,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,7 @@ from myvllm.executor.tp_launch import (connect_to_rank_0, connect_workers,
 from myvllm.executor.tp_watchdog import WorkerProcess, WorkerWatchdog
 from myvllm.utils.distributed import (TorchrunEnv, init_all_reduce, local_device_index,
                                       release_all_reduce)
+from myvllm.utils.process_exit import exit_without_finalizing
 
 if TYPE_CHECKING:
     from myvllm.engine.model_runner import ModelRunner
@@ -117,8 +120,9 @@ def exit_when_parent_dies(parent_pid: int, check_s: float = 1.0, who: str = "") 
 
 def worker_main(config: Config, rank: int, init_method: str, model_path: str,
                 use_cuda: bool, cpu_threads: int | None, conn: Connection,
-                parent_pid: int) -> None:
-    """Entry point of a worker process (must be importable: processes are spawned).
+                parent_pid: int) -> NoReturn:
+    """Entry point of a worker process (must be importable: processes are spawned); it ends
+    the process, with code 0 once rank 0 asked it to exit or closed its pipe.
     cpu_threads: this rank's share of the cores on a CPU (worker/cpu_threads.py)."""
     threading.Thread(target=exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
     if cpu_threads is not None:
@@ -131,6 +135,9 @@ def worker_main(config: Config, rank: int, init_method: str, model_path: str,
         return ModelRunner(config, rank, model_path)
 
     serve_rank_0(conn, start)  # returns on "exit" or a closed pipe, or ends the process
+    # The group is destroyed: what is left is the interpreter's exit (a second or two on a
+    # busy CPU), which rank 0's shutdown would wait for.
+    exit_without_finalizing()
 
 
 def run_launched_worker(config: Config, env: TorchrunEnv, model_path: str,

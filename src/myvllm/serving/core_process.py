@@ -20,7 +20,7 @@ has an interpreter to itself and steps as fast as generate() does.
 
 Lifetime: the front end owns this process. It sends Shutdown to stop it: read between steps,
 the loop ends, the workers are stopped and the process exits 0 at once, without the
-interpreter's own exit (exit_without_finalizing: on a busy CPU that alone outlasted the
+interpreter's own exit (utils/process_exit.py: on a busy CPU that alone outlasted the
 front end's patience). A step cannot be cut short (a long prefill on a CPU runs for
 seconds), so when Shutdown is not read in time the front end sends SIGTERM: between steps it
 unwinds the loop as Shutdown does; inside a step the process exits at once with os._exit(0)
@@ -48,7 +48,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -63,6 +63,7 @@ from myvllm.serving.core_messages import (AbortCompletion, AbortRequests, AddReq
                                          Refusal, SchedulerStats, Shutdown, SpecDecodeCounts)
 from myvllm.executor.tp_workers import exit_when_parent_dies
 from myvllm.utils.gc_freeze import frozen_heap
+from myvllm.utils.process_exit import exit_without_finalizing
 
 if TYPE_CHECKING:
     from myvllm.structured_output.held_requests import GrammarWaits
@@ -125,22 +126,6 @@ def run_engine_core(config: Config, model_path: str, fit_length_to_cache: bool,
     finally:
         core.shutdown()
     exit_without_finalizing()
-
-
-def exit_without_finalizing() -> NoReturn:
-    """End the core process with exit code 0 at once, once its shutdown is done (the loop
-    left, its last messages sent, the sockets closed, the workers stopped).
-
-    What is left is the interpreter's own exit, which has nothing to do for anyone: it tears
-    down every module (torch, transformers, ...) and garbage-collects the whole heap. That took
-    0.7-1 s of a CPU on this 2-core machine idle, and longer than the front end's
-    SHUTDOWN_WAIT_S (2 s) under load, so a normal shutdown was often escalated to SIGTERM,
-    then SIGKILL (exit code -9). Only what is buffered for the terminal is flushed first.
-    """
-    logging.shutdown()  # flushes every log handler
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
 
 
 class EngineCoreProc:
