@@ -418,6 +418,33 @@ def test_prefill_kernel_refusals_say_what_is_allowed(device) -> None:
         prefill(q, q, q, cu, cu, 4, 4, 1.0, tables, k_cache, v_cache)
 
 
+def test_decode_and_store_refusals_say_what_is_allowed(device) -> None:
+    """The decode kernel and the cache store refuse bad layouts before any launch, naming what
+    was given and what is allowed."""
+    decode = triton_mod("decode_attention").paged_attention_decode_triton
+    store = triton_mod("store_kvcache_kernel").store_kvcache_triton
+    k_cache = torch.zeros(1, 4, 2, 16, device=device, dtype=torch.float16)
+    v_cache = torch.zeros(1, 4, 2, 32, device=device, dtype=torch.float16)[..., :16]
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    q3 = torch.randn(1, 3, 16, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="num_heads=3 over num_kv_heads=2: allowed: num_heads a"):
+        decode(q3, k_cache, k_cache, tables, lens, 1.0)
+    q = torch.randn(1, 4, 16, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="allowed: equal strides"):
+        decode(q, k_cache, v_cache, tables, lens, 1.0)
+    strided_q = torch.randn(1, 16, 4, device=device, dtype=torch.float16).transpose(1, 2)
+    with pytest.raises(ValueError, match="q 4, caches 1: allowed: 1 each"):
+        decode(strided_q, k_cache, k_cache, tables, lens, 1.0)
+    key = torch.randn(1, 2, 16, device=device, dtype=torch.float16)
+    slots = torch.zeros(1, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="allowed: equal strides, the last"):
+        store(key, key, k_cache, v_cache, slots)
+    strided_key = torch.randn(1, 16, 2, device=device, dtype=torch.float16).transpose(1, 2)
+    with pytest.raises(ValueError, match="key 2, value 1: allowed: 1 each"):
+        store(strided_key, key, k_cache, k_cache, slots)
+
+
 # ---------------------------------------------------------------- per-token layer ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 100), (3, 1024)])

@@ -511,15 +511,14 @@ def paged_attention_decode_triton(
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"paged_attention_decode: num_heads {num_heads} is not a multiple of "
-            f"num_kv_heads {num_kv_heads}"
-        )
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError(
-            "paged_attention_decode: k_cache/v_cache need equal strides; q and the caches "
-            "need a contiguous last (head_dim) axis"
-        )
+        raise ValueError(f"paged_attention_decode: num_heads={num_heads} over num_kv_heads="
+                         f"{num_kv_heads}: allowed: num_heads a multiple of num_kv_heads")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"paged_attention_decode: k_cache strides {k_cache.stride()}, v_cache "
+                         f"strides {v_cache.stride()}: allowed: equal strides")
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"paged_attention_decode: last-axis strides q {q.stride(-1)}, caches "
+                         f"{k_cache.stride(-1)}: allowed: 1 each (a contiguous head_dim axis)")
     o = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return o

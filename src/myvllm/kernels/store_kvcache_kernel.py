@@ -74,10 +74,11 @@ def store_kvcache_triton(
     """Triton version of store_kvcache (see kernels/__init__.py for the contract)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if key.stride(-1) != 1 or value.stride(-1) != 1:
-        raise ValueError("store_kvcache: key/value must have a contiguous last (head_dim) axis")
+        raise ValueError(f"store_kvcache: last-axis strides key {key.stride(-1)}, value "
+                         f"{value.stride(-1)}: allowed: 1 each (a contiguous head_dim axis)")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("store_kvcache: k_cache and v_cache need equal strides, head_dim "
-                         "contiguous")
+        raise ValueError(f"store_kvcache: k_cache strides {k_cache.stride()}, v_cache strides "
+                         f"{v_cache.stride()}: allowed: equal strides, the last (head_dim) 1")
     if num_tokens == 0:
         return
     row = num_kv_heads * head_dim
