@@ -60,9 +60,9 @@ class Config:
 
     max_model_length: int | None = None
     """Longest sequence (prompt + completion). A request whose prompt + max_tokens is longer
-    is refused, by LLM and the server alike. Also sizes the block tables of the decode CUDA graphs. None = the checkpoint's
-    max_position_embeddings, lowered to what the KV cache can hold (a log line says so); a
-    larger number is lowered to max_position_embeddings."""
+    is refused, by LLM and the server alike. Also sizes the block tables of the decode CUDA
+    graphs. None = the checkpoint's max_position_embeddings, lowered to what the KV cache can
+    hold (a log line says so); a larger number is lowered to max_position_embeddings."""
 
     block_size: int = 16
     """Tokens per KV-cache block (the 'page' of PagedAttention). Small blocks waste less memory
@@ -167,11 +167,12 @@ class Config:
     """Speculative decoding (vLLM's name): None = off; "ngram" = prompt lookup, the next
     tokens proposed by finding the sequence's last few tokens earlier in it and copying what
     followed; "draft" = a second, small model with the target's vocabulary proposes them
-    (speculative_model; one GPU only, its steps eager). Each decode row then computes its last token and the proposals in one
-    forward pass, and rejection sampling keeps the tokens the target model would have drawn
-    itself (spec_decode/). With async scheduling, a step whose rows verify proposals,
-    or are about to look up the next ones, is read back before the next step is planned
-    (the proposals need the sequence's tokens on the host); other steps overlap as usual."""
+    (speculative_model; one GPU only, its steps eager). Each decode row then computes its last
+    token and the proposals in one forward pass, and rejection sampling keeps the tokens the
+    target model would have drawn itself (spec_decode/). With async scheduling, a step whose
+    rows verify proposals, or are about to look up the next ones, is read back before the next
+    step is planned (the proposals need the sequence's tokens on the host); other steps
+    overlap as usual."""
 
     num_speculative_tokens: int = 3
     """Tokens proposed per decode row and step (k): each step of a row computes k + 1
@@ -378,8 +379,8 @@ def resolved_max_model_length(config: Config, part: str) -> int:
     InputBuilder): the engine sets it from the checkpoint when it is None, before it builds
     its parts."""
     if config.max_model_length is None:
-        raise ValueError(f"{part} needs config.max_model_length: the engine sets it from the "
-                         "checkpoint when it is None")
+        raise refusal(f"{part}: config.max_model_length", None, "an integer >= 1, which the "
+                      f"engine sets from the checkpoint when it is None, before it builds {part}")
     return config.max_model_length
 
 
@@ -387,7 +388,7 @@ def sized_num_kvcache_blocks(config: Config, part: str) -> int:
     """config.num_kvcache_blocks, for a part of the engine built after the KV cache is sized
     (the Scheduler): -1 asks the ModelRunner to size it from memory, which it does first."""
     if config.num_kvcache_blocks < 1:
-        raise ValueError(f"{part} needs config.num_kvcache_blocks >= 1, got "
-                         f"{config.num_kvcache_blocks}: the ModelRunner sizes the KV cache "
-                         f"(-1 = from memory) before {part} is built")
+        raise refusal(f"{part}: config.num_kvcache_blocks", config.num_kvcache_blocks,
+                      "an integer >= 1, which the ModelRunner sets when it sizes the KV cache "
+                      f"(-1: from memory), before {part} is built")
     return config.num_kvcache_blocks

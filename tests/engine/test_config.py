@@ -85,3 +85,23 @@ def test_valid_edge_values() -> None:
     assert Config(eos=-1).eos == -1
     assert Config(eos=0).eos == 0
     assert Config(num_kvcache_blocks=1, gpu_memory_utilization=1.0, block_size=1).block_size == 1
+
+
+def test_a_part_refuses_a_setting_the_engine_has_not_resolved_yet() -> None:
+    """The Scheduler and the InputBuilder need max_model_length and the KV cache's block count
+    resolved; given a Config that still holds None / -1 they say which part needs which
+    setting, what is allowed and who sets it."""
+    from myvllm.config import resolved_max_model_length, sized_num_kvcache_blocks
+
+    with pytest.raises(ValueError, match=re.escape(
+            "InputBuilder: config.max_model_length=None: allowed: an integer >= 1, which the "
+            "engine sets from the checkpoint when it is None, before it builds InputBuilder")):
+        resolved_max_model_length(Config(), "InputBuilder")
+    with pytest.raises(ValueError, match=re.escape(
+            "Scheduler: config.num_kvcache_blocks=-1: allowed: an integer >= 1, which the "
+            "ModelRunner sets when it sizes the KV cache (-1: from memory), before Scheduler "
+            "is built")):
+        sized_num_kvcache_blocks(Config(), "Scheduler")
+    sized = Config(max_model_length=32, num_kvcache_blocks=8)
+    assert (resolved_max_model_length(sized, "InputBuilder"),
+            sized_num_kvcache_blocks(sized, "Scheduler")) == (32, 8)
