@@ -4,7 +4,9 @@ which they refuse a value, what was given and what is allowed:
     Config.block_size=0: allowed: an int >= 1
 
 which the command line shows with the flag's name, ``--block-size 0: allowed: an int >= 1``
-(entrypoints/preflight.py), and the server as its 400.
+(entrypoints/preflight.py), and the server as its 400. The library's request checks use it too
+(``prompt=None: allowed: a str or a list of int token ids``), a TypeError where the type is
+what is wrong.
 
 is_int and is_real are TypeGuards, so after ``if is_int(x)`` the type checker knows ``x`` is
 an int.
@@ -13,7 +15,13 @@ an int.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TypeGuard
+from typing import TypeGuard, TypeVar, overload
+
+RefusedError = TypeVar("RefusedError", bound=Exception)
+
+# The most characters of a refused value's repr a message shows: a prompt refused for its type
+# may be megabytes of text, and the server sends the message back as its 400.
+MAX_SHOWN = 200
 
 
 def is_int(x: object) -> TypeGuard[int]:
@@ -26,9 +34,23 @@ def is_real(x: object) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def refusal(name: str, value: object, allowed: str) -> ValueError:
-    """The error refusing `value` of the setting `name`."""
-    return ValueError(f"{name}={value!r}: allowed: {allowed}")
+@overload
+def refusal(name: str, value: object, allowed: str) -> ValueError: ...
+
+
+@overload
+def refusal(name: str, value: object, allowed: str,
+            error: type[RefusedError]) -> RefusedError: ...
+
+
+def refusal(name: str, value: object, allowed: str,
+            error: type[Exception] = ValueError) -> Exception:
+    """The error refusing `value` of the setting `name`: a ValueError, or `error` (TypeError
+    where the value's type is what is wrong)."""
+    shown = repr(value)
+    if len(shown) > MAX_SHOWN:
+        shown = f"{shown[:MAX_SHOWN]}... (a {type(value).__name__})"
+    return error(f"{name}={shown}: allowed: {allowed}")
 
 
 def one_of(choices: Iterable[object]) -> str:

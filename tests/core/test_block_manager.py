@@ -303,7 +303,7 @@ def test_misuse_raises() -> None:
     bm.allocate(b)
     with pytest.raises(ValueError, match="already has blocks"):
         bm.allocate(b)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_blocks=0, block_size=4: allowed: an int >= 1 each"):
         BlockManager(0, 4)
 
 

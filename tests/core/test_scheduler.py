@@ -253,12 +253,15 @@ def test_schedule_when_idle() -> None:
 # ---------------------------------------------------------------- add_sequence
 @pytest.mark.parametrize("tokens, max_tokens, kw, message", [
     ([], 4, {}, "empty prompt"),
-    (list(range(1, 18)), 4, {"max_model_length": 16}, "longer than max_model_length=16"),
+    (list(range(1, 18)), 4, {"max_model_length": 16},
+     "prompt_tokens=17: allowed: at most 15 with max_model_length=16"),
     # A prompt of exactly max_model_length tokens leaves no room for its first token.
-    (list(range(1, 17)), 4, {"max_model_length": 16}, "as long as max_model_length=16"),
-    (list(range(1, 9)), 2, {"num_blocks": 2}, r"3 blocks .* whole KV cache has 2 blocks"),
+    (list(range(1, 17)), 4, {"max_model_length": 16}, "prompt_tokens=16: allowed: at most 15"),
+    (list(range(1, 9)), 2, {"num_blocks": 2},
+     r"9 tokens = 3 blocks of 4: allowed: at most the 2 blocks of the whole KV cache"),
     ([1], 16, {"num_blocks": 2}, r"16 tokens = 4 blocks"),
-    ([1, 2, 3], 8, {"max_num_batched_tokens": 8}, "max_num_batched_tokens=8"),
+    ([1, 2, 3], 8, {"max_num_batched_tokens": 8},
+     "10 tokens: allowed: at most max_num_batched_tokens=8 without chunked prefill"),
 ])
 def test_add_sequence_rejects_before_queuing(tokens: list[int], max_tokens: int,
                                              kw: dict, message: str) -> None:
@@ -289,7 +292,7 @@ def test_add_sequence_max_model_length_bounds_growth() -> None:
 
 def test_add_sequence_rejects_block_size_mismatch_and_reuse() -> None:
     sch = make(block_size=4)
-    with pytest.raises(ValueError, match="block_size 8"):
+    with pytest.raises(ValueError, match="block_size=8: allowed: 4, the KV cache's block size"):
         sch.add_sequence(seq([1], block_size=8))
     s = seq([1])
     sch.add_sequence(s)

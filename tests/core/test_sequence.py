@@ -50,11 +50,11 @@ def worker_copy_of(seq: Sequence) -> Sequence:
 
 
 def test_bad_inputs() -> None:
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="Sequence.block_size=0: allowed: an int >= 1"):
         Sequence([1], 0)
     with pytest.raises(TypeError):
         Sequence([1.5], 4)
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match=r"token_ids\[1\]=-1: allowed: token ids >= 0"):
         Sequence([3, -1], 4)
 
 

@@ -32,6 +32,7 @@ import myvllm.engine.core_parts as core_parts
 from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.model_runner import ModelRunner
+from myvllm.engine.request_checks import check_generate_args
 from myvllm.utils.checkpoint import CheckpointError
 from helpers_blocks import used_block_ids
 
@@ -265,35 +266,48 @@ def assert_untouched(llm: LLM) -> None:
 # (prompts, sampling_params, exception, message pattern)
 REQUEST_CASES: dict[str, tuple[Any, Any, type, str]] = {
     "prompt_longer_than_max_model_length":
-        ([[1] * 33], GREEDY, ValueError, r"33 tokens.*max_model_length=32"),
+        ([[1] * 33], GREEDY, ValueError,
+         r"prompt_tokens=33: allowed: at most 31 with max_model_length=32"),
     "string_prompt_longer_than_max_model_length":
-        (["x" * 40], GREEDY, ValueError, r"40 tokens.*max_model_length=32"),
-    "empty_string_prompt": ([""], GREEDY, ValueError, r"empty prompt"),
+        (["x" * 40], GREEDY, ValueError, r"prompt_tokens=40: allowed: at most 31"),
+    "empty_string_prompt": ([""], GREEDY, ValueError, r"prompt_tokens=0: allowed: at least 1"),
     "empty_token_list": ([[]], GREEDY, ValueError, r"empty prompt"),
-    "negative_token_id": ([[3, -1, 4]], GREEDY, ValueError, r"token id -1.*vocabulary"),
+    "negative_token_id": ([[3, -1, 4]], GREEDY, ValueError,
+                          r"token_ids\[1\]=-1: allowed: a token id of the vocabulary"),
     "token_id_equal_to_vocab": ([[3, VOCAB]], GREEDY, ValueError,
-                                rf"token id {VOCAB}.*\[0, {VOCAB}\)"),
-    "token_id_far_out_of_vocab": ([[10**9]], GREEDY, ValueError, r"token id 1000000000"),
-    "float_token_id": ([[1, 2.0]], GREEDY, TypeError, r"token ids must be ints.*2\.0"),
-    "bool_token_id": ([[True, 2]], GREEDY, TypeError, r"token ids must be ints.*True"),
-    "nested_token_list": ([[[1, 2]]], GREEDY, TypeError, r"token ids must be ints.*\[1, 2\]"),
-    "bytes_prompt": ([b"abc"], GREEDY, TypeError, r"str or a list of int token ids.*bytes"),
-    "none_prompt": ([None], GREEDY, TypeError, r"str or a list of int token ids.*NoneType"),
-    "one_prompt_out_of_vocab": ([3, VOCAB], GREEDY, ValueError, rf"token id {VOCAB}"),
-    "prompts_not_a_list": (None, GREEDY, TypeError, r"prompts must be a list.*NoneType"),
+                                rf"token_ids\[1\]={VOCAB}: allowed: .*\[0, {VOCAB}\)"),
+    "token_id_far_out_of_vocab": ([[10**9]], GREEDY, ValueError, r"token_ids\[0\]=1000000000"),
+    "float_token_id": ([[1, 2.0]], GREEDY, TypeError,
+                       r"token_ids\[1\]=2\.0: allowed: an int token id"),
+    "bool_token_id": ([[True, 2]], GREEDY, TypeError, r"token_ids\[0\]=True: allowed: an int"),
+    "nested_token_list": ([[[1, 2]]], GREEDY, TypeError, r"token_ids\[0\]=\[1, 2\]: allowed:"),
+    "bytes_prompt": ([b"abc"], GREEDY, TypeError,
+                     r"prompt=b'abc': allowed: a str or a list of int token ids"),
+    "none_prompt": ([None], GREEDY, TypeError, r"prompt=None: allowed: a str or a list"),
+    "one_prompt_out_of_vocab": ([3, VOCAB], GREEDY, ValueError, rf"token_ids\[1\]={VOCAB}:"),
+    "prompts_not_a_list": (None, GREEDY, TypeError, r"prompts=None: allowed: a list of prompts"),
     "prompts_as_generator": ((p for p in GOOD_PROMPTS), GREEDY, TypeError,
-                             r"prompts must be a list.*generator"),
+                             r"prompts=<generator .*: allowed: a list of prompts"),
     "too_few_sampling_params": (GOOD_PROMPTS, [GREEDY], ValueError,
-                                r"1 sampling_params for 2 prompts"),
+                                r"len\(sampling_params\)=1: allowed: 2, one per prompt"),
     "too_many_sampling_params": (GOOD_PROMPTS, [GREEDY] * 3, ValueError,
-                                 r"3 sampling_params for 2 prompts"),
+                                 r"len\(sampling_params\)=3: allowed: 2"),
     "sampling_params_as_dict": (GOOD_PROMPTS[:1], {"temperature": 0.0}, TypeError,
-                                r"SamplingParams.*got dict"),
+                                r"sampling_params=\{'temperature': 0\.0\}: allowed: None"),
     "sampling_params_list_with_none": (GOOD_PROMPTS, [GREEDY, None], TypeError,
-                                       r"SamplingParams.*NoneType"),
+                                       r"sampling_params=None: allowed: a SamplingParams"),
     # A sequence that can never fit the KV cache: test_never_fits_the_kv_cache (its own
     # engine: here max_model_length=32 fits the 64 tokens of cache).
 }
+
+
+def test_a_refused_value_is_shown_short() -> None:
+    """A refusal shows the value given, cut short where it is long: the whole prompt passed
+    where the list of prompts was expected would make a message of megabytes."""
+    with pytest.raises(TypeError, match=r"prompts='xxxx.*\.\.\. \(a str\): allowed: a list of "
+                                        "prompts") as refused:
+        check_generate_args("x" * 100_000, None)
+    assert len(str(refused.value)) < 400
 
 
 @pytest.mark.parametrize("case", list(REQUEST_CASES))
@@ -344,7 +358,8 @@ def test_never_fits_the_kv_cache() -> None:
         (prompt, SamplingParams(temperature=0.0, max_tokens=8)),  # grows to 10 + 8 - 1 = 17
     ]
     for bad_prompt, bad_params in too_big:
-        with pytest.raises(ValueError, match=r"17 tokens = 5 blocks of 4.*has 4 blocks"):
+        with pytest.raises(ValueError, match=r"17 tokens = 5 blocks of 4: allowed: at most the 4 "
+                                             r"blocks of the whole KV cache"):
             llm.generate([prompt, bad_prompt], [fits, bad_params], use_tqdm=False)
         assert_untouched(llm)
     assert llm.generate([prompt], fits, use_tqdm=False)[0]["token_ids"] == expected
@@ -356,7 +371,7 @@ def test_longer_than_a_prefill_can_hold() -> None:
     llm = LLM(str(tiny_checkpoint("llama")), block_size=4, num_kvcache_blocks=32,
               max_model_length=64, max_num_batched_tokens=16, enable_chunked_prefill=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens=16"):
+    with pytest.raises(ValueError, match=r"17 tokens: allowed: at most max_num_batched_tokens=16"):
         llm.generate([list(range(1, 11))], params, use_tqdm=False)  # 10 + 8 - 1 = 17
     assert_untouched(llm)
     assert len(llm.generate([list(range(1, 10))], params, use_tqdm=False)[0]["token_ids"]) == 8

@@ -179,7 +179,8 @@ def test_max_model_length_defaults_to_the_checkpoint_capped_by_the_cache(
                ).max_model_length == 200
     prompt = random_prompts([150], seed=7)[0]
     # The lowered length is the one requests are checked against, as the server checks it.
-    with pytest.raises(ValueError, match="more than max_model_length=160: ask for at most 10"):
+    with pytest.raises(ValueError, match="max_tokens=30: allowed: at most 10 beside a "
+                                         "prompt of 150 tokens"):
         llm.generate([prompt], SamplingParams(max_tokens=30), use_tqdm=False)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10,
                                                 ignore_eos=True), use_tqdm=False)[0]

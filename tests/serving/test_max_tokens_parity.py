@@ -46,8 +46,8 @@ def test_max_tokens_beyond_the_context_is_the_same_refusal(base_url: str, llm: L
     with pytest.raises(ValueError) as refused:
         llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens), use_tqdm=False)
     assert str(refused.value) == answer["error"]["message"]
-    assert f"ask for at most {MAX_MODEL_LENGTH - len(PROMPT)} completion tokens" in str(
-        refused.value)
+    assert (f"max_tokens={max_tokens}: allowed: at most {MAX_MODEL_LENGTH - len(PROMPT)} "
+            "beside a prompt") in str(refused.value)
 
 
 def test_max_tokens_that_fills_the_context_runs_in_both(base_url: str, llm: LLM) -> None:

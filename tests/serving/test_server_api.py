@@ -86,9 +86,9 @@ def test_a_bad_prompt_in_a_batch_is_a_400_naming_it_before_any_work(served: Any)
     llm._send = lambda message: (sent.append(message), send(message))
     try:
         cases = [(["fine", "word " * MAX_MODEL_LENGTH], "prompt[1]"),
-                 ([[1, 2], [3, 10**6]], "prompt[1]: token id 1000000"),
+                 ([[1, 2], [3, 10**6]], "prompt[1]: token_ids[1]=1000000: allowed: a token id"),
                  (["ok", "ok", ""], "prompt[2] is empty"),
-                 (["fine", "x" * 200], "prompt[1]: prompt of 200 tokens + max_tokens=100")]
+                 (["fine", "x" * 200], "prompt[1]: max_tokens=100: allowed: at most")]
         for prompt, words in cases:
             status, answer = post(base_url, "/v1/completions",
                                   {"prompt": prompt, "max_tokens": 100, "stream": True})
@@ -113,7 +113,7 @@ def test_tokenize_and_detokenize(base_url: str, client: Any) -> None:
     assert bytes(answer["tokens"]) == b"<|user|>What is 2 + 2?\n"
     status, answer = post(base_url, "/detokenize", {"tokens": list("héllo".encode())})
     assert (status, answer) == (200, {"prompt": "héllo"})
-    for path, body, words in [("/detokenize", {"tokens": [300]}, "token id 300"),
+    for path, body, words in [("/detokenize", {"tokens": [300]}, "token_ids[0]=300: allowed:"),
                               ("/detokenize", {"tokens": "x"}, "tokens"),
                               ("/tokenize", {"prompt": 5}, "prompt"),
                               ("/tokenize", {"prompt": "x", "model": "other"}, "`tiny`"),
@@ -179,14 +179,14 @@ def test_the_openai_client_sees_which_field_is_refused(client: Any) -> None:
 def test_max_tokens_beyond_the_context_is_a_400_with_the_numbers(client: Any,
                                                                  max_tokens: int) -> None:
     prompt = "Hello"  # 5 tokens
-    words = (f"prompt of 5 tokens + max_tokens={max_tokens} is {5 + max_tokens} tokens, "
-             f"more than max_model_length={MAX_MODEL_LENGTH}")
+    words = (f"max_tokens={max_tokens}: allowed: at most {MAX_MODEL_LENGTH - 5} beside a prompt "
+             f"of 5 tokens (prompt + max_tokens <= max_model_length={MAX_MODEL_LENGTH})")
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError, match=re.escape(words)):
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
                                       stream=stream)
     messages = [{"role": "user", "content": prompt}]
-    with pytest.raises(openai.BadRequestError, match="more than max_model_length"):
+    with pytest.raises(openai.BadRequestError, match=f"max_tokens={max_tokens}: allowed: at most"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens)
 
 

@@ -101,8 +101,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, "
-                             f"got num_blocks={num_blocks}, block_size={block_size}")
+            raise ValueError(f"BlockManager num_blocks={num_blocks}, block_size={block_size}: "
+                             "allowed: an int >= 1 each")
         self.block_size: int = block_size
         self.enable_prefix_caching: bool = enable_prefix_caching
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from myvllm.engine.sequence import Sequence, SequenceStatus
 from myvllm.sample.sampling_controls import check_sampling_token_ids
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.value_checks import refusal
 
 if TYPE_CHECKING:
     from myvllm.engine.scheduler_view import SchedulerView
@@ -22,29 +23,28 @@ def check_token_ids(prompt: Any, vocab_size: int) -> list[int]:
     """A prompt of token ids as a list of ints, or a clear error (before anything is queued)."""
     if not isinstance(prompt, SequenceABC) or isinstance(prompt, (str, bytes, bytearray)):
         # bytes are a sequence of ints too, but they are text, not token ids.
-        raise TypeError("a prompt must be a str or a list of int token ids, got "
-                        f"{type(prompt).__name__}")
+        raise refusal("prompt", prompt, "a str or a list of int token ids", TypeError)
     token_ids = list(prompt)
     # Plain ints pass with one C-level check. A Python-level isinstance() per token took
     # 13-25 ms for a 16k-token prompt on a 2-core machine: host time between two steps,
     # which every decoding stream waited for.
     if set(map(type, token_ids)) - {int}:
-        bad_types = [t for t in token_ids
+        bad_types = [(i, t) for i, t in enumerate(token_ids)
                      if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if bad_types:
-            raise TypeError(f"token ids must be ints, got {bad_types[0]!r} "
-                            f"({type(bad_types[0]).__name__}) in a prompt")
+            raise refusal(f"token_ids[{bad_types[0][0]}]", bad_types[0][1],
+                          "an int token id (a Python or numpy int, not a bool)", TypeError)
         token_ids = [int(t) for t in token_ids]  # numpy ints are fine, stored as int
     if token_ids and not (0 <= min(token_ids) and max(token_ids) < vocab_size):
-        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}).")
+        i, bad = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+        raise refusal(f"token_ids[{i}]", bad, f"a token id of the vocabulary, [0, {vocab_size})")
     return token_ids
 
 
 def check_request(token_ids: Any, params: Any, vocab_size: int) -> list[int]:
     """A prompt of token ids and its SamplingParams checked: the prompt as a list of ints."""
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        raise refusal("sampling_params", params, "a SamplingParams", TypeError)
     if params.logit_bias is not None or params.stop_token_ids is not None:
         check_sampling_token_ids(params, vocab_size)  # sample/sampling_controls.py
     return check_token_ids(token_ids, vocab_size)
@@ -54,19 +54,19 @@ def check_generate_args(prompts: Any, sampling_params: Any) -> list[SamplingPara
     """generate()'s arguments checked: prompts a list, sampling_params None (the defaults),
     one SamplingParams for all or one per prompt. Returns one per prompt."""
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError("prompts must be a list of strings or token-id lists, got "
-                        f"{type(prompts).__name__}")
+        raise refusal("prompts", prompts, "a list of prompts, each a str or a list of int "
+                      "token ids", TypeError)
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * len(prompts)
     if not isinstance(sampling_params, (list, tuple)):
         # A dict would otherwise be iterated as its keys and reported as a str.
-        raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
-                        f"{type(sampling_params).__name__}")
+        raise refusal("sampling_params", sampling_params, "None (the defaults), a "
+                      "SamplingParams, or a list of them (one per prompt)", TypeError)
     if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(sampling_params)} sampling_params for "
-                         f"{len(prompts)} prompts; pass one, or one per prompt.")
+        raise refusal("len(sampling_params)", len(sampling_params),
+                      f"{len(prompts)}, one per prompt (or one SamplingParams for all)")
     return list(sampling_params)
 
 
@@ -74,10 +74,9 @@ def check_prompt_length(num_prompt_tokens: int, max_model_length: int) -> None:
     """The prompt and at least one completion token must fit (vLLM's rule): a prompt of
     max_model_length tokens would have its first token past the limit."""
     if num_prompt_tokens >= max_model_length:
-        what = "longer than" if num_prompt_tokens > max_model_length else "as long as"
-        raise ValueError(f"prompt of {num_prompt_tokens} tokens is {what} max_model_length="
-                         f"{max_model_length}; the prompt and at least one completion token "
-                         "must fit")
+        raise refusal("prompt_tokens", num_prompt_tokens,
+                      f"at most {max_model_length - 1} with max_model_length={max_model_length}"
+                      " (the prompt and at least one completion token must fit)")
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_length: int) -> None:
@@ -85,11 +84,10 @@ def check_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_length: 
     is never cut short by the context without having been told). One check, one message for
     the library (LLM, AsyncLLM, the engine core) and the server's 400."""
     if num_prompt_tokens + max_tokens > max_model_length:
-        raise ValueError(f"prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} is "
-                         f"{num_prompt_tokens + max_tokens} tokens, more than max_model_length="
-                         f"{max_model_length}: ask for at most "
-                         f"{max_model_length - num_prompt_tokens} completion tokens, or "
-                         "shorten the prompt")
+        raise refusal("max_tokens", max_tokens,
+                      f"at most {max_model_length - num_prompt_tokens} beside a prompt of "
+                      f"{num_prompt_tokens} tokens (prompt + max_tokens <= max_model_length="
+                      f"{max_model_length}), or a shorter prompt")
 
 
 def check_fits_context(num_prompt_tokens: int, max_tokens: int, max_model_length: int) -> None:
@@ -116,14 +114,16 @@ def check_schedulable(seq: Sequence, scheduler: SchedulerView) -> None:
     block size, an empty prompt, no room for one completion token, more blocks than the whole
     cache, or (prefill first) a re-prefill after preemption larger than a step."""
     if seq.status != SequenceStatus.WAITING or seq.block_table or seq.num_completion_tokens:
-        raise ValueError(f"sequence {seq.seq_id} is not a new request "
-                         f"(status {seq.status.name}, {len(seq.block_table)} blocks, "
-                         f"{seq.num_completion_tokens} completion tokens)")
+        raise ValueError(f"sequence {seq.seq_id} is not a new request (status "
+                         f"{seq.status.name}, {len(seq.block_table)} blocks, "
+                         f"{seq.num_completion_tokens} completion tokens): allowed: a WAITING "
+                         "sequence with no blocks and no completion tokens")
     if seq.block_size != scheduler.block_size:
-        raise ValueError(f"sequence {seq.seq_id} was built with block_size "
-                         f"{seq.block_size}, the KV cache uses {scheduler.block_size}")
+        raise refusal(f"sequence {seq.seq_id}: block_size", seq.block_size,
+                      f"{scheduler.block_size}, the KV cache's block size")
     if seq.num_prompt_tokens == 0:
-        raise ValueError("empty prompt: a prompt needs at least one token")
+        raise refusal("prompt_tokens", 0, "at least 1 (an empty prompt has no token to "
+                      "start from)")
     check_prompt_length(seq.num_prompt_tokens, scheduler.max_model_length)
     need_tokens = max_kv_tokens(seq, scheduler.max_model_length)
     need_blocks = (need_tokens + scheduler.block_size - 1) // scheduler.block_size
@@ -131,13 +131,14 @@ def check_schedulable(seq: Sequence, scheduler: SchedulerView) -> None:
     if need_blocks > total_blocks:
         raise ValueError(
             f"sequence {seq.seq_id} can grow to {need_tokens} tokens = {need_blocks} blocks "
-            f"of {scheduler.block_size}, but the whole KV cache has {total_blocks} blocks; "
-            "shorten the prompt or max_tokens, or give the cache more blocks")
+            f"of {scheduler.block_size}: allowed: at most the {total_blocks} blocks of the "
+            "whole KV cache (shorten the prompt or max_tokens, or give the cache more blocks)")
     if need_tokens > scheduler.max_num_batched_tokens and not scheduler.enable_chunked_prefill:
         raise ValueError(
-            f"sequence {seq.seq_id} can grow to {need_tokens} tokens, more than "
-            f"max_num_batched_tokens={scheduler.max_num_batched_tokens}: after a preemption it "
-            "could never be prefilled again; raise max_num_batched_tokens or shorten it")
+            f"sequence {seq.seq_id} can grow to {need_tokens} tokens: allowed: at most "
+            f"max_num_batched_tokens={scheduler.max_num_batched_tokens} without chunked "
+            "prefill (after a preemption it is prefilled whole, in one step, or never "
+            "again); raise max_num_batched_tokens or shorten it")
 
 
 def no_progress_error(scheduler: SchedulerView) -> RuntimeError:

@@ -14,6 +14,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Literal
 
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.value_checks import refusal
 
 if TYPE_CHECKING:
     from myvllm.sample.extras import SequenceExtras
@@ -56,7 +57,8 @@ def token_id_list(token_ids: Iterable[int]) -> list[int]:
     if set(map(type, tokens)) - {int}:
         tokens = [operator.index(t) for t in tokens]
     if tokens and min(tokens) < 0:
-        raise ValueError(f"token ids must be >= 0, got {min(tokens)}")
+        raise ValueError(f"token_ids[{tokens.index(min(tokens))}]={min(tokens)}: allowed: "
+                         "token ids >= 0")
     return tokens
 
 
@@ -69,7 +71,7 @@ class Sequence:
                  sampling_params: SamplingParams | None = None) -> None:
         # An int, not a bool (True as a block size is a bug, not a 1).
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+            raise refusal("Sequence.block_size", block_size, "an int >= 1")
         tokens = token_id_list(token_ids)  # a copy: the caller may reuse its list
         self.seq_id: int = next(Sequence._ids)
         self.status: SequenceStatus = SequenceStatus.WAITING
