@@ -1,7 +1,7 @@
 """One log line per HTTP request, on the `myvllm.requests` logger, when its answer is complete
 (a stream's at its end), in uvicorn's access-log format plus what the route reports:
 
-    127.0.0.1:50312 - "POST /v1/completions HTTP/1.1" 200 prompt_tokens=5 completion_tokens=16 0.412s
+    127.0.0.1:50312 - "POST /v1/completions HTTP/1.1" 200 prompt_tokens=5 completion_tokens=9 0.412s
     127.0.0.1:50313 - "POST /v1/completions HTTP/1.1" 400 0.003s: not supported yet: logit_bias ...
 
 uvicorn's own access log is off (make_server): it writes its line when the response starts,

@@ -1,6 +1,6 @@
 """Plain-PyTorch versions of the GPU's matmul kernels beyond the three layer ops.
 
-    skinny_gemm                x W^T for a decode batch of a few rows (kernels/skinny_gemm_kernel.py)
+    skinny_gemm                x W^T for a decode batch of a few rows (skinny_gemm_kernel.py)
     rms_norm_skinny_gemm       rms_norm, then x W^T       layer norms -> qkv_proj, gate_up_proj
     silu_and_mul_skinny_gemm   silu_and_mul, then x W^T   act_fn -> down_proj
     matmul_batch_invariant     batch-invariant mode's matmul (kernels/batch_invariant.py)

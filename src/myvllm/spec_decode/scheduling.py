@@ -10,7 +10,8 @@ Scheduling a decode row with proposals d_1..d_k (n = the sequence's tokens, t_n 
 
 After the step (Scheduler.postprocess hands the row to Speculator.postprocess_row) the row
 emits a accepted proposals and one token of the target's (1 <= a + 1 <= k + 1); each is
-appended and checked for a stop as if decoded one by one (tokens after a stop are dropped). Then the sequence rolls back to what holds:
+appended and checked for a stop as if decoded one by one (tokens after a stop are dropped).
+Then the sequence rolls back to what holds:
 
     num_tokens          = n + a + 1
     num_computed_tokens = n + a                 positions whose K/V came from accepted

@@ -7,8 +7,9 @@
     model_loading.py   the checkpoint's model class, built and loaded (fused on a GPU)
     cpu_threads.py     torch threads on a CPU
 
-and what only a GPU runs (the guide's "From correct to fast"): warmup.py (warm-ups, then
-padding and graph capture), cuda_graphs.py, padded_steps.py and static_buffers.py (steps on
-fixed buffers that graphs replay), token_pool.py and pending_tokens.py (sampled tokens kept on
-the device, async scheduling's tokens not yet on the host).
+and what serves speed (the guide's "From correct to fast"): warmup.py (the KV cache sized on
+every device; on a GPU, warm-ups, then padding and graph capture), cuda_graphs.py,
+padded_steps.py and static_buffers.py (GPU steps on fixed buffers that graphs replay),
+token_pool.py and pending_tokens.py (sampled tokens kept on the device, and async scheduling's
+tokens not yet on the host: a GPU's, or any device's under async scheduling).
 """
