@@ -21,6 +21,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,6 +34,8 @@ from myvllm import LLM, Config, SamplingParams
 from myvllm.config import ConfigError
 from myvllm.engine.model_runner import ModelRunner
 from myvllm.engine.request_checks import check_generate_args
+from myvllm.engine.startup import check_tensor_parallel
+from myvllm.utils.distributed import TORCHRUN_RANK_VARS
 from myvllm.utils.checkpoint import CheckpointError
 from helpers_blocks import used_block_ids
 
@@ -375,6 +378,18 @@ def test_longer_than_a_prefill_can_hold() -> None:
         llm.generate([list(range(1, 11))], params, use_tqdm=False)  # 10 + 8 - 1 = 17
     assert_untouched(llm)
     assert len(llm.generate([list(range(1, 10))], params, use_tqdm=False)[0]["token_ids"]) == 8
+
+
+def test_more_tensor_parallel_ranks_than_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before any worker starts, naming the GPU it would need and the ones there are."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in TORCHRUN_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    hf_config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs cuda:1 on this host: "
+                                         r"allowed: cuda:0 to cuda:0 \(CUDA devices visible: 1"):
+        check_tensor_parallel(Config(device="cuda", tensor_parallel_size=2), hf_config)
 
 
 def test_string_prompt_without_a_tokenizer(tmp_path: Path) -> None:

@@ -51,8 +51,8 @@ def test_requests_agree_alone_batched_cached_and_chunked() -> None:
 
 
 def test_mixture_of_experts_is_refused_before_any_work() -> None:
-    with pytest.raises(ValueError, match="batch_invariant=True is not supported for "
-                                         "mixture-of-experts"):
+    with pytest.raises(ValueError, match=r"Config.batch_invariant=True with a mixture-of-experts "
+                                         r"model \(.*\): allowed: batch_invariant=False"):
         LLM(str(tiny_checkpoint("qwen3_moe")), batch_invariant=True)
 
 

@@ -31,7 +31,8 @@ ENGINE_ARGS = dict(max_model_length=1024, num_kvcache_blocks=2048, max_num_seque
 def test_more_replicas_than_gpus_is_refused() -> None:
     """Refused before anything starts or loads: a folder with config.json alone will do."""
     count = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=f"needs {count + 1} GPUs, but only {count} visible"):
+    with pytest.raises(ValueError, match=f"= {count + 1} GPUs: allowed: at most the {count} "
+                                         "visible"):
         DPAsyncLLM(Config(model=str(REPO / "configs" / "Qwen3-0.6B"), load_format="dummy",
                           data_parallel_size=count + 1, **ENGINE_ARGS))
 

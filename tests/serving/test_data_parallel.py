@@ -10,6 +10,7 @@ core processes, uvicorn in a thread (starting two cores takes tens of seconds on
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import random
@@ -61,6 +62,18 @@ def test_each_replica_is_a_process_of_its_own(served: tuple[str, DPAsyncLLM]) ->
     assert fetch("GET", f"{base_url}/health")[0] == 200
     assert llm.config.data_parallel_size == 2
     assert all(r.config.data_parallel_size == 1 for r in llm.replicas)
+
+
+def test_generate_refuses_a_bad_call_in_the_form(served: tuple[str, DPAsyncLLM]) -> None:
+    """DPAsyncLLM.generate refuses before it routes: what was given, then what is allowed."""
+    _, llm = served
+
+    async def first_output() -> None:
+        async for _ in llm.generate("hi", "greedy"):  # type: ignore[arg-type]
+            break
+
+    with pytest.raises(TypeError, match="sampling_params='greedy': allowed: a SamplingParams"):
+        asyncio.run_coroutine_threadsafe(first_output(), llm.replicas[0]._loop).result(120)
 
 
 def test_two_replicas_give_one_engines_greedy_answers(served: tuple[str, DPAsyncLLM],

@@ -127,10 +127,11 @@ def test_the_map_of_prefixes_is_bounded_lru() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"num_replicas": 0}, "num_replicas must be an int >= 1"),
-    ({"block_size": 0}, "block_size must be an int >= 1"),
-    ({"policy": "random"}, "routing must be one of"),
-    ({"max_tracked_blocks": 0}, "max_tracked_blocks must be an int >= 1"),
+    ({"num_replicas": 0}, "PrefixRouter.num_replicas=0: allowed: an int >= 1"),
+    ({"block_size": 0}, "PrefixRouter.block_size=0: allowed: an int >= 1"),
+    ({"policy": "random"}, "data-parallel routing='random': allowed: 'prefix', 'least_loaded', "
+                           "'round_robin'"),
+    ({"max_tracked_blocks": 0}, "PrefixRouter.max_tracked_blocks=0: allowed: an int >= 1"),
 ])
 def test_bad_router_settings(kwargs: dict[str, Any], message: str) -> None:
     settings: dict[str, Any] = {"num_replicas": 2, "block_size": BLOCK, **kwargs}
@@ -160,11 +161,14 @@ def test_one_engine_clients_refuse_replicas() -> None:
     from myvllm import LLM
     from myvllm.serving.async_llm import AsyncLLM
 
-    with pytest.raises(ValueError, match="LLM runs one engine in this process"):
+    with pytest.raises(ValueError, match=r"LLM: Config.data_parallel_size=2: allowed: 1 \(LLM "
+                                         "runs one engine in this process"):
         LLM(Config(data_parallel_size=2))
-    with pytest.raises(ValueError, match="AsyncLLM runs one engine core"):
+    with pytest.raises(ValueError, match="AsyncLLM: Config.data_parallel_size=2: allowed: 1 "
+                                         r"\(AsyncLLM runs one engine core"):
         AsyncLLM(Config(data_parallel_size=2))
-    with pytest.raises(ValueError, match="DPAsyncLLM needs data_parallel_size >= 2"):
+    with pytest.raises(ValueError, match="DPAsyncLLM: Config.data_parallel_size=1: allowed: an "
+                                         "int >= 2"):
         DPAsyncLLM(Config())
 
 
@@ -180,13 +184,15 @@ def test_replicas_get_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert replica_devices(Config(device="cuda", data_parallel_size=3)) == ["0", "1", "2"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
     assert replica_devices(Config(device="cuda", data_parallel_size=3)) == ["4", "6", "7"]
-    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 "
-                                         r"needs 4 GPUs, but only 3 visible"):
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 = 4 "
+                                         r"GPUs: allowed: at most the 3 visible"):
         replica_devices(config)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    with pytest.raises(ValueError, match="MASTER_ADDR/MASTER_PORT"):
+    with pytest.raises(ValueError, match="MASTER_ADDR='10.0.0.1', MASTER_PORT='29500' with "
+                                         "data_parallel_size=2 x tensor_parallel_size=2: "
+                                         "allowed: both unset"):
         replica_devices(config)
     # On a CPU every replica shares it.
     assert replica_devices(Config(device="cpu", data_parallel_size=2)) == [None, None]
@@ -208,5 +214,5 @@ def test_serve_with_more_replicas_than_gpus_is_one_line(monkeypatch: pytest.Monk
     assert cli.main(["serve", str(tmp_path), "--data-parallel-size", "2",
                      "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == ("myvllm serve: data_parallel_size=2 x tensor_parallel_size=1 needs "
-                           "2 GPUs, but only 1 visible")
+    assert err.strip() == ("myvllm serve: data_parallel_size=2 x tensor_parallel_size=1 = 2 "
+                           "GPUs: allowed: at most the 1 visible")

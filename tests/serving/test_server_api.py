@@ -8,6 +8,7 @@ tokenizer: token i = byte i, so a prompt's token count is its length in bytes).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import logging
@@ -22,6 +23,7 @@ openai = pytest.importorskip("openai")
 
 from test_server import MAX_MODEL_LENGTH, MODEL, SERVED, fetch, free_socket, wait_for  # noqa: E402,E501
 
+from myvllm import SamplingParams  # noqa: E402
 from myvllm.serving.async_llm import AsyncLLM  # noqa: E402
 from myvllm.serving.core_messages import AddRequest  # noqa: E402
 from myvllm.entrypoints import openai_server  # noqa: E402
@@ -96,6 +98,33 @@ def test_a_bad_prompt_in_a_batch_is_a_400_naming_it_before_any_work(served: Any)
     finally:
         del llm._send
     assert not [m for m in sent if isinstance(m, AddRequest)]
+
+
+def test_async_generate_refuses_a_bad_call_in_the_form(served: Any) -> None:
+    """AsyncLLM.generate's own refusals, before anything is sent to the core: what was given,
+    then what is allowed (run on the server's event loop, the one the engine is bound to)."""
+    _, llm = served
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def first_output(**kwargs: Any) -> None:
+        async for _ in llm.generate("hi", **kwargs):
+            break
+
+    async def same_id_twice() -> None:
+        running = llm.generate("hi", params, request_id="twice")
+        await running.__anext__()
+        try:
+            await first_output(sampling_params=params, request_id="twice")
+        finally:
+            await running.aclose()  # aborts it
+
+    with pytest.raises(TypeError, match=r"sampling_params=\{'max_tokens': 5\}: allowed: a "
+                                        "SamplingParams"):
+        asyncio.run_coroutine_threadsafe(first_output(sampling_params={"max_tokens": 5}),
+                                         llm._loop).result(120)
+    with pytest.raises(ValueError, match="request_id='twice': allowed: an id not already "
+                                         "running"):
+        asyncio.run_coroutine_threadsafe(same_id_twice(), llm._loop).result(120)
 
 
 # ---------------------------------------------------------------------------- tokenize

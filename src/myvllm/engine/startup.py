@@ -28,6 +28,7 @@ from myvllm.utils.device import resolve_device
 from myvllm.utils.distributed import check_torchrun_world_size, torchrun_env
 from myvllm.utils.hf_config import eos_token_ids, load_hf_config, load_tokenizer
 from myvllm.utils.model_path import resolve_model_path
+from myvllm.value_checks import refusal
 
 logger = logging.getLogger("myvllm")
 
@@ -68,8 +69,9 @@ def check_tensor_parallel(config: Config, hf_config: Any) -> None:
     gpu_index = tp - 1 if launch is None else launch.local_rank  # the highest one used here
     on_gpu = resolve_device(config).type == "cuda"
     if tp > 1 and on_gpu and gpu_index >= torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={tp} needs cuda:{gpu_index} on this host but "
-                         f"only {torch.cuda.device_count()} CUDA devices are visible.")
+        count = torch.cuda.device_count()
+        raise ValueError(f"tensor_parallel_size={tp} needs cuda:{gpu_index} on this host: "
+                         f"allowed: cuda:0 to cuda:{count - 1} (CUDA devices visible: {count})")
 
 
 def check_batch_invariant(config: Config, hf_config: Any) -> None:
@@ -78,10 +80,10 @@ def check_batch_invariant(config: Config, hf_config: Any) -> None:
     its experts' outputs are summed in, depend on the batch."""
     if config.batch_invariant and getattr(hf_config, "num_experts", None):
         architectures = getattr(hf_config, "architectures", None)
-        raise ValueError(f"batch_invariant=True is not supported for mixture-of-experts models "
-                         f"({architectures}, {hf_config.num_experts} experts): the expert "
-                         f"kernel's order depends on the batch; use a dense model or "
-                         f"batch_invariant=False")
+        raise ValueError(f"Config.batch_invariant=True with a mixture-of-experts model "
+                         f"({architectures}, {hf_config.num_experts} experts): allowed: "
+                         "batch_invariant=False, or a dense model (the expert kernel's order "
+                         "depends on the batch)")
 
 
 def to_config(model: Config | str | None, **kwargs: Any) -> Config:
@@ -94,9 +96,10 @@ def to_config(model: Config | str | None, **kwargs: Any) -> Config:
 def check_in_process(config: Config) -> None:
     """LLM runs one engine in the caller's process: no data-parallel replicas."""
     if config.data_parallel_size != 1:
-        raise ValueError(f"LLM runs one engine in this process; data_parallel_size="
-                         f"{config.data_parallel_size} is for `myvllm serve` (one LLM per "
-                         "GPU, each in its own process, is the offline equivalent)")
+        raise refusal("LLM: Config.data_parallel_size", config.data_parallel_size,
+                      "1 (LLM runs one engine in this process; more replicas are for `myvllm "
+                      "serve`; one LLM per GPU, each in its own process, is the offline "
+                      "equivalent)")
 
 
 def resolve_engine(config: Config) -> ResolvedEngine:

@@ -65,6 +65,7 @@ from myvllm.sample.sampling_controls import check_sampling_token_ids
 from myvllm.engine.startup import ResolvedEngine, resolve_engine
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.hf_config import gguf_parsed_once
+from myvllm.value_checks import refusal
 
 logger = logging.getLogger("myvllm")
 
@@ -240,9 +241,9 @@ class AsyncLLM:
         core process is started, so that every replica loads at the same time, and
         wait_until_ready() then finishes the start."""
         if config.data_parallel_size != 1:
-            raise ValueError(f"AsyncLLM runs one engine core; data_parallel_size="
-                             f"{config.data_parallel_size} replicas are DPAsyncLLM's "
-                             "(myvllm.serving.dp_async_llm; `myvllm serve` picks it)")
+            raise refusal("AsyncLLM: Config.data_parallel_size", config.data_parallel_size,
+                          "1 (AsyncLLM runs one engine core; more replicas are DPAsyncLLM's: "
+                          "myvllm.serving.dp_async_llm, which `myvllm serve` picks)")
         if resolved is None:
             with gguf_parsed_once():
                 resolved = resolve_engine(config)
@@ -441,7 +442,8 @@ class AsyncLLM:
         """The prompt's token ids (a str is tokenized as LLMEngine.add_request does)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+                raise refusal("prompt", prompt, "a list of int token ids (this model has no "
+                              "tokenizer)")
             return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
@@ -471,10 +473,9 @@ class AsyncLLM:
         self._check_running()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._by_request_id:
-            raise ValueError(f"request id {request_id!r} is already running")
+            raise refusal("request_id", request_id, "an id not already running")
         if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got "
-                            f"{type(sampling_params).__name__}")
+            raise refusal("sampling_params", sampling_params, "a SamplingParams", TypeError)
         arrival = time.monotonic()
         # Checked here too (the core checks again), so that nothing malformed is ever sent.
         token_ids = check_token_ids(self.encode(prompt), self.vocab_size)
@@ -487,7 +488,8 @@ class AsyncLLM:
         if self.tokenizer is not None:
             detoks = [IncrementalDetokenizer(self.tokenizer, token_ids, stop) for _ in range(n)]
         elif stop:
-            raise ValueError("stop strings need a tokenizer; this model has none")
+            raise refusal("stop", stop, "no stop strings: they need a tokenizer, and this model "
+                          "has none")
         # As the core checks it, here before anything is sent (so no max_tokens larger than
         # MessagePack's ints, 2**64 - 1, is ever encoded).
         check_fits_context(len(token_ids), sampling_params.max_tokens, self.max_model_length)

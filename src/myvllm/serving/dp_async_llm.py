@@ -50,6 +50,7 @@ from myvllm.engine.startup import resolve_engine
 from myvllm.sampling_parameters import SamplingParams
 from myvllm.utils.device import resolve_device
 from myvllm.utils.hf_config import gguf_parsed_once
+from myvllm.value_checks import refusal
 
 logger = logging.getLogger("myvllm")
 
@@ -68,14 +69,16 @@ def replica_devices(config: Config) -> list[str | None]:
     visible = ([d.strip() for d in listed.split(",") if d.strip()] if listed is not None
                else [str(i) for i in range(torch.cuda.device_count())])
     if dp * tp > len(visible):
-        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} "
-                         f"GPUs, but only {len(visible)} visible"
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} "
+                         f"GPUs: allowed: at most the {len(visible)} visible"
                          + (f" (CUDA_VISIBLE_DEVICES={listed!r})" if listed is not None else ""))
     if tp > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         # Each replica's tensor-parallel group would rendezvous on the same address.
-        raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 needs a "
-                         "rendezvous port per replica, but MASTER_ADDR/MASTER_PORT name one "
-                         "for all: unset them (the replicas pick free local ports)")
+        raise ValueError(f"MASTER_ADDR={os.environ['MASTER_ADDR']!r}, MASTER_PORT="
+                         f"{os.environ['MASTER_PORT']!r} with data_parallel_size={dp} x "
+                         f"tensor_parallel_size={tp}: allowed: both unset (each replica's "
+                         "tensor-parallel group needs its own rendezvous port, and the "
+                         "replicas pick free local ports)")
     return [",".join(visible[r * tp:(r + 1) * tp]) for r in range(dp)]
 
 
@@ -143,8 +146,8 @@ class DPAsyncLLM:
                  hang_timeout_s: float | None = HANG_TIMEOUT_S) -> None:
         dp = config.data_parallel_size
         if dp < 2:
-            raise ValueError(f"DPAsyncLLM needs data_parallel_size >= 2, got {dp}; one engine "
-                             "core is AsyncLLM")
+            raise refusal("DPAsyncLLM: Config.data_parallel_size", dp,
+                          "an int >= 2 (one engine core is AsyncLLM)")
         devices = replica_devices(config)  # before anything starts: a clear error first
         with gguf_parsed_once():
             resolved = resolve_engine(config)
@@ -266,10 +269,9 @@ class DPAsyncLLM:
         self._check_running()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._replica_of:
-            raise ValueError(f"request id {request_id!r} is already running")
+            raise refusal("request_id", request_id, "an id not already running")
         if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got "
-                            f"{type(sampling_params).__name__}")
+            raise refusal("sampling_params", sampling_params, "a SamplingParams", TypeError)
         token_ids = self.encode(prompt)  # once, here: the router reads the ids
         replica = self.router.route(token_ids)
         n = sampling_params.n

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from myvllm.value_checks import is_int
+from myvllm.value_checks import is_int, one_of, refusal
 
 ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
 
@@ -66,15 +66,13 @@ class PrefixRouter:
                  max_tracked_blocks: int = MAX_TRACKED_BLOCKS,
                  balance_abs: int = BALANCE_ABS, balance_rel: float = BALANCE_REL) -> None:
         if not (is_int(num_replicas) and num_replicas >= 1):
-            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+            raise refusal("PrefixRouter.num_replicas", num_replicas, "an int >= 1")
         if not (is_int(block_size) and block_size >= 1):
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+            raise refusal("PrefixRouter.block_size", block_size, "an int >= 1")
         if policy not in ROUTING_POLICIES:
-            raise ValueError(f"data-parallel routing must be one of {ROUTING_POLICIES}, "
-                             f"got {policy!r}")
+            raise refusal("data-parallel routing", policy, one_of(ROUTING_POLICIES))
         if not (is_int(max_tracked_blocks) and max_tracked_blocks >= 1):
-            raise ValueError(f"max_tracked_blocks must be an int >= 1, "
-                             f"got {max_tracked_blocks!r}")
+            raise refusal("PrefixRouter.max_tracked_blocks", max_tracked_blocks, "an int >= 1")
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.policy = policy
