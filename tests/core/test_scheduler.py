@@ -488,3 +488,7 @@ def test_the_speculator_is_handed_in_or_made_from_the_config() -> None:
     assert Scheduler(config, speculator).speculator is speculator
     assert isinstance(Scheduler(config).speculator, Speculator)
     assert make().speculator is None
+    # A Speculator made from a Config without a method it has a proposer for is refused.
+    with pytest.raises(ValueError, match="Config.speculative_method=None: allowed: 'ngram' or "
+                                         "'draft'"):
+        Speculator(Config(num_kvcache_blocks=8, block_size=4))

@@ -86,11 +86,11 @@ def test_chat_template_kwargs_reach_the_template(llm: LLM, monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("messages, pattern", [
-    ("hello", r"messages must be a conversation.*got str"),
-    ([], r"messages must be a conversation.*\(empty\)"),
-    (None, r"messages must be a conversation.*got None"),
-    ([CONVERSATION, "hello"], r"conversation 1 must be a non-empty list"),
-    ([CONVERSATION, []], r"conversation 1 must be a non-empty list"),
+    ("hello", r"messages='hello': allowed: a conversation \(a non-empty list"),
+    ([], r"messages=\[\]: allowed: a conversation"),
+    (None, r"messages=None: allowed: a conversation .* or a list of conversations"),
+    ([CONVERSATION, "hello"], r"conversations\[1\]='hello': allowed: a non-empty list"),
+    ([CONVERSATION, []], r"conversations\[1\]=\[\]: allowed: a non-empty list"),
 ])
 def test_bad_messages_are_a_clear_type_error(llm: LLM, messages: Any, pattern: str) -> None:
     with pytest.raises(TypeError, match=pattern):
@@ -189,10 +189,12 @@ def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened(llm: LLM
 
 
 @pytest.mark.parametrize("kw, error, pattern", [
-    ({"tools": {"type": "function"}}, TypeError, r"tools is a dict; allowed: a list of"),
+    ({"tools": {"type": "function"}}, TypeError,
+     r"tools=\{'type': 'function'\}: allowed: a list of"),
     ({"tools": [{"type": "function", "function": {}}]}, TypeError,
-     r"tools\[0\] is not a function tool: .*; allowed:"),
-    ({"tools": TOOLS, "chat_template_kwargs": {"tools": []}}, ValueError, "tools given twice"),
+     r"tools\[0\]=\{.*\}: allowed: a function tool"),
+    ({"tools": TOOLS, "chat_template_kwargs": {"tools": []}}, ValueError,
+     r"chat_template_kwargs\['tools'\]=\[\]: allowed: none beside tools \(tools given twice"),
 ])
 def test_bad_tools_are_refused_before_any_work(llm: LLM, kw: dict[str, Any], error: type,
                                                pattern: str) -> None:
@@ -202,9 +204,9 @@ def test_bad_tools_are_refused_before_any_work(llm: LLM, kw: dict[str, Any], err
 
 
 @pytest.mark.parametrize("arguments, pattern", [
-    ("{oops", r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not JSON: "
-              r"'\{oops'; allowed: a JSON object"),
-    ("[1, 2]", r"is not a JSON object: '\[1, 2\]'; allowed: a JSON object"),
+    ("{oops", r"messages\[1\]\.tool_calls\[0\]\.function\.arguments='\{oops': allowed: a "
+              r"JSON object, as text or as a dict \(this text is not JSON\)"),
+    ("[1, 2]", r"arguments='\[1, 2\]': allowed: a JSON object.*\(this JSON is not an object\)"),
 ])
 def test_tool_call_arguments_that_are_not_a_json_object_are_refused(
         llm: LLM, arguments: str, pattern: str) -> None:

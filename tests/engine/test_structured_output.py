@@ -242,7 +242,9 @@ def test_bad_constraints_are_refused_before_any_work() -> None:
         SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
     llm = engine()
     for so, message in [
-            (StructuredOutputsParams(regex="(unclosed"), "regex cannot be compiled: Regex"),
+            (StructuredOutputsParams(regex="(unclosed"), "StructuredOutputsParams.regex='(unclosed'"
+                                                         ": allowed: one that compiles (this "
+                                                         "regex cannot be compiled: Regex"),
             (StructuredOutputsParams(json={"type": "nonsense"}), 'Unsupported type "nonsense"'),
             (StructuredOutputsParams(grammar='item ::= "a"'), 'root rule with name "root"')]:
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -256,9 +258,21 @@ def test_a_checkpoint_without_a_tokenizer_refuses_a_constraint(tmp_path: Any) ->
                  "vocab.json", "merges.txt"):
         (path / name).unlink(missing_ok=True)
     llm = engine(path)
-    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+    with pytest.raises(ValueError, match=r"SamplingParams.structured_outputs for .*bare, which "
+                                         r"has no tokenizer: allowed: None \(structured_outputs "
+                                         "needs the model's tokenizer"):
         llm.add_request([1, 2], SamplingParams(
             structured_outputs=StructuredOutputsParams(regex="a+")))
+
+
+def test_an_engine_without_eos_refuses_a_constraint() -> None:
+    """A grammar ends the output with eos: with eos=-1 nothing could end it."""
+    llm = engine(eos=-1)
+    with pytest.raises(ValueError, match=r"SamplingParams.structured_outputs with eos=-1 .*: "
+                                         r"allowed: None \(structured_outputs needs an eos"):
+        llm.add_request([1, 2], SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert not llm.engine_core.requests
 
 
 def test_grammars_are_compiled_once_per_spec() -> None:

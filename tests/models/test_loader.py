@@ -6,6 +6,7 @@ import json
 import shutil
 from fnmatch import fnmatch
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +16,10 @@ from safetensors.torch import load_file, save_file
 import myvllm.utils.model_path as model_path
 from myvllm.models import get_model_class
 from myvllm.models.llama import LlamaForCausalLM
-from myvllm.models.config import get_head_dim
+from myvllm.models.config import get_head_dim, rope_parameters
 from myvllm.utils.checkpoint import CheckpointError
 from myvllm.utils.hf_config import eos_token_ids, load_hf_config
-from myvllm.utils.loader import load_model
+from myvllm.utils.loader import default_weight_loader, load_model
 from myvllm.utils.model_path import ModelNotFoundError, resolve_model_path
 
 
@@ -114,8 +115,26 @@ def test_mis_shaped_tensor(tmp_path: Path) -> None:
         load_model(_fresh_model(path), path)
     path2 = _copy("llama", tmp_path)
     _edit_tensors(path2, lambda t: t.__setitem__("model.norm.weight", torch.ones(63)))
-    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*\(63,\)"):
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*: shape=\(63,\): allowed: "
+                                              r"\(64,\), the parameter's shape"):
         load_model(_fresh_model(path2), path2)
+
+
+def test_a_shard_id_for_a_parameter_not_packed_is_refused() -> None:
+    param = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    with pytest.raises(ValueError, match=r"shard_id='k': allowed: None \(this parameter is not "
+                                         "packed"):
+        default_weight_loader(param, torch.ones(4), "k")
+
+
+def test_rope_parameters_refuse_what_they_cannot_read() -> None:
+    per_layer_type = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {}}
+    with pytest.raises(ValueError, match=r"rope_parameters=\{'full_attention': .*: allowed: one "
+                                         "dict for every layer"):
+        rope_parameters(SimpleNamespace(rope_parameters=per_layer_type))
+    with pytest.raises(ValueError, match=r"rope_theta=None \(it has neither rope_theta nor "
+                                         r"rope_parameters\['rope_theta'\]\): allowed: a number"):
+        rope_parameters(SimpleNamespace(rope_scaling=None))
 
 
 def test_pickle_only_directory_is_refused(tmp_path: Path) -> None:

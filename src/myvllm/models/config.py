@@ -29,16 +29,17 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict | None]:
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and params:
         if all(isinstance(v, dict) for v in params.values()):
-            raise ValueError(f"per-layer-type rope_parameters are not supported: {params}")
+            # models/ imports nothing above layers/, so the refusal's form is written out here.
+            raise ValueError(f"rope_parameters={params!r}: allowed: one dict for every layer "
+                             "(per-layer-type rope_parameters are not supported)")
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
         scaling: dict | None = params
     else:
         theta = getattr(hf_config, "rope_theta", None)
         scaling = getattr(hf_config, "rope_scaling", None)
     if theta is None:
-        raise ValueError(
-            "the model config has neither rope_theta nor rope_parameters['rope_theta']"
-        )
+        raise ValueError("the model config's rope_theta=None (it has neither rope_theta nor "
+                         "rope_parameters['rope_theta']): allowed: a number, RoPE's base")
     if not scaling:
         return float(theta), None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))

@@ -53,6 +53,7 @@ from myvllm.sample.extras import extras_of
 from myvllm.sample.sampling_controls import uses_sampling_controls
 from myvllm.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from myvllm.spec_decode.stats import SpecDecodeStats
+from myvllm.value_checks import refusal
 
 if TYPE_CHECKING:
     from myvllm.engine.block_manager import BlockManager
@@ -75,8 +76,8 @@ class SequenceSpecState:
 class Speculator:
     def __init__(self, config: Config) -> None:
         if config.speculative_method not in ("ngram", "draft"):
-            raise ValueError(f"no proposer for speculative_method "
-                             f"{config.speculative_method!r}")
+            raise refusal("Config.speculative_method", config.speculative_method,
+                          "'ngram' or 'draft' (a method with a proposer)")
         self.num_speculative_tokens = config.num_speculative_tokens
         # A draft model's proposals are made by the model runner, just before the step
         # that verifies them (spec_decode/draft_proposer.py): here the row only gets its

@@ -50,6 +50,7 @@ from myvllm.structured_output.grammar_cache import GrammarCache, GrammarKey
 from myvllm.structured_output.held_requests import GrammarWaits
 from myvllm.structured_output.matchers import TimedMatcher, new_matcher, set_matcher
 from myvllm.structured_output.step_budget import GrammarStepBudget
+from myvllm.value_checks import refusal
 
 # Free whitespace in JSON (json, json_object without disable_any_whitespace): at most this
 # many characters between two of its tokens. Pretty-printed JSON needs a newline and its
@@ -109,11 +110,13 @@ class StructuredOutputManager:
 
         tokenizer = tokenizer_if_any(self.model_path)
         if tokenizer is None:
-            raise ValueError("structured_outputs needs the model's tokenizer, and "
-                             f"{self.model_path} has none")
+            raise ValueError(f"SamplingParams.structured_outputs for {self.model_path}, which "
+                             "has no tokenizer: allowed: None (structured_outputs needs the "
+                             "model's tokenizer)")
         if not self.stop_token_ids:
-            raise ValueError("structured_outputs needs an eos token to end the output, "
-                             "and this engine has none (eos=-1)")
+            raise ValueError("SamplingParams.structured_outputs with eos=-1 (this engine has no "
+                             "eos token): allowed: None (structured_outputs needs an eos token "
+                             "to end the output)")
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
         # Our own cache below is keyed by the request's spec; xgrammar's would key by the
@@ -254,8 +257,9 @@ class StructuredOutputManager:
         except RuntimeError as e:  # xgrammar's error for a spec it cannot compile
             # Its text starts with "[time] source.cc:line: ", which tells a client nothing.
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()
-            raise ValueError(f"StructuredOutputsParams.{kind} cannot be compiled: {reason}"
-                             ) from None
+            raise refusal(f"StructuredOutputsParams.{kind}", spec,
+                          f"one that compiles (this {kind} cannot be compiled: {reason})"
+                          ) from None
 
     # ------------------------------------------------------------------ matchers
     def matcher_for(self, params: StructuredOutputsParams) -> Any:

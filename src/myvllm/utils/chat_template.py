@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from myvllm.value_checks import refusal
+
 Message = dict[str, Any]
 
 
@@ -37,7 +39,8 @@ def chat_prompt_ids(tokenizer: Any, messages: list[Message], *,
     if tools is not None:
         check_tools(tools)
         if "tools" in kwargs:
-            raise ValueError("tools given twice: as tools and in chat_template_kwargs")
+            raise refusal("chat_template_kwargs['tools']", kwargs["tools"], "none beside "
+                          "tools (tools given twice: as tools and in chat_template_kwargs)")
         kwargs["tools"] = tools
     text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
@@ -49,16 +52,14 @@ def conversations(messages: Any) -> list[list[Message]]:
     """LLM.chat's messages: one conversation (a list of message dicts) or a list of them, as a
     list of conversations; anything else is a TypeError."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise TypeError("messages must be a conversation (a non-empty list of "
-                        "{'role', 'content'} dicts) or a list of conversations, got "
-                        f"{type(messages).__name__ if messages is not None else None}"
-                        f"{' (empty)' if isinstance(messages, (list, tuple)) else ''}")
+        raise refusal("messages", messages, "a conversation (a non-empty list of {'role', "
+                      "'content'} dicts) or a list of conversations", TypeError)
     batch = [messages] if isinstance(messages[0], dict) else list(messages)
     for i, conversation in enumerate(batch):
         if (not isinstance(conversation, (list, tuple)) or not conversation
                 or not all(isinstance(m, dict) for m in conversation)):
-            raise TypeError(f"conversation {i} must be a non-empty list of "
-                            "{'role', 'content'} dicts")
+            raise refusal(f"conversations[{i}]", conversation, "a non-empty list of {'role', "
+                          "'content'} dicts", TypeError)
     return [list(c) for c in batch]
 
 
@@ -90,11 +91,11 @@ def _with_dict_arguments(call: Any, where: str) -> Any:
     try:
         arguments = json.loads(text or "{}")  # "" is no arguments, as the server takes it
     except ValueError:
-        raise ValueError(f"{where}.function.arguments is not JSON: {text[:80]!r}; allowed: "
-                         "a JSON object, as text or as a dict") from None
+        raise refusal(f"{where}.function.arguments", text, "a JSON object, as text or as a "
+                      "dict (this text is not JSON)") from None
     if not isinstance(arguments, dict):
-        raise ValueError(f"{where}.function.arguments is not a JSON object: {text[:80]!r}; "
-                         "allowed: a JSON object, as text or as a dict")
+        raise refusal(f"{where}.function.arguments", text, "a JSON object, as text or as a "
+                      "dict (this JSON is not an object)")
     return {**call, "function": {**function, "arguments": arguments}}
 
 
@@ -102,12 +103,12 @@ def check_tools(tools: Any) -> None:
     """tools as chat templates read them: a list of OpenAI's function tools, each
     {"type": "function", "function": {"name": ..., "parameters": ...}}."""
     if not isinstance(tools, (list, tuple)):
-        raise TypeError(f"tools is a {type(tools).__name__}; allowed: a list of "
-                        '{"type": "function", "function": {"name": ...}} dicts, or None')
+        raise refusal("tools", tools, 'a list of {"type": "function", "function": {"name": '
+                      "...}} dicts, or None", TypeError)
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str)
                 and tool.get("type", "function") == "function"):
-            raise TypeError(f"tools[{i}] is not a function tool: {str(tool)[:80]}; allowed: "
-                            '{"type": "function", "function": {"name": ..., "description": '
-                            '..., "parameters": {a JSON schema}}}')
+            raise refusal(f"tools[{i}]", tool, 'a function tool, {"type": "function", '
+                          '"function": {"name": ..., "description": ..., "parameters": {a JSON '
+                          "schema}}}", TypeError)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from myvllm.utils.checkpoint import Checkpoint, CheckpointError
+from myvllm.value_checks import refusal
 
 logger = logging.getLogger("myvllm")
 
@@ -47,10 +48,10 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
                           shard_id: object = None) -> None:
     """The loader of a parameter that carries none (an RMSNorm's weight): a checked copy."""
     if shard_id is not None:
-        raise ValueError(f"this parameter is not packed, but got shard id {shard_id!r}")
+        raise refusal("shard_id", shard_id, "None (this parameter is not packed)")
     if tuple(param.shape) != tuple(loaded_weight.shape):
-        raise ValueError(f"shape mismatch, parameter expects {tuple(param.shape)} but the "
-                         f"checkpoint tensor is {tuple(loaded_weight.shape)}")
+        raise refusal("shape", tuple(loaded_weight.shape),
+                      f"{tuple(param.shape)}, the parameter's shape")
     param.data.copy_(loaded_weight)
 
 
