@@ -150,6 +150,6 @@ def test_stop_token_ids_end_the_request_not_the_text() -> None:
 ])
 def test_token_ids_outside_the_vocabulary_are_refused(params: dict, field: str) -> None:
     llm = LLM(str(tiny_checkpoint("qwen3")), max_model_length=64)
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} has token id .* outside "
-                                         r"the vocabulary \[0, 256\)"):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}: token id=\d+: allowed: a "
+                                         r"token id of the vocabulary, \[0, 256\)"):
         llm.generate(["hi"], SamplingParams(**params), use_tqdm=False)

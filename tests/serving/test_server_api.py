@@ -89,7 +89,7 @@ def test_a_bad_prompt_in_a_batch_is_a_400_naming_it_before_any_work(served: Any)
     try:
         cases = [(["fine", "word " * MAX_MODEL_LENGTH], "prompt[1]"),
                  ([[1, 2], [3, 10**6]], "prompt[1]: token_ids[1]=1000000: allowed: a token id"),
-                 (["ok", "ok", ""], "prompt[2] is empty"),
+                 (["ok", "ok", ""], "prompt[2]='': allowed: a text or token ids, not empty"),
                  (["fine", "x" * 200], "prompt[1]: max_tokens=100: allowed: at most")]
         for prompt, words in cases:
             status, answer = post(base_url, "/v1/completions",

@@ -166,7 +166,7 @@ def test_echo_without_logprobs_prepends_the_prompt(client: Any) -> None:
     ("/v1/completions", {"logprobs": 21}, "logprobs: Input should be less than or equal to 20"),
     ("/v1/completions", {"logprobs": -1}, "logprobs: Input should be greater than or equal"),
     ("/v1/completions", {"logprobs": 1.5}, "logprobs: Input should be a valid integer"),
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs=2: allowed: only with logprobs: true"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21},
      "top_logprobs: Input should be less than or equal to 20"),
 ])

@@ -98,11 +98,14 @@ def test_chat_takes_openais_penalties_and_logit_bias(client: Any) -> None:
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("logit_bias", {"65": 101}, "logit_bias values must be in [-100, 100]"),
-    ("logit_bias", {"x": 1}, "logit_bias keys must be token ids"),
-    ("logit_bias", {"256": 1}, "SamplingParams.logit_bias has token id 256, outside the "
-                               "vocabulary [0, 256)"),
-    ("stop_token_ids", [300], "SamplingParams.stop_token_ids has token id 300"),
+    ("logit_bias", {"65": 101}, "logit_bias['65']=101.0: allowed: a number in [-100, 100]"),
+    ("logit_bias", {"x": 1}, "logit_bias key='x': allowed: a token id"),
+    ("logit_bias", {"256": 1}, "SamplingParams.logit_bias: token id=256: allowed: a token id "
+                               "of the vocabulary, [0, 256)"),
+    ("stop_token_ids", [300], "SamplingParams.stop_token_ids: token id=300: allowed:"),
+    ("stop", ["a", ""], "stop[1]='': allowed: a string of at least 1 character"),
+    ("stop", ["a"] * 65, "len(stop)=65: allowed: at most 64 stop strings"),
+    ("stop", ["a", "b" * 257], "len(stop[1])=257: allowed: at most 256 characters"),
     ("min_tokens", 9, "SamplingParams.min_tokens=9: allowed: an int in [0, max_tokens = 8]"),
     ("presence_penalty", 2.5, "presence_penalty"),
 ])

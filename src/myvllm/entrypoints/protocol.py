@@ -39,6 +39,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 from myvllm.entrypoints.tool_parsers.tool_choice import named_function_schema, required_schema
 from myvllm.sampling_parameters import (MAX_LOGPROBS, MAX_N, SamplingParams,
                                           StructuredOutputsParams)
+from myvllm.value_checks import refusal
 
 
 class RequestError(Exception):
@@ -167,23 +168,22 @@ class _SamplingRequest(_Strict):
     def _check_stop(self) -> _SamplingRequest:
         stop = self.stop_strings
         if not all(stop):
-            raise ValueError("stop strings must not be empty")
+            raise refusal(f"stop[{stop.index('')}]", "", "a string of at least 1 character")
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+            raise refusal("len(stop)", len(stop), f"at most {MAX_STOP_STRINGS} stop strings")
         if any(len(s) > MAX_STOP_LENGTH for s in stop):
-            raise ValueError(f"a stop string of {max(len(s) for s in stop)} characters; "
-                             f"at most {MAX_STOP_LENGTH} are allowed")
+            longest = max(range(len(stop)), key=lambda i: len(stop[i]))
+            raise refusal(f"len(stop[{longest}])", len(stop[longest]),
+                          f"at most {MAX_STOP_LENGTH} characters")
         return self
 
     @model_validator(mode="after")
     def _check_logit_bias(self) -> _SamplingRequest:
         for key, bias in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"logit_bias keys must be token ids (strings of digits), "
-                                 f"got {key!r}")
+                raise refusal("logit_bias key", key, "a token id (a string of digits)")
             if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} "
-                                 f"for token {key}")
+                raise refusal(f"logit_bias[{key!r}]", bias, "a number in [-100, 100]")
         return self
 
     @property
@@ -273,11 +273,12 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _not_empty(self) -> CompletionRequest:
         if not self.prompt:
-            raise ValueError("the prompt is empty")
+            raise refusal("prompt", self.prompt, "a text or token ids, not empty")
         if self.is_batch:
             empty = [i for i, prompt in enumerate(self.prompts) if not prompt]
             if empty:
-                raise ValueError(f"prompt[{empty[0]}] is empty")
+                raise refusal(f"prompt[{empty[0]}]", self.prompts[empty[0]],
+                              "a text or token ids, not empty")
         return self
 
     @property
@@ -413,7 +414,7 @@ class ChatCompletionRequest(_SamplingRequest, _ChatPrompt):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs and not self.logprobs:
             # OpenAI's and vLLM's rule: top_logprobs alone would be silently ignored.
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise refusal("top_logprobs", self.top_logprobs, "only with logprobs: true")
         return self
 
     @model_validator(mode="after")

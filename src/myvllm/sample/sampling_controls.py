@@ -27,6 +27,7 @@ import torch
 
 from myvllm.engine.sequence import Sequence
 from myvllm.sampling_parameters import SamplingParams
+from myvllm.value_checks import refusal
 from myvllm.sample.extras import extras_of, proposals_of
 from myvllm.layers.logits_processors import BannedTokens, LogitBias, LogitsProcessing, Penalties
 
@@ -41,8 +42,8 @@ def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
                       ("stop_token_ids", params.stop_token_ids or ())):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the "
-                             f"vocabulary [0, {vocab_size}).")
+            raise refusal(f"SamplingParams.{name}: token id", bad[0],
+                          f"a token id of the vocabulary, [0, {vocab_size})")
 
 
 # Which rows leave a decode graph's temperature-only sampling, and a seeded row's generator.
