@@ -367,3 +367,66 @@ def test_lookahead_blocks_are_taken_and_given_back() -> None:
     free_lookahead_blocks(bm, s)  # none accepted: back to the blocks its tokens occupy
     assert len(s.block_table) == 2 and len(bm.free_block_ids) == 6
     check_consistent(bm, s)
+
+
+# ---------------------------------------------------------------- misuse leaves no trace
+def test_a_failed_allocate_changes_nothing() -> None:
+    """allocate without room raises before it takes any block: the ref counts, the free list
+    and the cache stay as they were, with the prefix hits on live blocks (shared) and on
+    freed ones (to be revived) both counted right."""
+    bm = BlockManager(3, 4)
+    a = Sequence(PREFIX, 4)
+    bm.allocate(a)  # blocks 0 and 1, cached; one block free
+    for live in (True, False):
+        if not live:
+            bm.deallocate(a)  # 0 and 1 free but still cached: three free in all
+        b = Sequence(PREFIX + [1, 2, 3, 4, 5], 4)  # two hits, two blocks more: one too many
+        before = ([blk.ref_count for blk in bm.blocks], list(bm.free_block_ids),
+                  dict(bm.hash_to_block_id))
+        assert not bm.can_allocate(b)
+        with pytest.raises(RuntimeError, match="can_allocate"):
+            bm.allocate(b)
+        assert b.block_table == [] and before == (
+            [blk.ref_count for blk in bm.blocks], list(bm.free_block_ids),
+            dict(bm.hash_to_block_id))
+        check_consistent(bm, *([a] if live else []))
+
+
+def test_a_block_released_once_too_often_raises() -> None:
+    """A free block (ref_count 0) cannot be released again: that would put it twice in the
+    free list, and two sequences would get it."""
+    bm = BlockManager(2, 4)
+    a = Sequence([1, 2, 3], 4)
+    bm.allocate(a)
+    block_id = a.block_table[0]
+    bm.deallocate(a)
+    with pytest.raises(RuntimeError):
+        bm.release_block(block_id)
+    assert list(bm.free_block_ids).count(block_id) == 1 and bm.blocks[block_id].ref_count == 0
+
+
+def test_append_refuses_a_sequence_more_than_one_block_short() -> None:
+    """append covers the one token a decode step adds; a sequence two blocks short (tokens
+    added without a step) is an error, not a silent table that is still short."""
+    bm = BlockManager(8, 4)
+    s = Sequence([1, 2, 3, 4], 4)
+    bm.allocate(s)
+    for t in range(5, 10):  # 9 tokens: 3 blocks needed, 1 held
+        s.append_token(t)
+    with pytest.raises(RuntimeError):
+        bm.append(s)
+    assert s.block_table == [0] and len(bm.free_block_ids) == 7
+
+
+def test_one_cached_block_serves_one_position_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two blocks of a prompt with the same tokens and (colliding) hash are two positions:
+    the cached block serves the first only, the second is computed in its own block."""
+    monkeypatch.setattr(block_manager, "compute_hash", lambda token_ids, prefix=-1: 12345)
+    bm = BlockManager(8, 4)
+    a = Sequence([1, 2, 3, 4, 9], 4)
+    bm.allocate(a)  # block 0 holds [1, 2, 3, 4] under the hash 12345
+    b = Sequence([1, 2, 3, 4, 1, 2, 3, 4, 9], 4)
+    bm.allocate(b)
+    assert b.block_table[0] == a.block_table[0] and b.num_cached_tokens == 4
+    assert len(set(b.block_table)) == len(b.block_table)
+    check_consistent(bm, a, b)

@@ -445,6 +445,105 @@ def test_decode_rows_that_nobody_streams_do_not_cap_prompt_chunks() -> None:
     assert [s.num_new_tokens for s in batch] == [1, 1, 1, 8]  # a stream decodes: capped
 
 
+def test_only_a_streamed_decode_row_caps_prompt_chunks() -> None:
+    """StepBudget.for_step caps the prompt chunks of a step while a streamed sequence decodes
+    (one token to go, or none: its token is in flight), not while one is still part-way
+    through its prompt, and only with chunked prefill and a cap."""
+    from myvllm.engine.scheduler import StepBudget
+
+    s = seq(list(range(1, 11)))
+    for computed, capped in ((8, False), (9, True), (10, True)):
+        s.num_computed_tokens = computed
+        budget = StepBudget.for_step(64, 8, True, [s])
+        assert (budget.tokens, budget.prompt, budget.capped) == (64, 8 if capped else 64, capped)
+    assert not StepBudget.for_step(64, 8, False, [s]).capped
+    assert not StepBudget.for_step(64, 0, True, [s]).capped
+    s.streamed = False
+    assert not StepBudget.for_step(64, 8, True, [s]).capped
+
+
+def test_a_prompt_goes_in_chunks_of_the_budget_its_last_one_what_is_left() -> None:
+    """Chunked prefill: a prompt longer than the step's budget takes the whole budget each
+    step, then whatever is left (two tokens here) in one last chunk; only that one samples."""
+    sch = make(enable_chunked_prefill=True, max_num_batched_tokens=8)
+    s = seq(list(range(1, 19)))
+    sch.add_sequence(s)
+    for chunk in (8, 8, 2):
+        batch, is_prefill = sch.schedule()
+        assert is_prefill and batch == [s] and s.num_new_tokens == chunk
+    assert s.num_computed_tokens == len(s) == 18
+    sch.postprocess(batch, [7])
+    assert s.completion_token_ids == [7]
+
+
+def test_a_step_never_computes_more_than_its_token_budget() -> None:
+    """A step computes at most max_num_batched_tokens tokens, decode rows included, also
+    for a decode row behind a prompt in running: a short prompt admitted beside a capped
+    chunk (cut to a whole tile, which leaves room) decodes before the long prompt ahead of
+    it is in; once nothing streamed decodes, that prompt's chunk takes the whole budget and
+    the decode row waits for a later step."""
+    sch = make(num_blocks=128, block_size=16, enable_chunked_prefill=True,
+               max_num_batched_tokens=256, max_prefill_tokens_while_decoding=256,
+               max_model_length=1100)
+    stream = seq([1, 2, 3], block_size=16, max_tokens=2)
+    sch.add_sequence(stream)
+    sch.postprocess(sch.schedule()[0], [7])  # it decodes: prompt chunks are capped
+    long_prompt = seq(list(range(1, 1001)), block_size=16, max_tokens=2)
+    short = seq([5] * 10, block_size=16, max_tokens=3)
+    for s in (long_prompt, short):
+        s.streamed = False
+        sch.add_sequence(s)
+    batch, _ = sch.schedule()
+    assert [(s, s.num_new_tokens) for s in batch] == [(stream, 1), (long_prompt, 128),
+                                                      (short, 10)]
+    sch.postprocess([stream, short], [7, 7])  # stream finishes; short decodes now
+    assert list(sch.running) == [long_prompt, short]
+    while not sch.is_finished():
+        batch, _ = sch.schedule()
+        assert sum(s.num_new_tokens for s in batch) <= 256
+        assert all(s.num_new_tokens >= 1 for s in batch)
+        sampled = [s for s in batch if s.num_computed_tokens == len(s)]
+        sch.postprocess(sampled, [7] * len(sampled))
+    assert short.completion_token_ids == [7, 7, 7] and long_prompt.num_completion_tokens == 2
+
+
+def test_a_sequence_whose_token_in_flight_is_its_last_holds_up_no_other() -> None:
+    """Overlapped scheduling (async_scheduling): the next step is scheduled before the last
+    one's tokens are read back. A sequence whose token in flight is its last (max_tokens)
+    gets no row in it, and the sequences behind it in running still get theirs."""
+    from myvllm.worker.pending_tokens import add_pending_token
+
+    sch = make(enable_chunked_prefill=True)
+    last, more = seq([1, 2, 3], max_tokens=1), seq([4, 5, 6], max_tokens=3)
+    for s in (last, more):
+        sch.add_sequence(s)
+    in_flight, _ = sch.schedule()
+    for s in in_flight:
+        add_pending_token(s)  # as a step left in flight counts its tokens
+    batch, _ = sch.schedule()
+    assert batch == [more] and list(sch.running) == [last, more]
+    sch.postprocess(in_flight, [7, 8])
+    assert last.finish_reason == "length" and list(sch.running) == [more]
+
+
+def test_aborting_the_first_completion_releases_the_others() -> None:
+    """n > 1: the other completions wait for the first one's prompt to be scheduled, to share
+    its blocks; aborted before that, the first completion hands them to waiting, and each
+    is prefilled itself (none waits for a prefill that never comes)."""
+    from myvllm.sample.forks import make_forks
+
+    sch = make()
+    first = seq([1, 2, 3, 4, 5], max_tokens=2, n=2)
+    (other,) = make_forks(first)  # as EngineCore.add_sequence does
+    sch.add_sequence(first)
+    sch.abort(first)
+    assert first.finish_reason == "abort" and list(sch.waiting) == [other]
+    while not sch.is_finished():
+        batch, _ = sch.schedule()
+        sch.postprocess(batch, [9] * len(batch))
+    assert other.completion_token_ids == [9, 9] and other.finish_reason == "length"
+
+
 # ---------------------------------------------------------------- the features' doors
 def test_a_plain_request_runs_no_feature_code(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forks, speculation, a request's own stop tokens: each behind its one check, which a

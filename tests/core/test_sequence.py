@@ -187,3 +187,22 @@ def test_importing_the_sequence_loads_no_feature_module() -> None:
             "bad = [m for m in ('torch', 'msgspec', 'myvllm.sample.extras') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_preempted_sequence_keeps_nothing_of_its_last_run() -> None:
+    """reset_for_recompute (a recompute preemption): the sequence waits again with nothing
+    cached or computed, its next forward a prefill over all its tokens, no speculative
+    proposals left (their K/V is gone with its blocks), and each preemption counted (a draft
+    model's K/V of it is gone too: spec_decode/draft_proposer.py)."""
+    s = Sequence([1, 2, 3, 4, 5], 4, SamplingParams(seed=1))  # a seed: it has extras
+    assert s.extras is not None
+    for preemption in (1, 2):
+        s.status = SequenceStatus.RUNNING
+        s.num_cached_tokens, s.num_computed_tokens = 4, len(s)
+        s.append_token(6 + preemption)
+        s.extras.spec_token_ids = [7, 8]
+        s.reset_for_recompute()
+        assert s.status == SequenceStatus.WAITING and s.needs_prefill
+        assert (s.num_cached_tokens, s.num_computed_tokens) == (0, 0)
+        assert s.extras.spec_token_ids == [] and s.num_preemptions == preemption
+    assert s.token_ids == [1, 2, 3, 4, 5, 7, 8]  # its tokens stay: they are computed again

@@ -191,6 +191,51 @@ def test_prepare_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPa
         llm.scheduler.abort(seq)
 
 
+def test_a_prefill_reads_the_cache_through_block_tables_only_after_a_hit() -> None:
+    """prepare_prefill hands attention block tables exactly when a sequence of the step has
+    context in the cache (a prefix hit here; a chunk after the first alike), else the
+    contiguous path: fresh K/V only. The tables are the block tables, -1 padded, as wide as
+    the longest rounded up to a multiple of 16."""
+    from myvllm.engine.scheduler import Scheduler
+    from myvllm.engine.sequence import Sequence
+    from myvllm.worker.input_builder import InputBuilder
+
+    config = Config(device="cpu", num_kvcache_blocks=64, block_size=1, max_model_length=64,
+                    eos=-1, enable_chunked_prefill=False)
+    scheduler, inputs = Scheduler(config), InputBuilder(config)
+    prompt = list(range(1, 17))  # 16 blocks of one token
+    scheduler.add_sequence(Sequence(prompt, 1, SamplingParams(max_tokens=1)))
+    seqs, _ = scheduler.schedule()
+    assert inputs.prepare_prefill(seqs).context.block_tables is None  # nothing cached yet
+    scheduler.postprocess(seqs, [5])  # finished: its 16 blocks stay cached
+    hit = Sequence(prompt + [30], 1, SamplingParams(max_tokens=1))
+    scheduler.add_sequence(hit)
+    seqs, _ = scheduler.schedule()
+    tables = inputs.prepare_prefill(seqs).context.block_tables
+    assert hit.num_cached_tokens == 16 and tables is not None
+    assert tables.shape == (1, 32) and tables[0, :17].tolist() == hit.block_table
+    assert tables[0, 17:].eq(-1).all()
+
+
+def test_a_padded_decode_step_carries_the_temperatures_on_rank_0_only() -> None:
+    """A padded decode step (a GPU's: it samples inside its CUDA graph) carries each row's
+    temperature, 0 for the padding rows; on a tensor-parallel worker (rank > 0), which
+    samples nothing, all 0. An InputBuilder is rank 0's unless told otherwise."""
+    from myvllm.engine.sequence import Sequence
+    from myvllm.worker.input_builder import InputBuilder
+
+    config = Config(device="cpu", num_kvcache_blocks=16, block_size=4, max_model_length=64,
+                    max_num_sequences=4)
+    seqs = [Sequence([1, 2, 3], 4, SamplingParams(temperature=t)) for t in (0.5, 0.25, 1.5)]
+    for i, s in enumerate(seqs):
+        s.block_table = [i]
+    for builder, want in ((InputBuilder(config), [0.5, 0.25, 1.5, 0.0]),
+                          (InputBuilder(config, rank=1), [0.0] * 4)):
+        pad_steps(builder, chunk_tiles=None)
+        step = builder.prepare_decode(seqs)
+        assert step.temperatures is not None and step.temperatures.tolist() == want
+
+
 def test_add_request_and_step_give_what_generate_gives() -> None:
     llm = LLM(str(tiny_checkpoint("llama")), block_size=4, max_model_length=64,
               max_num_batched_tokens=128)
