@@ -418,6 +418,38 @@ def test_chunks_far_into_a_long_prompt_shrink_beside_decode_rows() -> None:
         assert 1 <= n <= 300 and n <= cost <= 300
 
 
+def test_a_capped_chunk_is_the_most_whole_tiles_that_fit() -> None:
+    """capped_chunk_size's promises, over positions, prompt lengths, budgets and caps: a chunk
+    holds at least one token (no capped step stalls a prompt), at most what the prompt has
+    left and the step's budget; its cost is its true price, n * max(long, start + n) / long,
+    which stays within the cap unless the chunk is one token; and a chunk that is not its
+    prompt's last and holds more than a tile is the most whole tiles that fit both the
+    budget and the cap."""
+    from myvllm.engine.capped_chunks import ATTENTION_BOUND_CONTEXT as long
+    from myvllm.engine.capped_chunks import CHUNK_TILE as tile
+    from myvllm.engine.capped_chunks import capped_chunk_size
+
+    def price(start: int, n: int) -> int:
+        return -(-n * max(long, start + n) // long)
+
+    for start in (0, 1, 127, long - 300, long - 1, long, long + 13, 3913, 6229, 3 * long,
+                  5 * long + 7, 12 * long, 40_000):
+        for remaining in (1, 2, tile - 1, tile, tile + 1, 2 * tile, 257, 1000, 5120, 30_000):
+            for budget in (1, 64, tile, 2 * tile, 1000, 2048, 5120, 16384):
+                for cap in {1, 8, 100, tile, 2 * tile, 768, 2048, 14_662, budget}:
+                    if cap > budget:
+                        continue
+                    n, cost = capped_chunk_size(start, remaining, budget, cap)
+                    where = (start, remaining, budget, cap, n, cost)
+                    assert 1 <= n <= min(remaining, budget), where
+                    assert cost == min(price(start, n), cap), where
+                    assert n == 1 or price(start, n) <= cap, where
+                    if tile < n < remaining:
+                        more = n + tile
+                        assert n % tile == 0, where
+                        assert more > min(remaining, budget) or price(start, more) > cap, where
+
+
 def test_decode_rows_that_nobody_streams_do_not_cap_prompt_chunks() -> None:
     """LLM.generate() hands its outputs back together at the end (Sequence.streamed False):
     beside its decoding sequences a prompt takes the whole budget; one streamed decode row

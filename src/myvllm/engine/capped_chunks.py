@@ -30,9 +30,12 @@ def capped_chunk_size(start: int, remaining: int, budget: int,
     n = min(remaining, budget,
             max(1, prompt_budget * long // max(long, start + prompt_budget)))
     if CHUNK_TILE < n < remaining:
-        tiles = n // CHUNK_TILE + 1  # the formula above can be one tile short
-        while tiles > 1 and (tiles * CHUNK_TILE > min(budget, remaining)
-                             or cost(tiles * CHUNK_TILE) > prompt_budget):
-            tiles -= 1
+        # The formula prices every token at the position the whole cap would reach, so it
+        # comes out short (by dozens of tiles for a cap of 15k tokens): from the whole tiles
+        # it gives, which fit, add tiles while one more fits the budget and the cap.
+        tiles = n // CHUNK_TILE
+        while ((tiles + 1) * CHUNK_TILE <= min(budget, remaining)
+               and cost((tiles + 1) * CHUNK_TILE) <= prompt_budget):
+            tiles += 1
         n = tiles * CHUNK_TILE
     return n, min(cost(n), prompt_budget)
