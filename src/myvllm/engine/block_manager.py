@@ -240,11 +240,13 @@ class BlockManager:
         return len(self.free_block_ids) >= self.num_blocks_to_allocate(seq, num_lookahead)
 
     def append(self, seq: Sequence, num_lookahead: int = 0) -> None:
-        missing = self.num_blocks_to_allocate(seq)
-        if missing > 1:
-            raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short; append() "
+        missing = self.num_blocks_to_allocate(seq, num_lookahead)
+        # 0 or 1 for a plain decode row; more only with a lookahead, so only then is the
+        # one-token rule counted on its own (and a plain row counts its blocks once).
+        if missing > 1 and (short := self.num_blocks_to_allocate(seq)) > 1:
+            raise RuntimeError(f"sequence {seq.seq_id} is {short} blocks short; append() "
                                "covers one new token per step")
-        for _ in range(self.num_blocks_to_allocate(seq, num_lookahead)):
+        for _ in range(missing):
             seq.block_table.append(self._allocate_fresh_block())
         # This step writes the K/V of every position below num_tokens.
         self.register_full_blocks(seq, num_written=seq.num_tokens)

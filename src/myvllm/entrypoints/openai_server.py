@@ -64,8 +64,8 @@ from myvllm.entrypoints.request_log import RequestLogMiddleware, request_log
 from myvllm.entrypoints.request_log import logger as request_logger
 from myvllm.entrypoints.responses import model_card
 from myvllm.entrypoints.safeguards.connection_limits import (check_max_connections,
-                                                  default_max_connections,
-                                                  raise_open_file_limit)
+                                                             default_max_connections,
+                                                             raise_open_file_limit)
 from myvllm.entrypoints.safeguards.log_rate_limit import rate_limit_server_logs
 from myvllm.entrypoints.safeguards.server_limits import DEFAULT_TIMEOUT_REQUEST_BODY_S, ServerLimits
 from myvllm.entrypoints.serving_completion import Generation

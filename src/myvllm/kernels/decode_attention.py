@@ -59,7 +59,6 @@ def tile_rows(bt_row_ptr, kv_base, start, hi, offs_n, stride_cb, stride_cs, PAGE
     return kv_base + blk * stride_cb + (pos % PAGE) * stride_cs, n_mask
 
 
-
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr,

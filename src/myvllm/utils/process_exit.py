@@ -25,10 +25,11 @@ import sys
 from typing import NoReturn
 
 
-def exit_without_finalizing(code: int = 0) -> NoReturn:
-    """End this process with `code` at once: log handlers and stdout/stderr flushed, then
-    os._exit, skipping the interpreter's own exit (the module docstring says why)."""
+def exit_without_finalizing() -> NoReturn:
+    """End this process with exit code 0 at once, its shutdown done: log handlers and
+    stdout/stderr flushed, then os._exit, skipping the interpreter's own exit (the module
+    docstring says why)."""
     logging.shutdown()  # flushes (and closes) every log handler
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(code)
+    os._exit(0)
